@@ -1,0 +1,27 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: install demo test lint clean
+
+$(BIN)/poise-trl: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
+	$(BIN)/pip install --quiet "torch==$(TORCH_VERSION)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(BIN)/poise-trl
+
+install: $(BIN)/poise-trl
+
+demo: install
+	$(BIN)/poise-trl demo
+
+test: install
+	$(BIN)/ruff check poise_trl tests examples
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
