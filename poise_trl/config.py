@@ -1,0 +1,153 @@
+"""`POISEConfig`: `GRPOConfig` plus the probe's fields, with the paper's defaults."""
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+FEATURE_BLOCKS = ("prompt", "reasoning", "entropy", "length")
+
+# (alpha, [prompt PCA dims, reasoning PCA dims]); 0 dims means "no PCA on that block".
+PROBE_PRESETS: dict[str, tuple[float, list[int]]] = {
+    "release": (100.0, [32, 64]),  # holi-lab/POISE release, Qwen3-4B
+    "paper": (0.01, [0, 0]),  # paper §3 / Table 4
+}
+
+
+@dataclass
+class POISEConfig(GRPOConfig):
+    r"""
+    Configuration class for [`POISETrainer`].
+
+    Inherits every parameter of [`~trl.GRPOConfig`] and changes four defaults to the paper's Table 4: two rollouts per
+    prompt (`num_generations=2`), asymmetric clipping (`epsilon_high=0.28`), token-mean aggregation
+    (`loss_type="dapo"`) and unscaled advantages (`scale_rewards="none"`), since POISE's advantage is `r - b` with
+    no std normalisation. `scale_rewards="batch"` divides by the batch reward std (a shared constant, so the
+    gradient stays unbiased); `"group"` is rejected because a per-group std includes the rollout's own reward.
+
+    The `probe_*` fields configure the value probe that predicts each rollout's expected reward from the policy's
+    hidden states; see the README's field table for paper and release values.
+    """
+
+    num_generations: int | None = field(
+        default=2,
+        metadata={"help": "Rollouts per prompt (G). POISE needs only 2; any G >= 2 works and stays unbiased."},
+    )
+    epsilon_high: float | None = field(
+        default=0.28, metadata={"help": "Upper clipping bound of the importance ratio (paper: 0.28)."}
+    )
+    scale_rewards: str = field(
+        default="none",
+        metadata={
+            "help": "'none' (paper): advantage = reward - baseline. 'batch': divide by the batch reward std. "
+            "'group' is not supported by POISE because it would make the advantage depend on the rollout itself.",
+        },
+    )
+    probe_layer: int | None = field(
+        default=None,
+        metadata={
+            "help": "Decoder block whose output feeds the probe (0-based). None: round(0.53 * num_layers), layer 19 "
+            "of 36 for Qwen3-4B as in the paper. Negative values count from the end.",
+        },
+    )
+    probe_pool_tokens: int = field(
+        default=10,
+        metadata={"help": "n: hidden states are averaged over the last n prompt tokens and last n reasoning tokens."},
+    )
+    reasoning_end_marker: str | None = field(
+        default="</think>",
+        metadata={
+            "help": "Text that ends the reasoning span (last occurrence, marker included). None: no markers, the "
+            "whole completion is the reasoning span and the answer span is its last n tokens.",
+        },
+    )
+    probe_features: list[str] = field(
+        default_factory=lambda: ["prompt", "reasoning", "entropy"],
+        metadata={"help": f"Feature blocks fed to the probe, any subset of {list(FEATURE_BLOCKS)}."},
+    )
+    probe_preset: str = field(
+        default="release",
+        metadata={
+            "help": "Probe hyper-parameters: 'release' (PCA prompt->32, reasoning->64, alpha=100) or 'paper' "
+            "(no PCA, alpha=0.01). `probe_alpha` and `probe_pca_dims` override the preset when set.",
+        },
+    )
+    probe_alpha: float | None = field(
+        default=None, metadata={"help": "Ridge regularisation strength. None: taken from `probe_preset`."}
+    )
+    probe_pca_dims: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "PCA components for the [prompt, reasoning] hidden-state blocks; 0 disables PCA on a block. "
+            "None: taken from `probe_preset`.",
+        },
+    )
+    probe_clip_range: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "[low, high] range the probe's predictions are clipped to. None: the range of rewards seen in "
+            "the buffer, which is [0, 1] for binary rewards.",
+        },
+    )
+    probe_buffer_size: int = field(
+        default=4096, metadata={"help": "Sliding buffer of (features, target) examples; the oldest leave first."}
+    )
+    probe_warmup_steps: int = field(
+        default=16,
+        metadata={
+            "help": "Generation steps of RLOO bootstrap (baseline = mean reward of the other rollouts of the same "
+            "prompt) before the probe's predictions are used.",
+        },
+    )
+
+    def __post_init__(self):
+        if self.num_generations is None or self.num_generations < 2:
+            raise ValueError(
+                f"num_generations={self.num_generations}: POISE's cross-rollout baseline needs at least 2 rollouts "
+                "per prompt. Set num_generations=2 (the paper's value) or more."
+            )
+        super().__post_init__()
+        if self.scale_rewards not in ("none", "batch"):
+            raise ValueError(
+                f"scale_rewards={self.scale_rewards!r} is not supported by POISE: a per-group std includes the "
+                "rollout's own reward and biases the gradient. Use 'none' (paper) or 'batch'."
+            )
+        if self.multi_objective_aggregation != "sum_then_normalize":
+            raise ValueError(
+                "POISE needs the raw weighted reward sum as its target: set "
+                "multi_objective_aggregation='sum_then_normalize'."
+            )
+        if self.probe_pool_tokens <= 0:
+            raise ValueError(f"probe_pool_tokens={self.probe_pool_tokens} must be a positive number of tokens.")
+        if self.reasoning_end_marker == "":
+            raise ValueError("reasoning_end_marker='' matches nothing; use None to declare that there is no marker.")
+        unknown = sorted(set(self.probe_features) - set(FEATURE_BLOCKS))
+        if unknown or not self.probe_features or len(set(self.probe_features)) != len(self.probe_features):
+            raise ValueError(
+                f"probe_features={self.probe_features}: give a non-empty subset of {list(FEATURE_BLOCKS)} without "
+                f"repeats (unknown: {unknown})."
+            )
+        self.probe_features = [b for b in FEATURE_BLOCKS if b in self.probe_features]
+        if self.probe_preset not in PROBE_PRESETS:
+            raise ValueError(f"probe_preset={self.probe_preset!r}: choose one of {list(PROBE_PRESETS)}.")
+        preset_alpha, preset_dims = PROBE_PRESETS[self.probe_preset]
+        self.probe_alpha = preset_alpha if self.probe_alpha is None else float(self.probe_alpha)
+        self.probe_pca_dims = list(preset_dims if self.probe_pca_dims is None else self.probe_pca_dims)
+        if self.probe_alpha <= 0:
+            raise ValueError(f"probe_alpha={self.probe_alpha} must be > 0 (ridge needs a positive penalty).")
+        if len(self.probe_pca_dims) != 2 or any(int(k) < 0 for k in self.probe_pca_dims):
+            raise ValueError(
+                f"probe_pca_dims={self.probe_pca_dims}: give two non-negative ints, [prompt dims, reasoning dims]; "
+                "0 disables PCA on a block."
+            )
+        self.probe_pca_dims = [int(k) for k in self.probe_pca_dims]
+        if self.probe_clip_range is not None and (
+            len(self.probe_clip_range) != 2 or not self.probe_clip_range[0] < self.probe_clip_range[1]
+        ):
+            raise ValueError(f"probe_clip_range={self.probe_clip_range}: give [low, high] with low < high, or None.")
+        if self.probe_buffer_size < 2 * self.num_generations:
+            raise ValueError(
+                f"probe_buffer_size={self.probe_buffer_size} must hold at least two groups "
+                f"({2 * self.num_generations} examples)."
+            )
+        if self.probe_warmup_steps < 0:
+            raise ValueError(f"probe_warmup_steps={self.probe_warmup_steps} must be >= 0.")
