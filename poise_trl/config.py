@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-FEATURE_BLOCKS = ("prompt", "reasoning", "entropy", "length")
+from .features import FEATURE_BLOCKS
 
 # (alpha, [prompt PCA dims, reasoning PCA dims]); 0 dims means "no PCA on that block".
 PROBE_PRESETS: dict[str, tuple[float, list[int]]] = {

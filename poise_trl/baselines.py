@@ -1,0 +1,105 @@
+"""Cross-rollout baselines, leave-one-out targets and the paper's App. C diagnostics. Pure torch.
+
+Rollouts come in consecutive groups of G (TRL's layout). Every function here takes an optional `valid` mask:
+an invalid rollout is never used as somebody else's partner, so a NaN never crosses into another row.
+"""
+
+import torch
+
+
+def _mean_of_others(values: torch.Tensor, num_generations: int, valid: torch.Tensor | None) -> torch.Tensor:
+    """For each row, the mean of the valid other rows of its group; NaN where the group has no valid other row."""
+    if num_generations < 2:
+        raise ValueError(f"num_generations={num_generations}: cross-rollout quantities need groups of at least 2.")
+    if values.ndim != 1 or values.numel() % num_generations:
+        raise ValueError(
+            f"Got {values.numel()} rollouts, which do not form whole groups of {num_generations}: the batch must "
+            "hold complete groups (generation batch size divisible by num_generations)."
+        )
+    valid = torch.isfinite(values) if valid is None else valid.bool() & torch.isfinite(values)
+    grouped = torch.where(valid, values, torch.zeros_like(values)).view(-1, num_generations)
+    counts = valid.view(-1, num_generations).to(values.dtype)
+    others_sum = grouped.sum(1, keepdim=True) - grouped
+    others_count = counts.sum(1, keepdim=True) - counts
+    mean = others_sum / others_count.clamp(min=1)
+    return torch.where(others_count > 0, mean, torch.full_like(mean, float("nan"))).view(-1)
+
+
+def cross_rollout_baselines(
+    values: torch.Tensor, num_generations: int, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """b_i = mean over valid j != i in i's group of values_j, e.g. g_f(φ_j): for G=2 the swap b¹=g(φ²), b²=g(φ¹).
+
+    b_i never depends on rollout i, which keeps the policy gradient unbiased (paper §2.2). NaN where no partner.
+    """
+    return _mean_of_others(values, num_generations, valid)
+
+
+def leave_one_out_targets(
+    rewards: torch.Tensor, num_generations: int, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Probe target for φ_i: the mean reward of the other rollouts of the same prompt (partner's reward for G=2).
+
+    It is also the RLOO baseline used during the probe's bootstrap phase. NaN where no scorable partner exists.
+    """
+    return _mean_of_others(rewards, num_generations, valid)
+
+
+def _pearson(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a - a.mean(), b - b.mean()
+    denominator = (a.norm() * b.norm()).item()
+    return float("nan") if denominator == 0 else (a @ b).item() / denominator
+
+
+def baseline_diagnostics(
+    rewards: torch.Tensor,
+    baselines: torch.Tensor,
+    values: torch.Tensor,
+    num_generations: int,
+    valid: torch.Tensor | None = None,
+    unclipped_values: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """Per-step value-estimation diagnostics over the rows that received a baseline.
+
+    Keys: reward_mean, value_mean (mean probe prediction), baseline_mean, mae (|b - r|), group_mae (paper Fig. 4:
+    |mean value - mean reward| per prompt), pearson_r (b vs r), brier_skill (1 - MSE(b, r)/Var(r)),
+    variance_reduction (1 - Var(A)/Var(R)), sign_accuracy (within groups whose rewards differ, the fraction of
+    pairs the values order like the rewards), clip_fraction (predictions the reward-range clip changed).
+    Undefined quantities (e.g. zero variance) are NaN, which TRL's
+    logger drops.
+    """
+    valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()
+    valid = valid & torch.isfinite(rewards) & torch.isfinite(baselines)
+    r, b = rewards[valid].double(), baselines[valid].double()
+    nan = float("nan")
+    out = {"reward_mean": nan, "value_mean": nan, "baseline_mean": nan, "mae": nan, "group_mae": nan}
+    out.update({"pearson_r": nan, "brier_skill": nan, "variance_reduction": nan, "sign_accuracy": nan})
+    out["clip_fraction"] = nan
+    predicted = torch.isfinite(values)
+    if predicted.any():
+        out["value_mean"] = values[predicted].double().mean().item()
+        if unclipped_values is not None:
+            out["clip_fraction"] = (values[predicted] != unclipped_values[predicted]).double().mean().item()
+    if r.numel() == 0:
+        return out
+    advantages = r - b
+    var_r = r.var(unbiased=False).item()
+    out.update(reward_mean=r.mean().item(), baseline_mean=b.mean().item(), mae=advantages.abs().mean().item())
+    out["pearson_r"] = _pearson(b, r) if r.numel() > 1 else nan
+    if var_r > 0:
+        out["brier_skill"] = 1 - advantages.pow(2).mean().item() / var_r
+        out["variance_reduction"] = 1 - advantages.var(unbiased=False).item() / var_r
+
+    grouped_valid = valid.view(-1, num_generations)
+    full = grouped_valid.all(1) & torch.isfinite(values).view(-1, num_generations).all(1)
+    if full.any():
+        group_r = rewards.view(-1, num_generations)[full].double()
+        group_v = values.view(-1, num_generations)[full].double()
+        out["group_mae"] = (group_v.mean(1) - group_r.mean(1)).abs().mean().item()
+        i, j = torch.triu_indices(num_generations, num_generations, offset=1)
+        reward_sign = torch.sign(group_r[:, i] - group_r[:, j])
+        value_sign = torch.sign(group_v[:, i] - group_v[:, j])
+        decided = reward_sign != 0
+        if decided.any():
+            out["sign_accuracy"] = (reward_sign[decided] == value_sign[decided]).double().mean().item()
+    return out

@@ -1,0 +1,237 @@
+"""POISE features φ(x, y) from one teacher-forced pass: pooled hidden states of one layer plus entropy statistics.
+
+Pure torch (no TRL, no transformers): the trainer hands in masks, ids and per-token entropies; this module finds
+the spans, hooks one decoder layer for exactly one scoped pass, and pools as the pass runs so that no (B, T, d)
+activation outlives its layer call.
+"""
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+FEATURE_BLOCKS = ("prompt", "reasoning", "entropy", "length")
+HIDDEN_BLOCKS = ("prompt", "reasoning")
+# Model attributes tried, in order, to find the list of decoder blocks.
+_LAYER_PATHS = ("model.layers", "model.language_model.layers", "transformer.h", "gpt_neox.layers", "layers")
+
+
+def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks of a causal LM, looking through PEFT (`get_base_model`) and `get_decoder()`."""
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    candidates: list[nn.Module] = []
+    if hasattr(model, "get_decoder"):
+        candidates.append(model.get_decoder())
+    candidates.append(model)
+    for root in candidates:
+        if isinstance(getattr(root, "layers", None), nn.ModuleList):
+            return root.layers
+        for path in _LAYER_PATHS:
+            module = root
+            for attr in path.split("."):
+                module = getattr(module, attr, None)
+            if isinstance(module, nn.ModuleList) and len(module) > 0:
+                return module
+    raise ValueError(
+        f"Cannot find the decoder layer list of {type(model).__name__}: tried get_decoder().layers and "
+        f"{', '.join(_LAYER_PATHS)}. POISE hooks one decoder block; pass a causal LM with one of these attributes."
+    )
+
+
+def resolve_layer_index(layer: int | None, num_layers: int) -> int:
+    """None -> round(0.53·L) (layer 19 of 36, the paper's choice); negative values count from the end."""
+    if layer is None:
+        return min(num_layers - 1, round(0.53 * num_layers))
+    index = layer + num_layers if layer < 0 else layer
+    if not 0 <= index < num_layers:
+        raise ValueError(
+            f"probe_layer={layer} is out of range for a model with {num_layers} decoder layers: use an index in "
+            f"[{-num_layers}, {num_layers - 1}], or None for round(0.53 * num_layers)."
+        )
+    return index
+
+
+def find_last_subsequence(ids: torch.Tensor, mask: torch.Tensor, pattern: Sequence[int]) -> torch.Tensor:
+    """Index of the last token of the last occurrence of `pattern` within each row's valid tokens; -1 if none.
+
+    Args:
+        ids: (B, C) token ids.
+        mask: (B, C) 1 for valid tokens.
+        pattern: the marker's token ids.
+    """
+    m = len(pattern)
+    batch, length = ids.shape
+    if m == 0 or m > length:
+        return torch.full((batch,), -1, dtype=torch.long, device=ids.device)
+    target = torch.as_tensor(list(pattern), device=ids.device, dtype=ids.dtype)
+    windows = ids.unfold(1, m, 1)  # (B, C-m+1, m)
+    valid = mask.bool().unfold(1, m, 1).all(-1)
+    hits = (windows == target).all(-1) & valid
+    ends = torch.arange(m - 1, length, device=ids.device).expand(batch, -1)
+    return torch.where(hits, ends, torch.full_like(ends, -1)).amax(dim=1)
+
+
+@dataclass
+class FeatureSpans:
+    """Where each feature comes from, computed from masks before the pass.
+
+    `pool_index`/`pool_weight` are (B, 2, n): positions (in the concatenated prompt+completion sequence) of the last
+    n prompt tokens and the last n reasoning tokens, with weight 0 on slots a short span cannot fill.
+    `reasoning_mask`/`answer_mask` are (B, C) masks over completion tokens for the entropy statistics.
+    """
+
+    pool_index: torch.Tensor
+    pool_weight: torch.Tensor
+    completion_mask: torch.Tensor
+    reasoning_mask: torch.Tensor
+    answer_mask: torch.Tensor
+
+
+def _last_valid(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last 1 in each row (0 for an all-zero row; its count is 0 so it is never used)."""
+    length = mask.size(1)
+    return length - 1 - mask.flip(1).float().argmax(dim=1)
+
+
+def _last_n(end: torch.Tensor, count: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    offsets = torch.arange(n, device=end.device)
+    index = (end.unsqueeze(1) - offsets).clamp(min=0)
+    weight = (offsets.unsqueeze(0) < count.unsqueeze(1)).float()
+    return index, weight
+
+
+def feature_spans(
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    pool_tokens: int,
+    marker_ids: Sequence[int] | None,
+) -> FeatureSpans:
+    """Spans for pooling and entropy statistics (paper §3).
+
+    The reasoning span runs from the first completion token to the last occurrence of the marker, marker included;
+    without a marker it is the whole completion. The answer span is what follows the marker; without a marker it is
+    the last n completion tokens. Spans are contiguous, as TRL's left-padded prompts and right-padded completions are.
+    """
+    prompt_len = prompt_mask.size(1)
+    completion_mask = completion_mask.bool()
+    positions = torch.arange(completion_mask.size(1), device=completion_mask.device).unsqueeze(0)
+    completion_count = completion_mask.sum(1)
+    completion_end = _last_valid(completion_mask)
+
+    marker_end = (
+        find_last_subsequence(completion_ids, completion_mask, marker_ids)
+        if marker_ids
+        else torch.full_like(completion_end, -1)
+    )
+    has_marker = marker_end >= 0
+    reasoning_end = torch.where(has_marker, marker_end, completion_end)
+    reasoning_mask = completion_mask & (positions <= reasoning_end.unsqueeze(1))
+    tail = completion_mask & (positions > (completion_end - pool_tokens).unsqueeze(1))
+    answer_mask = torch.where(has_marker.unsqueeze(1), completion_mask & ~reasoning_mask, tail)
+
+    prompt_index, prompt_weight = _last_n(_last_valid(prompt_mask.bool()), prompt_mask.sum(1), pool_tokens)
+    reasoning_count = torch.where(completion_count > 0, reasoning_end + 1, torch.zeros_like(reasoning_end))
+    reasoning_index, reasoning_weight = _last_n(prompt_len + reasoning_end, reasoning_count, pool_tokens)
+    return FeatureSpans(
+        pool_index=torch.stack([prompt_index, reasoning_index], dim=1),
+        pool_weight=torch.stack([prompt_weight, reasoning_weight], dim=1),
+        completion_mask=completion_mask,
+        reasoning_mask=reasoning_mask,
+        answer_mask=answer_mask,
+    )
+
+
+def pool_hidden(hidden: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Weighted mean of `hidden` (b, T, d) at `index` (b, k, n) -> (b, k, d) in float32; empty spans give 0."""
+    rows = torch.arange(hidden.size(0), device=hidden.device).view(-1, 1, 1)
+    picked = hidden[rows, index.to(hidden.device)].float()  # (b, k, n, d): only n tokens per span are touched
+    weight = weight.to(picked.device)
+    return (picked * weight.unsqueeze(-1)).sum(2) / weight.sum(2, keepdim=True).clamp(min=1.0)
+
+
+class PooledCapture:
+    """Receives the hooked layer's output chunk by chunk and keeps only the pooled (B, 2, d) states."""
+
+    def __init__(self, spans: FeatureSpans):
+        self.spans = spans
+        self.chunks: list[torch.Tensor] = []
+        self.rows_seen = 0
+        self.calls = 0
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor | tuple) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output
+        rows = slice(self.rows_seen, self.rows_seen + hidden.size(0))
+        self.chunks.append(pool_hidden(hidden.detach(), self.spans.pool_index[rows], self.spans.pool_weight[rows]))
+        self.rows_seen = rows.stop
+        self.calls += 1
+
+    def pooled(self) -> torch.Tensor:
+        """(B, 2, d): [last-n prompt mean, last-n reasoning mean] per row."""
+        expected = self.spans.pool_index.size(0)
+        if self.rows_seen != expected:
+            raise RuntimeError(
+                f"The hooked layer saw {self.rows_seen} rows in {self.calls} calls, expected {expected}: the capture "
+                "must wrap exactly one teacher-forced pass over the batch."
+            )
+        return torch.cat(self.chunks, dim=0)
+
+
+@contextmanager
+def capture_layer(layer: nn.Module, spans: FeatureSpans) -> Iterator[PooledCapture]:
+    """Hook `layer` for the passes inside the `with` block only; the hook is removed in `finally`."""
+    capture = PooledCapture(spans)
+    handle = layer.register_forward_hook(capture)
+    try:
+        yield capture
+    finally:
+        handle.remove()
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.to(values.dtype)
+    return (values * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+
+
+def entropy_statistics(entropies: torch.Tensor, spans: FeatureSpans) -> torch.Tensor:
+    """(B, 3): mean token entropy over the whole completion, the reasoning span and the answer span."""
+    entropies = entropies.float().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.stack(
+        [
+            _masked_mean(entropies, spans.completion_mask),
+            _masked_mean(entropies, spans.reasoning_mask),
+            _masked_mean(entropies, spans.answer_mask),
+        ],
+        dim=1,
+    )
+
+
+def block_sizes(blocks: Sequence[str], hidden_size: int) -> dict[str, int]:
+    """Width of each feature block, in FEATURE_BLOCKS order: d, d, 3, 1."""
+    widths = {"prompt": hidden_size, "reasoning": hidden_size, "entropy": 3, "length": 1}
+    return {b: widths[b] for b in FEATURE_BLOCKS if b in blocks}
+
+
+def block_slices(blocks: Sequence[str], hidden_size: int) -> dict[str, tuple[int, int]]:
+    """Column range [start, stop) of each block in the assembled feature vector."""
+    slices, start = {}, 0
+    for name, width in block_sizes(blocks, hidden_size).items():
+        slices[name] = (start, start + width)
+        start += width
+    return slices
+
+
+def assemble_features(
+    blocks: Sequence[str], pooled: torch.Tensor, entropies: torch.Tensor, spans: FeatureSpans
+) -> torch.Tensor:
+    """φ = [prompt mean | reasoning mean | 3 entropy stats | length], keeping only the requested blocks."""
+    parts = {
+        "prompt": lambda: pooled[:, 0],
+        "reasoning": lambda: pooled[:, 1],
+        "entropy": lambda: entropy_statistics(entropies, spans).to(pooled.device),
+        "length": lambda: spans.completion_mask.sum(1, keepdim=True).float().to(pooled.device),
+    }
+    return torch.cat([parts[b]() for b in FEATURE_BLOCKS if b in blocks], dim=1)
