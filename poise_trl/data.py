@@ -158,9 +158,9 @@ def load_math_dataset(
 ) -> Dataset:
     """Load a registered benchmark, any Hub dataset id, or a local `.jsonl`/`.json`/`.parquet` file.
 
-    Registry keys (`BENCHMARKS`, case-insensitive) bring their own split, config and columns. Other sources use
-    `split` (default "train") and detect the columns from `PROBLEM_COLUMNS`/`ANSWER_COLUMNS` unless given.
-    `limit` keeps the first rows only, for smoke runs.
+    Registry keys (`BENCHMARKS`, case-insensitive) bring their own split, config and columns. Other Hub ids use
+    `split` (default "train"); local files are read whole. Both detect the columns from `PROBLEM_COLUMNS` and
+    `ANSWER_COLUMNS` unless given. `limit` keeps the first rows only, for smoke runs.
     """
     spec = next((s for key, s in BENCHMARKS.items() if key.lower() == name_or_path.lower()), None)
     path = Path(name_or_path)

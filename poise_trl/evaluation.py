@@ -54,7 +54,7 @@ def hf_sampler(
     top_p: float,
     max_new_tokens: int,
     device: str | None = None,
-    batch_size: int = 8,
+    batch_size: int = 1,
 ) -> Sampler:
     """Sample with transformers: `batch_size` prompts per `generate` call, each expanded to k sequences."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -151,26 +151,32 @@ def evaluate(
     reward_fn: Callable[..., list[float | None]] = math_answer_reward,
     backend: str = "auto",
     device: str | None = None,
-    batch_size: int = 8,
+    batch_size: int = 1,
     seed: int = 0,
     limit: int | None = None,
 ) -> dict[str, Any]:
     """avg@k of a model on each benchmark (registry name, Hub id, local file, or `NAME=PATH`) and their mean.
 
     The defaults are the paper's protocol. `limit` keeps the first problems of each benchmark (smoke runs);
-    `batch_size` (prompts per `generate` call) and `device` apply to the HF backend only.
+    `batch_size` (prompts per `generate` call, each expanded to k sequences: 32 x 8k-token caches for one prompt
+    already fill tens of GB on a 4B model) and `device` apply to the HF backend only.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
     backend = resolve_backend(backend)
     sources = [resolve_benchmark(b) for b in benchmarks]
+    names = [name for name, _ in sources]
+    if len(set(names)) != len(names):
+        raise ValueError(f"benchmark names must be unique, got {names}; name a file with NAME=PATH")
     datasets = {name: load_math_dataset(source, limit=limit) for name, source in sources}
     torch.manual_seed(seed)
     if backend == "vllm":
         sampler = vllm_sampler(model_name_or_path, k, temperature, top_p, max_new_tokens, seed)
     else:
         sampler = hf_sampler(model_name_or_path, k, temperature, top_p, max_new_tokens, device, batch_size)
-    results = {name: score_benchmark(sampler, dataset, k, reward_fn) for name, dataset in datasets.items()}
+    results = {
+        name: {"source": source, **score_benchmark(sampler, datasets[name], k, reward_fn)} for name, source in sources
+    }
     return {
         "model": model_name_or_path,
         "backend": backend,
@@ -179,6 +185,7 @@ def evaluate(
         "top_p": top_p,
         "max_new_tokens": max_new_tokens,
         "seed": seed,
+        "limit": limit,
         "benchmarks": results,
         "mean": sum(r["avg_at_k"] for r in results.values()) / len(results),
     }
@@ -242,7 +249,7 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=8192)
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: vLLM if installed, else HF")
     parser.add_argument("--device", default=None, help="HF backend only; default: cuda if available, else cpu")
-    parser.add_argument("--batch-size", type=int, default=8, help="HF backend only: prompts per generate call")
+    parser.add_argument("--batch-size", type=int, default=1, help="HF backend only: prompts per generate call")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark (smoke runs)")
     parser.add_argument("--output", default="eval_results.json", help="where to write the JSON results")
