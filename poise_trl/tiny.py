@@ -3,10 +3,10 @@
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>", "</think>"]
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>", "</think>"]  # fixed ids 0-3
 DEFAULT_ALPHABET = "0123456789+-*=?:;,.()[]<>/ abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n"
 # The chat template renders a conversation as plain text, so conversational and standard datasets both work.
 CHAT_TEMPLATE = (
@@ -26,7 +26,8 @@ def build_tiny_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenize
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
     )
-    tokenizer.add_special_tokens({"additional_special_tokens": ["</think>"]})
+    # Not special, as in Qwen3: TRL decodes completions with skip_special_tokens=True, and rewards must see it.
+    tokenizer.add_tokens([AddedToken("</think>", special=False)])
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
