@@ -101,7 +101,11 @@ def test_assemble_features_order_and_width():
     features = assemble_features(["length", "prompt", "entropy"], pooled, torch.ones(1, 3), spans)
     assert features.shape == (1, 4 + 3 + 1)
     assert features[0, :4].tolist() == [0, 1, 2, 3] and features[0, -1] == 3
-    assert block_slices(["prompt", "reasoning", "entropy"], 4) == {"prompt": (0, 4), "reasoning": (4, 8), "entropy": (8, 11)}
+    assert block_slices(["prompt", "reasoning", "entropy"], 4) == {
+        "prompt": (0, 4),
+        "reasoning": (4, 8),
+        "entropy": (8, 11),
+    }
 
 
 @pytest.mark.parametrize(("layer", "expected"), [(None, 19), (0, 0), (-1, 35), (35, 35), (-36, 0)])

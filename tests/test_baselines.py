@@ -1,0 +1,60 @@
+"""Cross-rollout baselines, leave-one-out targets and diagnostics, by hand."""
+
+import math
+
+import pytest
+import torch
+
+from poise_trl.baselines import baseline_diagnostics, cross_rollout_baselines, leave_one_out_targets
+
+
+def test_g2_is_the_swap():
+    values = torch.tensor([0.1, 0.7, 0.4, 0.2])
+    assert cross_rollout_baselines(values, 2).tolist() == pytest.approx([0.7, 0.1, 0.2, 0.4])
+
+
+def test_g3_mean_of_others_and_invalid_partners_are_skipped():
+    values = torch.tensor([1.0, 2.0, 6.0, 3.0, float("nan"), 5.0])
+    valid = torch.tensor([True, True, True, True, True, False])
+    out = cross_rollout_baselines(values, 3, valid)
+    assert out[:3].tolist() == pytest.approx([4.0, 3.5, 1.5])
+    # Row 3's partners are NaN and invalid: no baseline. Rows 4 and 5 only have row 3.
+    assert math.isnan(out[3]) and out[4:].tolist() == [3.0, 3.0]
+
+
+def test_leave_one_out_targets_never_use_own_reward():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    targets = leave_one_out_targets(rewards, 4)
+    assert targets.tolist() == pytest.approx([0.0, 1 / 3, 1 / 3, 1 / 3, 2 / 3, 2 / 3, 1.0, 2 / 3])
+    perturbed = rewards.clone()
+    perturbed[0] = 100.0
+    assert leave_one_out_targets(perturbed, 4)[0] == targets[0]
+
+
+def test_partial_groups_are_rejected():
+    with pytest.raises(ValueError, match="whole groups of 2"):
+        cross_rollout_baselines(torch.ones(5), 2)
+    with pytest.raises(ValueError, match="at least 2"):
+        leave_one_out_targets(torch.ones(4), 1)
+
+
+def test_diagnostics_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    values = torch.tensor([0.8, 0.4, 0.5, 0.5])
+    baselines = cross_rollout_baselines(values, 2)  # [0.4, 0.8, 0.5, 0.5]
+    d = baseline_diagnostics(rewards, baselines, values, 2, unclipped_values=torch.tensor([0.8, 0.4, 0.5, 0.7]))
+    advantages = rewards - baselines  # [0.6, -0.8, 0.5, 0.5]
+    var_r = rewards.var(unbiased=False)
+    assert d["mae"] == pytest.approx(advantages.abs().mean().item())
+    assert d["value_mean"] == pytest.approx(0.55)
+    assert d["variance_reduction"] == pytest.approx(1 - (advantages.var(unbiased=False) / var_r).item())
+    assert d["brier_skill"] == pytest.approx(1 - (advantages.pow(2).mean() / var_r).item())
+    assert d["group_mae"] == pytest.approx((abs(0.6 - 0.5) + abs(0.5 - 1.0)) / 2)
+    assert d["sign_accuracy"] == 1.0  # only group 0 is decided, and 0.8 > 0.4 like 1 > 0
+    assert d["clip_fraction"] == 0.25
+    assert d["pearson_r"] == pytest.approx(torch.corrcoef(torch.stack([baselines, rewards]))[0, 1].item(), abs=1e-6)
+
+
+def test_diagnostics_with_constant_rewards_are_nan_not_errors():
+    d = baseline_diagnostics(torch.ones(4), torch.full((4,), 0.5), torch.full((4,), 0.5), 2)
+    assert d["mae"] == 0.5 and math.isnan(d["variance_reduction"]) and math.isnan(d["pearson_r"])

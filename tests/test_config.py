@@ -1,0 +1,50 @@
+"""POISEConfig defaults, presets and early, actionable errors."""
+
+import pytest
+
+from poise_trl import POISEConfig
+
+from .conftest import CPU_ARGS
+
+
+def _config(**kwargs) -> POISEConfig:
+    return POISEConfig(output_dir="unused", per_device_train_batch_size=4, **{**CPU_ARGS, **kwargs})
+
+
+def test_paper_defaults():
+    c = _config()
+    assert (c.num_generations, c.epsilon, c.epsilon_high, c.beta, c.loss_type) == (2, 0.2, 0.28, 0.0, "dapo")
+    assert c.scale_rewards == "none" and c.probe_pool_tokens == 10 and c.probe_layer is None
+    assert c.probe_features == ["prompt", "reasoning", "entropy"] and c.reasoning_end_marker == "</think>"
+    assert (c.probe_alpha, c.probe_pca_dims, c.probe_buffer_size, c.probe_warmup_steps) == (100.0, [32, 64], 4096, 16)
+
+
+def test_paper_preset_and_explicit_overrides():
+    assert (_config(probe_preset="paper").probe_alpha, _config(probe_preset="paper").probe_pca_dims) == (0.01, [0, 0])
+    c = _config(probe_preset="paper", probe_alpha=3.0, probe_pca_dims=[8, 0])
+    assert (c.probe_alpha, c.probe_pca_dims) == (3.0, [8, 0])
+    assert _config(probe_features=["entropy", "prompt"]).probe_features == ["prompt", "entropy"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(num_generations=1), "at least 2 rollouts"),
+        (dict(num_generations=3), "divisible by num_generations"),
+        (dict(scale_rewards="group"), "not supported by POISE"),
+        (dict(probe_pool_tokens=0), "positive number"),
+        (dict(probe_features=["prompt", "logits"]), "unknown: \\['logits'\\]"),
+        (dict(probe_features=[]), "non-empty subset"),
+        (dict(probe_preset="fast"), "choose one of"),
+        (dict(probe_alpha=-1.0), "must be > 0"),
+        (dict(probe_pca_dims=[32]), "two non-negative ints"),
+        (dict(probe_clip_range=[1.0, 0.0]), "low < high"),
+        (dict(probe_buffer_size=3), "at least two groups"),
+        (dict(probe_warmup_steps=-1), ">= 0"),
+        (dict(reasoning_end_marker=""), "use None"),
+        (dict(multi_objective_aggregation="normalize_then_sum"), "sum_then_normalize"),
+    ],
+)
+def test_bad_values_raise_with_what_to_change(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _config(**kwargs)
