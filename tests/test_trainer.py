@@ -1,0 +1,237 @@
+"""POISETrainer end to end on the tiny model: advantages, forward passes, PEFT, eval, checkpoints, model card."""
+
+import copy
+import json
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM
+from trl import GRPOConfig, GRPOTrainer
+
+from poise_trl import POISEConfig, POISETrainer
+from poise_trl.trainer import PROBE_FILE
+
+from .conftest import CPU_ARGS
+
+MARKER_ID = 3  # `</think>` in the tiny tokenizer
+
+
+def _dataset(n: int = 64) -> Dataset:
+    return Dataset.from_list([{"prompt": f"{i % 10}{(3 * i) % 10}+{i % 7}"} for i in range(n)])
+
+
+def digit_reward(completions: list[str], **kwargs) -> list[float]:
+    """A dense, deterministic reward so advantages are rarely zero on an untrained model."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def _args(tmp_path, **kwargs) -> POISEConfig:
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        max_steps=4,
+        max_completion_length=6,
+        learning_rate=1e-3,
+        logging_steps=1,
+        probe_warmup_steps=1,
+        probe_preset="paper",
+        seed=0,
+    )
+    return POISEConfig(**{**CPU_ARGS, **base, **kwargs})
+
+
+class RecordingTrainer(POISETrainer):
+    """Records, at every scoring step, what an independent recomputation needs: the probe as it was, the batch, the
+    rewards, and hidden states from a plain `output_hidden_states=True` pass of the same (not yet updated) model."""
+
+    records: list[dict]
+
+    def _generate_and_score_completions(self, inputs):
+        probe = copy.deepcopy(self.value_probe)
+        trusted = probe.is_fitted and self.probe_steps >= self.args.probe_warmup_steps
+        output = super()._generate_and_score_completions(inputs)
+        ids = torch.cat([output["prompt_ids"], output["completion_ids"]], 1)
+        mask = torch.cat([output["prompt_mask"], output["completion_mask"]], 1)
+        with torch.no_grad():
+            out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        self.records.append(
+            dict(
+                probe=probe,
+                trusted=trusted,
+                output={k: v.clone() for k, v in output.items() if isinstance(v, torch.Tensor)},
+                rewards=(self._gathered_rewards * self.reward_weights).nansum(1).clone(),
+                hidden=out.hidden_states[self.probe_layer + 1],
+                logits=out.logits,
+            )
+        )
+        return output
+
+
+def _independent_features(record: dict, n: int) -> torch.Tensor:
+    """φ recomputed row by row on unpadded tokens, without any of poise_trl.features."""
+    out, hidden, logits = record["output"], record["hidden"], record["logits"]
+    p_len = out["prompt_ids"].size(1)
+    rows = []
+    for i in range(hidden.size(0)):
+        p_count = int(out["prompt_mask"][i].sum())
+        completion = out["completion_ids"][i][out["completion_mask"][i].bool()].tolist()
+        markers = [j for j, tok in enumerate(completion) if tok == MARKER_ID]
+        reasoning_len = markers[-1] + 1 if markers else len(completion)
+        h_prompt = hidden[i, p_len - p_count : p_len]
+        h_reasoning = hidden[i, p_len : p_len + reasoning_len]
+        log_p = torch.log_softmax(logits[i, p_len - 1 : p_len - 1 + len(completion)].float(), -1)
+        entropy = -(log_p.exp() * log_p).sum(-1)
+        answer = entropy[reasoning_len:] if markers else entropy[-n:]
+        stats = [entropy.mean(), entropy[:reasoning_len].mean(), answer.mean() if len(answer) else torch.tensor(0.0)]
+        rows.append(torch.cat([h_prompt[-n:].mean(0), h_reasoning[-n:].mean(0), torch.stack(stats)]))
+    return torch.stack(rows)
+
+
+def test_train_changes_every_parameter_and_advantages_use_the_partner(tiny_model_path, tmp_path):
+    args = _args(tmp_path, max_steps=5, probe_pool_tokens=3)
+    trainer = RecordingTrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
+    trainer.records = []
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    changed = {n: not torch.equal(before[n], p) for n, p in trainer.model.named_parameters()}
+    assert all(changed.values()), [n for n, c in changed.items() if not c]
+
+    trusted = [r for r in trainer.records if r["trusted"]]
+    assert len(trusted) >= 3 and not trainer.records[0]["trusted"]
+    for record in trusted:
+        features = _independent_features(record, n=3)
+        values = record["probe"].predict(features)
+        baselines = values.view(-1, 2).flip(1).reshape(-1)  # b1 = g(phi2), b2 = g(phi1)
+        expected = record["rewards"] - baselines
+        torch.testing.assert_close(record["output"]["advantages"], expected, atol=2e-4, rtol=1e-4)
+    for record in trainer.records[:1]:  # bootstrap: the partner's reward (RLOO for G=2)
+        rewards = record["rewards"]
+        torch.testing.assert_close(record["output"]["advantages"], rewards - rewards.view(-1, 2).flip(1).reshape(-1))
+
+    logged = [h for h in trainer.state.log_history if "poise/mae" in h]
+    assert len(logged) == 5
+    for key in ("poise/value_mean", "poise/variance_reduction", "poise/pearson_r", "poise/buffer_size"):
+        assert any(h.get(key) is not None for h in logged), key
+    assert [h["poise/bootstrap"] for h in logged] == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert logged[-1]["poise/buffer_size"] == 5 * 8
+    assert list(trainer._logs["advantages"]) == pytest.approx(trainer.records[-1]["output"]["advantages"].tolist())
+    assert len(trainer._logs["extra"]["baseline"]) == 8
+
+
+def _count_scoring_passes(model) -> list[int]:
+    """Count no-grad teacher-forced calls (TRL's log-prob passes pass `labels`), not generation steps."""
+    calls = [0]
+
+    def hook(module, args, kwargs):
+        if "labels" in kwargs and not torch.is_grad_enabled():
+            calls[0] += 1
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return calls
+
+
+@pytest.mark.parametrize(("num_iterations", "extra_passes"), [(1, 1), (2, 0)])
+def test_forward_pass_count(tiny_model_path, tmp_path, num_iterations, extra_passes):
+    steps = 4
+    common = dict(max_steps=steps, num_iterations=num_iterations)
+    counts = {}
+    for name, trainer_cls, config_cls in [("grpo", GRPOTrainer, GRPOConfig), ("poise", POISETrainer, POISEConfig)]:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+        calls = _count_scoring_passes(model)
+        kwargs = _args(tmp_path, **common).to_dict() if config_cls is POISEConfig else None
+        args = (
+            _args(tmp_path, **common)
+            if kwargs
+            else GRPOConfig(
+                **{
+                    **CPU_ARGS,
+                    "output_dir": str(tmp_path / "g"),
+                    "per_device_train_batch_size": 8,
+                    "max_steps": steps,
+                    "max_completion_length": 6,
+                    "num_generations": 2,
+                    "num_iterations": num_iterations,
+                }
+            )
+        )
+        trainer = trainer_cls(model, digit_reward, args=args, train_dataset=_dataset())
+        trainer.train()
+        counts[name] = calls[0]
+        if name == "poise":
+            generations = steps // num_iterations
+            assert trainer.feature_passes == generations * extra_passes
+    assert counts["poise"] - counts["grpo"] == (steps // num_iterations) * extra_passes
+
+
+def test_peft_keeps_base_frozen_and_trains_lora(tiny_model_path, tmp_path):
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = POISETrainer(
+        str(tiny_model_path), digit_reward, args=_args(tmp_path), train_dataset=_dataset(), peft_config=peft_config
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    for name, param in trainer.model.named_parameters():
+        if "lora" in name:
+            assert not torch.equal(before[name], param), name
+        else:
+            assert torch.equal(before[name], param), name
+    assert len(trainer.probe_buffer) > 0
+
+
+def test_eval_does_not_touch_the_buffer(tiny_model_path, tmp_path):
+    args = _args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
+    trainer = POISETrainer(
+        str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset(), eval_dataset=_dataset(8)
+    )
+    trainer.train()
+    buffer, steps = trainer.probe_buffer.targets.clone(), trainer.probe_steps
+    metrics = trainer.evaluate()
+    assert torch.equal(trainer.probe_buffer.targets, buffer) and trainer.probe_steps == steps
+    assert "eval_poise/mae" in metrics
+
+
+def test_resume_restores_probe_buffer_and_next_baselines_bit_for_bit(tiny_model_path, tmp_path):
+    args = _args(tmp_path, max_steps=4, save_strategy="steps", save_steps=3)
+    uninterrupted = RecordingTrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
+    uninterrupted.records = []
+    uninterrupted.train()
+    checkpoint = tmp_path / "out" / "checkpoint-3"
+    info = json.loads((checkpoint / (PROBE_FILE + ".json")).read_text())
+    assert info["feature_config"]["probe_layer"] == uninterrupted.probe_layer == 2 and info["probe_steps"] == 3
+
+    resumed = RecordingTrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
+    resumed.records = []
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert len(resumed.records) == 1  # only step 4 ran
+    before, after = uninterrupted.records[3], resumed.records[0]
+    assert before["probe"].state_dict().keys() == after["probe"].state_dict().keys()
+    for key, tensor in before["probe"].state_dict().items():
+        assert torch.equal(tensor, after["probe"].state_dict()[key]), key
+    assert torch.equal(before["output"]["advantages"], after["output"]["advantages"])
+    assert torch.equal(resumed.probe_buffer.features, uninterrupted.probe_buffer.features)
+    assert resumed.probe_steps == uninterrupted.probe_steps == 4
+
+    changed = POISETrainer(
+        str(tiny_model_path), digit_reward, args=_args(tmp_path, max_steps=4, probe_layer=1), train_dataset=_dataset()
+    )
+    with pytest.raises(ValueError, match="fitted on features"):
+        changed.train(resume_from_checkpoint=str(checkpoint))
+
+
+def test_model_card_and_bad_inputs(tiny_model_path, tmp_path):
+    trainer = POISETrainer(str(tiny_model_path), digit_reward, args=_args(tmp_path), train_dataset=_dataset())
+    trainer.create_model_card(model_name="tiny-poise")
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "POISE" in card and "2605.07579" in card
+    assert trainer._tag_names == ["trl", "poise"]
+    with pytest.raises(ValueError, match=r"\[-4, 3\]"):
+        POISETrainer(str(tiny_model_path), digit_reward, args=_args(tmp_path, probe_layer=4), train_dataset=_dataset())
+    with pytest.raises(ValueError, match="only 128 columns"):
+        POISETrainer(
+            str(tiny_model_path), digit_reward, args=_args(tmp_path, probe_pca_dims=[200, 0]), train_dataset=_dataset()
+        )
+    grpo_args = GRPOConfig(output_dir=str(tmp_path), **CPU_ARGS, num_generations=2, per_device_train_batch_size=2)
+    with pytest.raises(TypeError, match="needs a POISEConfig"):
+        POISETrainer(str(tiny_model_path), digit_reward, args=grpo_args, train_dataset=_dataset())
