@@ -1,0 +1,70 @@
+"""Run POISE on a deterministic rollout with 1 or 2 CPU processes and dump what each rank saw (launched by tests)."""
+
+import json
+import sys
+
+import torch
+from datasets import Dataset
+
+from poise_trl import POISEConfig, POISETrainer
+
+MODEL, OUT, PER_DEVICE = sys.argv[1], sys.argv[2], int(sys.argv[3])
+G = 2
+
+
+def rollout(prompts: list, trainer: POISETrainer) -> dict:
+    """Completions that depend only on (prompt, rollout index in its group), so any process layout sees the same
+    global batch. The global row index gives the rollout index because a group's rows are consecutive."""
+    tokenizer = trainer.processing_class
+    offset = trainer.accelerator.process_index * len(prompts)
+    prompt_ids, completion_ids = [], []
+    for i, prompt in enumerate(prompts):
+        k = (offset + i) % G
+        prompt_ids.append(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        text = prompt[::-1][: 2 + k] + ("</think>" if k == 0 else "") + str(len(prompt) + k)
+        completion_ids.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+
+def reward(completions: list[str], **kwargs) -> list[float]:
+    return [sum(ch.isdigit() for ch in c) / len(c) for c in completions]
+
+
+class Recording(POISETrainer):
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        n = len(inputs) * self.accelerator.num_processes
+        self.steps.append(
+            {
+                "advantages": output["advantages"].tolist(),
+                "baselines": list(self._logs["extra"]["baseline"])[-n:],
+                "probe": {k: v.flatten().tolist() for k, v in self.value_probe.state_dict().items()},
+            }
+        )
+        return output
+
+
+args = POISEConfig(
+    output_dir=OUT,
+    per_device_train_batch_size=PER_DEVICE,
+    max_steps=3,
+    learning_rate=1e-3,
+    probe_warmup_steps=1,
+    probe_preset="paper",
+    probe_pool_tokens=3,
+    use_cpu=True,
+    bf16=False,
+    gradient_checkpointing=False,
+    report_to="none",
+    save_strategy="no",
+    disable_tqdm=True,
+    seed=0,
+)
+dataset = Dataset.from_list([{"prompt": f"{i}+{(7 * i) % 13}"} for i in range(24)])
+trainer = Recording(MODEL, reward, args=args, train_dataset=dataset, rollout_func=rollout)
+trainer.steps = []
+trainer.train()
+rank = trainer.accelerator.process_index
+with open(f"{OUT}/rank{rank}.json", "w") as f:
+    json.dump({"world": trainer.accelerator.num_processes, "steps": trainer.steps}, f)
+torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
