@@ -235,3 +235,40 @@ def test_model_card_and_bad_inputs(tiny_model_path, tmp_path):
     grpo_args = GRPOConfig(output_dir=str(tmp_path), **CPU_ARGS, num_generations=2, per_device_train_batch_size=2)
     with pytest.raises(TypeError, match="needs a POISEConfig"):
         POISETrainer(str(tiny_model_path), digit_reward, args=grpo_args, train_dataset=_dataset())
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(num_iterations=2, beta=0.04, gradient_checkpointing=True),
+        dict(num_iterations=1, beta=0.04, gradient_checkpointing=True),
+    ],
+)
+def test_hooks_capture_one_policy_pass_and_never_leak(tiny_model_path, tmp_path, monkeypatch, extra):
+    """With PEFT and beta > 0 the reference pass runs the same modules (adapters disabled); generation does too.
+    Only the one policy pass per step may be captured, and no hook may survive `train()`."""
+    from poise_trl import features
+
+    rows_captured = []
+    original = features.PooledCapture.__call__
+
+    def counting(self, module, args, output):
+        rows_captured.append((output[0] if isinstance(output, tuple) else output).size(0))
+        return original(self, module, args, output)
+
+    monkeypatch.setattr(features.PooledCapture, "__call__", counting)
+    peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    args = _args(tmp_path, max_steps=4, **extra)
+    trainer = POISETrainer(
+        str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset(), peft_config=peft_config
+    )
+    trainer.train()
+    generations = 4 // args.num_iterations
+    assert sum(rows_captured) == generations * 8  # one pass over each step's 8 rollouts, nothing else
+    leftover = [
+        name
+        for name, module in trainer.model.named_modules()
+        if any(isinstance(h, features.PooledCapture) for h in module._forward_hooks.values())
+    ]
+    assert leftover == []
+    assert trainer.feature_passes == (generations if args.num_iterations == 1 else 0)
