@@ -99,6 +99,15 @@ class POISEConfig(GRPOConfig):
         },
     )
 
+    probe_init_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "Probe file written by `POISETrainer.save_probe` to warm-start from. Its layer, pooling, features "
+            "and hidden size must match this run. The RLOO bootstrap is skipped; a file saved without its buffer "
+            "is kept unrefitted until `probe_warmup_steps` steps of new examples are buffered.",
+        },
+    )
+
     def __post_init__(self):
         if self.num_generations is None or self.num_generations < 2:
             raise ValueError(

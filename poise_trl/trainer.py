@@ -110,6 +110,13 @@ class POISETrainer(GRPOTrainer):
         self.value_probe = ValueProbe(alpha=args.probe_alpha, pca_dims=pca_blocks, clip=clip)
         self.probe_buffer = ProbeBuffer(args.probe_buffer_size)
         self.probe_steps = 0  # generation steps whose examples have entered the buffer
+        self.warm_started = args.probe_init_path is not None
+        self._refit_from_step = 0
+        if self.warm_started:
+            self._load_probe(args.probe_init_path)
+            self.probe_steps = 0
+            if len(self.probe_buffer) == 0:  # a few new examples must not overwrite the loaded fit
+                self._refit_from_step = args.probe_warmup_steps
         self.feature_passes = 0  # teacher-forced passes POISE ran itself (0 when TRL's own pass is reused)
         self._capture_armed = False
         self._captured: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -187,7 +194,9 @@ class POISETrainer(GRPOTrainer):
         rewards[torch.isnan(rewards_per_func).all(1) | ~torch.isfinite(rewards)] = torch.nan
         scorable = torch.isfinite(rewards)
 
-        bootstrap = not self.value_probe.is_fitted or self.probe_steps < self.args.probe_warmup_steps
+        bootstrap = not self.value_probe.is_fitted or (
+            self.probe_steps < self.args.probe_warmup_steps and not self.warm_started
+        )
         values = unclipped = torch.full_like(rewards, torch.nan)
         if self.value_probe.is_fitted and feature_ok.any():
             values, unclipped = values.clone(), unclipped.clone()
@@ -228,7 +237,7 @@ class POISETrainer(GRPOTrainer):
         usable = usable & torch.isfinite(targets)
         self.probe_buffer.add(features[usable], targets[usable])
         self.probe_steps += 1
-        if len(self.probe_buffer) < 2:
+        if len(self.probe_buffer) < 2 or self.probe_steps < self._refit_from_step:
             return {"probe_fit_seconds": 0.0}
         start = time.perf_counter()
         device = self.accelerator.device
@@ -269,8 +278,9 @@ class POISETrainer(GRPOTrainer):
                 "reasoning_end_marker and model, or start a fresh run."
             )
         self.value_probe = probe
-        if buffer is not None:
-            self.probe_buffer = buffer
+        self.probe_buffer = ProbeBuffer(self.args.probe_buffer_size)
+        if buffer is not None and len(buffer):  # keep this run's capacity: the newest rows survive
+            self.probe_buffer.add(buffer.features, buffer.targets)
         self.probe_steps = int(info["probe_steps"])
 
     def _save_checkpoint(self, model, trial):

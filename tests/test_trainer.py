@@ -272,3 +272,44 @@ def test_hooks_capture_one_policy_pass_and_never_leak(tiny_model_path, tmp_path,
     ]
     assert leftover == []
     assert trainer.feature_passes == (generations if args.num_iterations == 1 else 0)
+
+
+@pytest.mark.parametrize("include_buffer", [True, False])
+def test_warm_start_uses_the_loaded_probe_from_the_first_step(tiny_model_path, tmp_path, include_buffer):
+    first = POISETrainer(
+        str(tiny_model_path), digit_reward, args=_args(tmp_path, max_steps=3), train_dataset=_dataset()
+    )
+    first.train()
+    path = tmp_path / "exported.safetensors"
+    first.save_probe(path, include_buffer=include_buffer)
+
+    args = _args(tmp_path, max_steps=2, probe_warmup_steps=4, probe_init_path=str(path), seed=1)
+    second = RecordingTrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
+    second.records = []
+    second.train()
+    loaded = second.records[0]["probe"]
+    for key, tensor in first.value_probe.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], tensor), key
+    assert [h["poise/bootstrap"] for h in second.state.log_history if "poise/bootstrap" in h] == [0.0, 0.0]
+    record = second.records[0]
+    baselines = loaded.predict(_independent_features(record, n=10)).view(-1, 2).flip(1).reshape(-1)
+    torch.testing.assert_close(record["output"]["advantages"], record["rewards"] - baselines, atol=2e-4, rtol=1e-4)
+    # Without its buffer the loaded fit is kept (not refitted on a handful of rows) during probe_warmup_steps.
+    refitted = not torch.equal(second.value_probe.state_dict()["coef"], first.value_probe.state_dict()["coef"])
+    assert refitted == include_buffer
+    assert len(second.probe_buffer) == (3 * 8 if include_buffer else 0) + 2 * 8
+
+
+def test_warm_start_refuses_a_probe_from_another_feature_space(tiny_model_path, tmp_path):
+    first = POISETrainer(
+        str(tiny_model_path), digit_reward, args=_args(tmp_path, max_steps=1), train_dataset=_dataset()
+    )
+    first.train()
+    first.save_probe(tmp_path / "p.safetensors")
+    with pytest.raises(ValueError, match="fitted on features"):
+        POISETrainer(
+            str(tiny_model_path),
+            digit_reward,
+            args=_args(tmp_path, probe_pool_tokens=5, probe_init_path=str(tmp_path / "p.safetensors")),
+            train_dataset=_dataset(),
+        )
