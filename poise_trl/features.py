@@ -224,6 +224,21 @@ def block_slices(blocks: Sequence[str], hidden_size: int) -> dict[str, tuple[int
     return slices
 
 
+def pca_blocks(blocks: Sequence[str], hidden_size: int, pca_dims: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(start, stop, k) column blocks for `ValueProbe(pca_dims=...)` from [prompt k, reasoning k] (0 = no PCA)."""
+    slices, out = block_slices(blocks, hidden_size), []
+    for name, k in zip(HIDDEN_BLOCKS, pca_dims, strict=True):
+        if name in slices and k > 0:
+            start, stop = slices[name]
+            if k > stop - start:
+                raise ValueError(
+                    f"probe_pca_dims asks for {k} components of the {name} block, which has only {stop - start} "
+                    f"columns (hidden size {hidden_size}): use at most {stop - start}, or 0 for no PCA."
+                )
+            out.append((start, stop, k))
+    return out
+
+
 def assemble_features(
     blocks: Sequence[str], pooled: torch.Tensor, entropies: torch.Tensor, spans: FeatureSpans
 ) -> torch.Tensor:

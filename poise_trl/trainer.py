@@ -18,12 +18,11 @@ from trl.trainer.utils import get_config_model_id
 from .baselines import baseline_diagnostics, cross_rollout_baselines, leave_one_out_targets
 from .config import POISEConfig
 from .features import (
-    HIDDEN_BLOCKS,
     assemble_features,
-    block_slices,
     capture_layer,
     feature_spans,
     find_decoder_layers,
+    pca_blocks,
     resolve_layer_index,
 )
 from .probe import ProbeBuffer, ValueProbe, load_probe_file, save_probe_file
@@ -95,19 +94,9 @@ class POISETrainer(GRPOTrainer):
             self.marker_ids = self._tokenizer(args.reasoning_end_marker, add_special_tokens=False)["input_ids"]
             if not self.marker_ids:
                 raise ValueError(f"reasoning_end_marker={args.reasoning_end_marker!r} tokenizes to no tokens.")
-        slices = block_slices(args.probe_features, self.hidden_size)
-        pca_blocks = []
-        for name, k in zip(HIDDEN_BLOCKS, args.probe_pca_dims, strict=True):
-            if name in slices and k > 0:
-                start, stop = slices[name]
-                if k > stop - start:
-                    raise ValueError(
-                        f"probe_pca_dims asks for {k} components of the {name} block, which has only {stop - start} "
-                        f"columns (hidden size {self.hidden_size}): use at most {stop - start}, or 0 for no PCA."
-                    )
-                pca_blocks.append((start, stop, k))
+        pca = pca_blocks(args.probe_features, self.hidden_size, args.probe_pca_dims)
         clip = tuple(args.probe_clip_range) if args.probe_clip_range is not None else "observed"
-        self.value_probe = ValueProbe(alpha=args.probe_alpha, pca_dims=pca_blocks, clip=clip)
+        self.value_probe = ValueProbe(alpha=args.probe_alpha, pca_dims=pca, clip=clip)
         self.probe_buffer = ProbeBuffer(args.probe_buffer_size)
         self.probe_steps = 0  # generation steps whose examples have entered the buffer
         self.warm_started = args.probe_init_path is not None
