@@ -313,3 +313,13 @@ def test_warm_start_refuses_a_probe_from_another_feature_space(tiny_model_path, 
             args=_args(tmp_path, probe_pool_tokens=5, probe_init_path=str(tmp_path / "p.safetensors")),
             train_dataset=_dataset(),
         )
+
+
+def test_vllm_importance_sampling_pass_is_reused_for_capture(tiny_model_path, tmp_path):
+    """vLLM needs CUDA; at its boundary, TRL's IS-correction old-log-prob pass must be recognised as capturable."""
+    trainer = POISETrainer(str(tiny_model_path), digit_reward, args=_args(tmp_path), train_dataset=_dataset())
+    assert not trainer._trl_runs_old_logps_pass()
+    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+    assert trainer._trl_runs_old_logps_pass()
+    trainer.vllm_importance_sampling_correction = False
+    assert not trainer._trl_runs_old_logps_pass()
