@@ -14,13 +14,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import transformers
 import yaml
-from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl.data import BENCHMARKS, LOCAL_FORMATS, load_math_dataset
+from poise_trl.data import dataset_hub_id, load_math_dataset
 from poise_trl.rewards import math_answer_reward
 
 TRAINERS: dict[str, tuple[type[GRPOTrainer], type[GRPOConfig]]] = {
@@ -91,14 +89,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, GRPOConf
     return make_parser(trainer_choice(argv)).parse_args_and_config(argv)
 
 
-def hub_dataset_id(name: str) -> str | None:
-    """The Hub id a model card should link to: a registry key's Hub id, a Hub id itself, None for a local file."""
-    spec = next((spec for key, spec in BENCHMARKS.items() if key.lower() == name.lower()), None)
-    if spec is not None:
-        return spec.hub_id
-    return None if Path(name).suffix in LOCAL_FORMATS else name
-
-
 def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: ModelConfig) -> GRPOTrainer:
     """Train with the binary math-answer reward, then save the model and its card (and push them when asked)."""
     training_args.model_init_kwargs = {
@@ -128,14 +118,13 @@ def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: Mo
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
 
     trainer.save_model(training_args.output_dir)
-    dataset_id = hub_dataset_id(script_args.dataset_name)
+    dataset_id = dataset_hub_id(script_args.dataset_name)
     trainer.create_model_card(model_name=Path(training_args.output_dir).name, dataset_name=dataset_id)
     trainer.accelerator.print(f"Model and model card saved to {training_args.output_dir}.")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=dataset_id)
         trainer.accelerator.print(f"Model pushed to https://huggingface.co/{trainer.hub_model_id}.")
-    if Version(transformers.__version__) >= Version("5.18.0"):  # older Trainers have no `end()`
-        trainer.end()  # finish the trackers and free the process group
+    trainer.end()  # finish the trackers and free the process group
     return trainer
 
 

@@ -148,6 +148,19 @@ def resolve_benchmark(name_or_path: str) -> tuple[str, str]:
     return name_or_path, name_or_path
 
 
+def benchmark_spec(name: str) -> BenchmarkSpec | None:
+    """The registry entry for `name` (case-insensitive), or None."""
+    return next((spec for key, spec in BENCHMARKS.items() if key.lower() == name.lower()), None)
+
+
+def dataset_hub_id(name_or_path: str) -> str | None:
+    """The Hub id a model card should link to: a registry key's id, a Hub id itself, None for a local file."""
+    spec = benchmark_spec(name_or_path)
+    if spec is not None:
+        return spec.hub_id
+    return None if Path(name_or_path).suffix in LOCAL_FORMATS else name_or_path
+
+
 def load_math_dataset(
     name_or_path: str,
     split: str | None = None,
@@ -162,7 +175,7 @@ def load_math_dataset(
     `split` (default "train"); local files are read whole. Both detect the columns from `PROBLEM_COLUMNS` and
     `ANSWER_COLUMNS` unless given. `limit` keeps the first rows only, for smoke runs.
     """
-    spec = next((s for key, s in BENCHMARKS.items() if key.lower() == name_or_path.lower()), None)
+    spec = benchmark_spec(name_or_path)
     path = Path(name_or_path)
     if spec is not None:
         if spec.hub_id is None:

@@ -13,6 +13,7 @@ from poise_trl.data import (
     PAPER_BENCHMARKS,
     answer_to_str,
     dapo_prompt,
+    dataset_hub_id,
     load_math_dataset,
     resolve_benchmark,
     strip_dapo_template,
@@ -177,3 +178,9 @@ def test_resolve_benchmark_names_local_files_by_stem_and_accepts_name_equals_pat
     assert resolve_benchmark("AIME24") == ("AIME24", "AIME24")
     assert resolve_benchmark("data/amc24.jsonl") == ("amc24", "data/amc24.jsonl")
     assert resolve_benchmark("AMC24=data/amc24.jsonl") == ("AMC24", "data/amc24.jsonl")
+
+
+def test_dataset_hub_id_links_registry_keys_and_hub_ids_but_not_local_files():
+    assert dataset_hub_id("aime24") == "HuggingFaceH4/aime_2024"
+    assert dataset_hub_id("someone/math-set") == "someone/math-set"
+    assert dataset_hub_id("data/train.jsonl") is None

@@ -18,7 +18,7 @@ from trl import GRPOConfig
 from trl.scripts.vllm_serve import make_parser as make_vllm_serve_parser
 
 from poise_trl import POISEConfig
-from poise_trl.data import DAPO_PROMPT_PREFIX, DAPO_PROMPT_SUFFIX
+from poise_trl.data import DAPO_PROMPT_PREFIX, DAPO_PROMPT_SUFFIX, dataset_hub_id
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -71,7 +71,7 @@ def test_recipe_holds_paper_values(name):
     assert type(args) is (POISEConfig if trainer == "poise" else GRPOConfig)
     assert model_args.model_name_or_path == model
     assert script_args.dataset_name == "DAPO-Math-17k-en"
-    assert train_poise.hub_dataset_id(script_args.dataset_name) == "open-r1/DAPO-Math-17k-Processed"
+    assert dataset_hub_id(script_args.dataset_name) == "open-r1/DAPO-Math-17k-Processed"
     # Tables 4/5: shared by POISE and the DAPO baseline.
     assert args.learning_rate == 1e-6
     assert (args.epsilon, args.epsilon_high) == (0.2, 0.28)
@@ -165,12 +165,6 @@ def test_command_line_overrides_recipe():
         "poise_r1_distill_1p5b_dapo.yaml", "--learning_rate", "2e-6", "--probe_layer", "-1", "--use_peft", "true"
     )
     assert args.learning_rate == 2e-6 and args.probe_layer == -1 and model_args.use_peft
-
-
-def test_hub_dataset_id():
-    assert train_poise.hub_dataset_id("aime24") == "HuggingFaceH4/aime_2024"
-    assert train_poise.hub_dataset_id("someone/math-set") == "someone/math-set"
-    assert train_poise.hub_dataset_id("data/train.jsonl") is None
 
 
 ACCELERATE = {  # file: (distributed_type, processes, backend-specific keys)
