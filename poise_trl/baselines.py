@@ -17,12 +17,13 @@ def _mean_of_others(values: torch.Tensor, num_generations: int, valid: torch.Ten
             "hold complete groups (generation batch size divisible by num_generations)."
         )
     valid = torch.isfinite(values) if valid is None else valid.bool() & torch.isfinite(values)
-    grouped = torch.where(valid, values, torch.zeros_like(values)).view(-1, num_generations)
-    counts = valid.view(-1, num_generations).to(values.dtype)
-    others_sum = grouped.sum(1, keepdim=True) - grouped
-    others_count = counts.sum(1, keepdim=True) - counts
-    mean = others_sum / others_count.clamp(min=1)
-    return torch.where(others_count > 0, mean, torch.full_like(mean, float("nan"))).view(-1)
+    grouped = torch.where(valid, values, torch.zeros_like(values)).view(-1, 1, num_generations)
+    # others[g, i, j] selects j != i among valid rows: summing only the others (never "total - own") keeps b_i
+    # bit-for-bit independent of row i and cannot overflow through a huge own value.
+    others = valid.view(-1, 1, num_generations) & ~torch.eye(num_generations, dtype=torch.bool, device=values.device)
+    count = others.sum(-1)
+    mean = torch.where(others, grouped, torch.zeros_like(grouped)).sum(-1) / count.clamp(min=1)
+    return torch.where(count > 0, mean, torch.full_like(mean, float("nan"))).view(-1)
 
 
 def cross_rollout_baselines(

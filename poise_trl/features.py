@@ -91,8 +91,10 @@ class FeatureSpans:
 
 
 def _last_valid(mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last 1 in each row (0 for an all-zero row; its count is 0 so it is never used)."""
+    """Index of the last 1 in each row (0 for an all-zero or zero-width row; its count is 0 so it is never used)."""
     length = mask.size(1)
+    if length == 0:
+        return torch.zeros(mask.size(0), dtype=torch.long, device=mask.device)
     return length - 1 - mask.flip(1).float().argmax(dim=1)
 
 
@@ -148,8 +150,11 @@ def feature_spans(
 def pool_hidden(hidden: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Weighted mean of `hidden` (b, T, d) at `index` (b, k, n) -> (b, k, d) in float32; empty spans give 0."""
     rows = torch.arange(hidden.size(0), device=hidden.device).view(-1, 1, 1)
-    picked = hidden[rows, index.to(hidden.device)].float()  # (b, k, n, d): only n tokens per span are touched
+    index = index.to(hidden.device).clamp(max=hidden.size(1) - 1)  # empty spans point past zero-width completions
+    picked = hidden[rows, index].float()  # (b, k, n, d): only n tokens per span are touched
     weight = weight.to(picked.device)
+    # Unfilled slots point at padding; select rather than multiply so a NaN there cannot leak into the mean.
+    picked = torch.where(weight.unsqueeze(-1) > 0, picked, torch.zeros_like(picked))
     return (picked * weight.unsqueeze(-1)).sum(2) / weight.sum(2, keepdim=True).clamp(min=1.0)
 
 

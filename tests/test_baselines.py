@@ -58,3 +58,7 @@ def test_diagnostics_by_hand():
 def test_diagnostics_with_constant_rewards_are_nan_not_errors():
     d = baseline_diagnostics(torch.ones(4), torch.full((4,), 0.5), torch.full((4,), 0.5), 2)
     assert d["mae"] == 0.5 and math.isnan(d["variance_reduction"]) and math.isnan(d["pearson_r"])
+
+
+def test_own_value_never_touches_own_baseline_even_when_huge():
+    assert cross_rollout_baselines(torch.tensor([1e8, 1.0, 0.5]), 3)[0] == 0.75

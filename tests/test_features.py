@@ -163,3 +163,19 @@ def test_capture_refuses_a_pass_that_saw_the_wrong_rows():
         layer(torch.zeros(1, 2, 3))
     with pytest.raises(RuntimeError, match="exactly one"):
         capture.pooled()
+
+
+def test_nan_at_padding_never_reaches_the_pooled_mean_and_zero_width_completions_work():
+    spans = feature_spans(torch.tensor([[0, 0, 1]]), torch.tensor([[5, 6]]), torch.tensor([[1, 1]]), 2, None)
+    hidden = torch.zeros(1, 5, 4)
+    hidden[0, 1] = float("nan")  # a padding position that an unfilled prompt slot points at
+    assert torch.isfinite(pool_hidden(hidden, spans.pool_index, spans.pool_weight)).all()
+    empty = feature_spans(
+        torch.ones(2, 3, dtype=torch.long),
+        torch.zeros(2, 0, dtype=torch.long),
+        torch.zeros(2, 0, dtype=torch.long),
+        2,
+        MARKER,
+    )
+    pooled = pool_hidden(torch.randn(2, 3, 4), empty.pool_index, empty.pool_weight)
+    assert pooled[:, 1].eq(0).all() and torch.equal(entropy_statistics(torch.zeros(2, 0), empty), torch.zeros(2, 3))
