@@ -104,3 +104,27 @@ def baseline_diagnostics(
         if decided.any():
             out["sign_accuracy"] = (reward_sign[decided] == value_sign[decided]).double().mean().item()
     return out
+
+
+def poise_advantages(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    num_generations: int,
+    feature_ok: torch.Tensor,
+    has_completion: torch.Tensor,
+    trusted: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """POISE's advantage rule on a gathered batch: (advantages, baselines, receives).
+
+    A row whose probe is `trusted` gets the cross-rollout baseline from its partners' probe values (partners with
+    usable features only); otherwise, or when no partner has usable features, the RLOO mean of the partners'
+    rewards. Both are independent of the row itself, so the gradient stays unbiased. Rows with a non-finite reward,
+    no completion, or no baseline at all `receive` nothing: advantage 0, never NaN.
+    """
+    scorable = torch.isfinite(rewards)
+    rloo = leave_one_out_targets(rewards, num_generations, scorable)
+    probe = cross_rollout_baselines(values, num_generations, feature_ok)
+    baselines = torch.where(trusted.bool() & ~torch.isnan(probe), probe, rloo)
+    receives = scorable & has_completion.bool() & torch.isfinite(baselines)
+    advantages = torch.where(receives, rewards - baselines, torch.zeros_like(rewards))
+    return advantages, baselines, receives
