@@ -1,0 +1,255 @@
+"""A synthetic verifiable task for the tiny model whose prompts differ in difficulty: sort k digits.
+
+Prompt `"31513="`, target completion `"5</think>11335"` then EOS: a one-token "reasoning" span (how many digits
+will be written), the `</think>` marker, then the answer. The reward is 1 when the text after the last `</think>`
+is exactly the sorted digits. Sorting is learned in about a hundred supervised steps, but every extra digit is one
+more chance to slip, so per-prompt success falls with k (after the default warm start, about 0.8 at k=2 and 0.1 at
+k=8). The value probe therefore has a real signal to learn, from the prompt (k, repeated digits) and from the
+reasoning span (a miscounted length predicts a wrong answer). `max(a, b)` is learned too uniformly and
+`(a + b) mod 10` not at all in minutes (DESIGN §4).
+"""
+
+import json
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from .tiny import build_tiny_model, build_tiny_tokenizer
+
+REASONING_END = "</think>"
+PROMPT_SUFFIX = "="
+DEFAULT_DIFFICULTIES = (2, 8)
+# Longest completion: one count digit, the marker, 8 digits and EOS is 11 tokens.
+MAX_COMPLETION_LENGTH = 12
+DEMO_WARMUP_STEPS = 100
+DEMO_WARMUP_LR = 1e-3
+CACHE_FORMAT = 1  # bump when the task or the warm start changes, so stale caches are rebuilt
+
+
+def sorted_digits(digits: str) -> str:
+    return "".join(sorted(digits))
+
+
+def target_completion(answer: str) -> str:
+    """The supervised completion (EOS excluded): digit count, the reasoning-end marker, the sorted digits."""
+    return f"{len(answer)}{REASONING_END}{answer}"
+
+
+def _sample_digits(rng: random.Random, k: int) -> str:
+    return "".join(str(rng.randrange(10)) for _ in range(k))
+
+
+def make_sort_splits(
+    num_train: int = 2000,
+    num_eval: int = 140,
+    min_digits: int = DEFAULT_DIFFICULTIES[0],
+    max_digits: int = DEFAULT_DIFFICULTIES[1],
+    seed: int = 0,
+) -> tuple[Dataset, Dataset]:
+    """Train and held-out datasets (columns `prompt`, `answer`, `k`), deterministic in `seed`.
+
+    Held-out prompts are distinct, balanced over k and never appear in train, so held-out avg@k measures
+    generalisation rather than memorised prompts. Train prompts draw k uniformly and may repeat, as RL prompts do.
+    """
+    if not 1 <= min_digits <= max_digits <= 9:
+        raise ValueError(f"difficulty range [{min_digits}, {max_digits}] must lie within [1, 9] digits")
+    ks = list(range(min_digits, max_digits + 1))
+    per_k = -(-num_eval // len(ks))
+    if per_k > 10**min_digits // 2:
+        raise ValueError(
+            f"{per_k} held-out prompts with {min_digits} digits would use more than half of the {10**min_digits} "
+            "possible ones; lower num_eval or raise min_digits"
+        )
+    rng = random.Random(seed)
+    held_out: list[str] = []
+    for i in range(num_eval):
+        k = ks[i % len(ks)]
+        digits = _sample_digits(rng, k)
+        while digits in held_out:
+            digits = _sample_digits(rng, k)
+        held_out.append(digits)
+    excluded = set(held_out)
+    train: list[str] = []
+    while len(train) < num_train:
+        digits = _sample_digits(rng, rng.choice(ks))
+        if digits not in excluded:
+            train.append(digits)
+    return _to_dataset(train), _to_dataset(held_out)
+
+
+def _to_dataset(digit_strings: list[str]) -> Dataset:
+    return Dataset.from_dict(
+        {
+            "prompt": [d + PROMPT_SUFFIX for d in digit_strings],
+            "answer": [sorted_digits(d) for d in digit_strings],
+            "k": [len(d) for d in digit_strings],
+        }
+    )
+
+
+def extract_answer(completion: str | list[dict[str, Any]]) -> str | None:
+    """The text after the last `</think>`, stripped; None without a marker (an unfinished or malformed answer)."""
+    if not isinstance(completion, str):  # conversational: a list of messages
+        completion = "".join(str(message["content"]) for message in completion)
+    if REASONING_END not in completion:
+        return None
+    return completion.rsplit(REASONING_END, 1)[1].strip()
+
+
+def task_reward(completions: list, answer: list[str], **kwargs: Any) -> list[float]:
+    """TRL reward: 1.0 when the final answer equals the sorted digits, else 0.0 (binary, as in the paper)."""
+    return [float(extract_answer(c) == a) for c, a in zip(completions, answer, strict=True)]
+
+
+def _supervised_batch(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str], completions: list[str]
+) -> dict[str, torch.Tensor]:
+    """Left-padded prompt+completion+EOS with the loss on completion tokens only."""
+    rows, labels = [], []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append(prompt_ids + completion_ids)
+        labels.append([-100] * len(prompt_ids) + completion_ids)
+    width = max(map(len, rows))
+    input_ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + r for r in rows])
+    label_ids = torch.tensor([[-100] * (width - len(r)) + r for r in labels])
+    attention_mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": label_ids}
+
+
+def warm_start(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    dataset: Dataset,
+    steps: int = DEMO_WARMUP_STEPS,
+    lr: float = DEMO_WARMUP_LR,
+    seed: int = 0,
+    batch_size: int = 64,
+) -> list[float]:
+    """Short supervised fine-tuning on target completions, so RL starts from a policy that is right sometimes.
+
+    RL from a random init would see almost no reward; a full SFT would leave nothing for RL to do. About 100 steps
+    land sampled accuracy near 0.4, with easy prompts mostly right and hard ones mostly wrong. Returns the losses.
+    """
+    rng = random.Random(seed)
+    prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        rows = [rng.randrange(len(prompts)) for _ in range(batch_size)]
+        batch = _supervised_batch(tokenizer, [prompts[i] for i in rows], [target_completion(answers[i]) for i in rows])
+        loss = model(**batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def evaluate_avg_at_k(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    dataset: Dataset,
+    k: int = 8,
+    temperature: float = 1.0,
+    max_new_tokens: int = MAX_COMPLETION_LENGTH,
+    batch_size: int = 64,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """avg@k: sample k completions per prompt (full distribution, no top-k/top-p) and average the rewards.
+
+    Returns `avg_at_k` (mean over prompts of the per-prompt success rate), `per_prompt` rates in dataset order, and
+    `by_difficulty` (mean rate per number of digits) to show that difficulty is real. The global RNG is untouched.
+    """
+    was_training = model.training
+    model.eval()
+    prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
+    rates: list[float] = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start : start + batch_size]
+            inputs = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
+            sequences = model.generate(
+                **inputs.to(model.device),
+                do_sample=True,
+                temperature=temperature,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=max_new_tokens,
+                num_return_sequences=k,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            texts = tokenizer.batch_decode(sequences[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+            rewards = task_reward(texts, [a for a in answers[start : start + batch_size] for _ in range(k)])
+            rates.extend(sum(rewards[i : i + k]) / k for i in range(0, len(rewards), k))
+    model.train(was_training)
+    by_difficulty: dict[int, list[float]] = defaultdict(list)
+    for difficulty, rate in zip(dataset["k"], rates, strict=True):
+        by_difficulty[difficulty].append(rate)
+    return {
+        "avg_at_k": sum(rates) / len(rates),
+        "k": k,
+        "per_prompt": rates,
+        "by_difficulty": {d: sum(v) / len(v) for d, v in sorted(by_difficulty.items())},
+    }
+
+
+def prepare_demo_model(
+    cache_dir: str | Path,
+    seed: int = 0,
+    warmup_steps: int = DEMO_WARMUP_STEPS,
+    warmup_lr: float = DEMO_WARMUP_LR,
+    min_digits: int = DEFAULT_DIFFICULTIES[0],
+    max_digits: int = DEFAULT_DIFFICULTIES[1],
+    num_train: int = 2000,
+) -> Path:
+    """Build the tiny model, warm-start it on the sort task and `save_pretrained` it; reuse a matching cache.
+
+    The cache directory name encodes every setting that changes the weights, and `warm_start.json` repeats them, so
+    a different setting never silently reuses a stale model. Returns the model directory (tokenizer saved alongside).
+    """
+    settings = {
+        "format": CACHE_FORMAT,
+        "seed": seed,
+        "warmup_steps": warmup_steps,
+        "warmup_lr": warmup_lr,
+        "min_digits": min_digits,
+        "max_digits": max_digits,
+        "num_train": num_train,
+    }
+    path = Path(cache_dir) / (
+        f"sort{min_digits}-{max_digits}_n{num_train}_ws{warmup_steps}_lr{warmup_lr:g}_seed{seed}_v{CACHE_FORMAT}"
+    )
+    info_file = path / "warm_start.json"
+    if info_file.exists() and json.loads(info_file.read_text()).get("settings") == settings:
+        return path
+    train, _ = make_sort_splits(num_train=num_train, min_digits=min_digits, max_digits=max_digits, seed=seed)
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(tokenizer, seed=seed)
+    start = time.perf_counter()
+    losses = warm_start(model, tokenizer, train, steps=warmup_steps, lr=warmup_lr, seed=seed)
+    seconds = time.perf_counter() - start
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    final_loss = losses[-1] if losses else None
+    info_file.write_text(json.dumps({"settings": settings, "final_loss": final_loss, "seconds": seconds}, indent=2))
+    return path
+
+
+def load_demo_model(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a model directory written by `prepare_demo_model` (left padding, as generation needs)."""
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    return AutoModelForCausalLM.from_pretrained(path), tokenizer
