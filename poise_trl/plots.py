@@ -21,6 +21,8 @@ PANELS = (
     ("poise/variance_reduction", "Variance reduction", "1 - Var(A) / Var(R)", "tab:red"),
     ("poise/pearson_r", "Baseline-reward correlation", "Pearson r(b, r)", "tab:brown"),
 )
+# Second, dashed line on a panel: the paper's Fig. 4 MAE compares per-prompt means, ours per rollout.
+OVERLAYS = {"poise/mae": ("poise/group_mae", "per prompt, |mean b - mean r|")}
 STATE_FILE = "trainer_state.json"
 
 
@@ -76,12 +78,27 @@ def training_dynamics_figure(log_history: list[dict[str, Any]], title: str | Non
             ax.set_xticks([])
             ax.set_yticks([])
             continue
-        ax.plot(steps, values, color=colour, marker="o" if len(steps) < 30 else None, markersize=3)
+        marker = "o" if len(steps) < 30 else None
+        ax.plot(
+            steps, values, color=colour, marker=marker, markersize=3, label="per rollout" if key in OVERLAYS else None
+        )
+        overlay_key, overlay_label = OVERLAYS.get(key, (None, None))
+        overlay_steps, overlay_values = series(log_history, overlay_key) if overlay_key else ([], [])
+        if overlay_steps:
+            ax.plot(
+                overlay_steps,
+                overlay_values,
+                color=colour,
+                linestyle="--",
+                marker=marker,
+                markersize=3,
+                label=overlay_label,
+            )
         if bootstrap_end is not None:
             ax.axvspan(0, bootstrap_end, color="gray", alpha=0.15, label="RLOO bootstrap")
-            if not legend_drawn:
-                ax.legend(loc="best", fontsize="small")
-                legend_drawn = True
+        if overlay_steps or (bootstrap_end is not None and not legend_drawn):  # the bootstrap key once is enough
+            ax.legend(loc="best", fontsize="small")
+            legend_drawn = legend_drawn or bootstrap_end is not None
         ax.grid(alpha=0.3)
     if title:
         fig.suptitle(title)

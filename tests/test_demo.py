@@ -22,9 +22,9 @@ def demo_run(tmp_path_factory):
         seed=0,
         min_digits=2,
         max_digits=5,
-        num_train=200,
-        num_eval=12,
-        warmup_steps=30,
+        num_train=100,
+        num_eval=8,
+        warmup_steps=10,
         prompts_per_step=8,
         probe_warmup_steps=2,
         eval_k=2,
@@ -43,7 +43,7 @@ def test_demo_writes_summary_plot_state_and_model(demo_run):
     for key in ("avg_at_k_before", "avg_at_k_after"):
         assert 0.0 <= on_disk[key] <= 1.0
     assert set(on_disk["by_difficulty_after"]) == {"2", "3", "4", "5"}
-    assert on_disk["steps"] == STEPS and on_disk["held_out_prompts"] == 12
+    assert on_disk["steps"] == STEPS and on_disk["held_out_prompts"] == 8
     assert on_disk["final_window"]["reward"] is not None
     assert on_disk["final_window"]["poise/mae"] is not None
     assert (run_dir / demo.PLOT_FILE).read_bytes()[:8] == PNG_MAGIC

@@ -19,6 +19,7 @@ def synthetic_history(steps: int = 60, with_poise: bool = True) -> list[dict]:
                 {
                     "poise/value_mean": 0.25 + step / 220,
                     "poise/mae": 0.4 - step / 400,
+                    "poise/group_mae": 0.2,
                     "poise/variance_reduction": math.nan if step <= 10 else 0.3,  # NaN: undefined that window
                     "poise/pearson_r": 0.5,
                     "poise/bootstrap": 1.0 if step <= 10 else 0.0,
@@ -43,11 +44,12 @@ def test_series_skips_missing_and_non_finite_values():
 def test_figure_has_every_panel_with_data_and_bootstrap_shading():
     fig = training_dynamics_figure(synthetic_history(), title="synthetic")
     assert [ax.get_title() for ax in fig.axes] == [title for _, title, _, _ in PANELS]
-    for ax in fig.axes:
-        assert len(ax.lines) == 1 and not ax.texts
+    for ax, (key, _, _, _) in zip(fig.axes, PANELS, strict=True):
+        assert len(ax.lines) == (2 if key == "poise/mae" else 1) and not ax.texts  # MAE: per rollout and per prompt
         assert len(ax.patches) == 1  # the RLOO bootstrap span
     reward_line = fig.axes[0].lines[0]
     assert list(reward_line.get_xdata()) == list(range(2, 61, 2))
+    assert fig.axes[0].get_legend() is not None and fig.axes[1].get_legend() is None  # bootstrap key shown once
 
 
 def test_missing_metrics_give_not_logged_panels(tmp_path):

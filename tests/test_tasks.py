@@ -88,14 +88,14 @@ def test_target_survives_the_tokenizer_round_trip_trl_uses():
 
 
 def test_warm_start_raises_sampled_accuracy():
-    train, held_out = make_sort_splits(num_train=400, num_eval=20, min_digits=2, max_digits=3, seed=0)
+    train, held_out = make_sort_splits(num_train=300, num_eval=20, min_digits=2, max_digits=2, seed=0)
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(tokenizer, seed=0)
     before = evaluate_avg_at_k(model, tokenizer, held_out, k=4, seed=0)
-    losses = warm_start(model, tokenizer, train, steps=60, lr=1e-3, seed=0, batch_size=32)
+    losses = warm_start(model, tokenizer, train, steps=50, lr=1e-3, seed=0, batch_size=32)
     after = evaluate_avg_at_k(model, tokenizer, held_out, k=4, seed=0)
     assert before["avg_at_k"] < 0.05
-    assert after["avg_at_k"] > before["avg_at_k"] + 0.15
+    assert after["avg_at_k"] > before["avg_at_k"] + 0.2  # 0.40 measured
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5
     assert not model.training
 
