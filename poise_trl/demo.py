@@ -131,8 +131,8 @@ def run_demo(
 ) -> dict[str, Any]:
     """Run the demo and return the summary that is also written to `output_dir/summary.json`.
 
-    Defaults are tuned for 2 CPU cores: 32 prompts x 2 rollouts per step (larger batches keep the tiny policy from
-    collapsing under noisy updates), lr 1e-4 (3e-4 collapses it at 16 completions per step), 200 steps.
+    Defaults are tuned for 2 CPU cores: 32 prompts x 2 rollouts per step (8 prompts learn far less per step), lr 1e-4
+    (3e-4 collapses the tiny policy to zero reward within 40 steps), 200 steps of about 0.4 s each.
     """
     start = time.perf_counter()
     output_dir = Path(output_dir)

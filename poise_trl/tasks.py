@@ -3,8 +3,8 @@
 Prompt `"31513="`, target completion `"5</think>11335"` then EOS: a one-token "reasoning" span (how many digits
 will be written), the `</think>` marker, then the answer. The reward is 1 when the text after the last `</think>`
 is exactly the sorted digits. Sorting is learned in about a hundred supervised steps, but every extra digit is one
-more chance to slip, so per-prompt success falls with k (after the default warm start, about 0.8 at k=2 and 0.1 at
-k=8). The value probe therefore has a real signal to learn, from the prompt (k, repeated digits) and from the
+more chance to slip, so per-prompt success falls with k (after the default warm start: 0.65 at k=2, 0.06 at k=8,
+0.33 overall). The value probe therefore has a real signal to learn, from the prompt (k, repeated digits) and from the
 reasoning span (a miscounted length predicts a wrong answer). `max(a, b)` is learned too uniformly and
 `(a + b) mod 10` not at all in minutes (DESIGN §4).
 """
@@ -135,8 +135,8 @@ def warm_start(
 ) -> list[float]:
     """Short supervised fine-tuning on target completions, so RL starts from a policy that is right sometimes.
 
-    RL from a random init would see almost no reward; a full SFT would leave nothing for RL to do. About 100 steps
-    land sampled accuracy near 0.4, with easy prompts mostly right and hard ones mostly wrong. Returns the losses.
+    RL from a random init would see almost no reward; a full SFT would leave nothing for RL to do. The default 100
+    steps land sampled accuracy near 0.33, easy prompts mostly right and hard ones mostly wrong. Returns the losses.
     """
     rng = random.Random(seed)
     prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
