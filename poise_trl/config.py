@@ -1,6 +1,7 @@
 """`POISEConfig`: `GRPOConfig` plus the probe's fields, with the paper's defaults."""
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from trl import GRPOConfig
 
@@ -28,6 +29,9 @@ class POISEConfig(GRPOConfig):
     hidden states; see the README's field table for paper and release values.
     """
 
+    # JSON strings given for these fields (command line, YAML) are parsed into dicts, as TRL does for its own.
+    _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["probe_domain_buffer_sizes"]
+
     num_generations: int | None = field(
         default=2,
         metadata={"help": "Rollouts per prompt (G). POISE needs only 2; any G >= 2 works and stays unbiased."},
@@ -42,12 +46,38 @@ class POISEConfig(GRPOConfig):
             "'group' is not supported by POISE because it would make the advantage depend on the rollout itself.",
         },
     )
-    probe_layer: int | None = field(
+    # `int | str | None` parses as a string on the command line; __post_init__ turns "19" into 19.
+    probe_layer: int | str | None = field(
         default=None,
         metadata={
             "help": "Decoder block whose output feeds the probe (0-based). None: round(0.53 * num_layers), layer 19 "
-            "of 36 for Qwen3-4B as in the paper. Negative values count from the end.",
+            "of 36 for Qwen3-4B as in the paper. Negative values count from the end. 'auto': capture every layer of "
+            "`probe_layer_candidates` in the same pass and keep the one whose probe has the lowest prompt-grouped "
+            "K-fold error on the buffer, re-chosen every `probe_layer_select_every` steps.",
         },
+    )
+    probe_layer_candidates: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "With probe_layer='auto': the layers to choose from (negative counts from the end). None: "
+            "round(f * num_layers) for f in 0.25, 0.53, 0.75, 1 (capped at the last layer). The buffer holds every "
+            "candidate's features, so its memory grows with their number.",
+        },
+    )
+    probe_layer_select_every: int = field(
+        default=16,
+        metadata={"help": "With probe_layer='auto': generation steps between two layer choices."},
+    )
+    probe_layer_switch_margin: float = field(
+        default=0.05,
+        metadata={
+            "help": "With probe_layer='auto': hysteresis. Switch only when the best layer's held-out MAE is below "
+            "(1 - margin) times the current layer's.",
+        },
+    )
+    probe_layer_folds: int = field(
+        default=5,
+        metadata={"help": "With probe_layer='auto': K of the prompt-grouped K-fold cross-validation."},
     )
     probe_pool_tokens: int = field(
         default=10,
@@ -108,6 +138,21 @@ class POISEConfig(GRPOConfig):
         },
     )
 
+    probe_domain_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "Dataset column naming each prompt's domain. Each domain gets its own probe, buffer and "
+            "bootstrap; rows of a domain with too little data use the RLOO baseline. None: one probe for all prompts.",
+        },
+    )
+    probe_domain_buffer_sizes: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": 'Buffer size per domain, e.g. \'{"math": 4096, "code": 1024}\' (a JSON string works on the '
+            "command line). Domains not listed use `probe_buffer_size`.",
+        },
+    )
+
     def __post_init__(self):
         if self.num_generations is None or self.num_generations < 2:
             raise ValueError(
@@ -160,3 +205,58 @@ class POISEConfig(GRPOConfig):
             )
         if self.probe_warmup_steps < 0:
             raise ValueError(f"probe_warmup_steps={self.probe_warmup_steps} must be >= 0.")
+        self._check_layer_fields()
+        self._check_domain_fields()
+
+    def _check_layer_fields(self) -> None:
+        layer = self.probe_layer
+        if isinstance(layer, str):
+            text = layer.strip().lower()
+            try:
+                layer = "auto" if text == "auto" else None if text in ("none", "null") else int(text)
+            except ValueError:
+                raise ValueError(
+                    f"probe_layer={self.probe_layer!r}: give a layer index (e.g. 19 or -1), 'auto', or None."
+                ) from None
+        if isinstance(layer, bool) or not (layer is None or layer == "auto" or isinstance(layer, int)):
+            raise ValueError(f"probe_layer={self.probe_layer!r}: give a layer index (e.g. 19 or -1), 'auto', or None.")
+        self.probe_layer = layer
+        if self.probe_layer_candidates is not None:
+            if layer != "auto":
+                raise ValueError(
+                    f"probe_layer_candidates={self.probe_layer_candidates} is only used with probe_layer='auto' "
+                    f"(got probe_layer={layer!r})."
+                )
+            if not self.probe_layer_candidates or any(isinstance(c, bool) for c in self.probe_layer_candidates):
+                raise ValueError(
+                    f"probe_layer_candidates={self.probe_layer_candidates}: give a non-empty list of ints."
+                )
+            self.probe_layer_candidates = [int(c) for c in self.probe_layer_candidates]
+        if self.probe_layer_select_every < 1:
+            raise ValueError(f"probe_layer_select_every={self.probe_layer_select_every} must be >= 1.")
+        if not 0 <= self.probe_layer_switch_margin < 1:
+            raise ValueError(f"probe_layer_switch_margin={self.probe_layer_switch_margin} must be in [0, 1).")
+        if self.probe_layer_folds < 2:
+            raise ValueError(f"probe_layer_folds={self.probe_layer_folds} must be >= 2.")
+
+    def _check_domain_fields(self) -> None:
+        if self.probe_domain_column == "":
+            raise ValueError("probe_domain_column='' names no column; use None for a single probe.")
+        sizes = self.probe_domain_buffer_sizes
+        if sizes is None:
+            return
+        if self.probe_domain_column is None:
+            raise ValueError(
+                "probe_domain_buffer_sizes needs probe_domain_column: name the column holding the domain."
+            )
+        if not isinstance(sizes, dict):
+            raise ValueError(
+                f"probe_domain_buffer_sizes={sizes!r}: give a dict or a JSON object, e.g. '{{\"math\": 4096}}'."
+            )
+        for name, size in sizes.items():
+            if isinstance(size, bool) or not isinstance(size, int) or size < 2 * self.num_generations:
+                raise ValueError(
+                    f"probe_domain_buffer_sizes[{name!r}]={size!r} must be an int holding at least two groups "
+                    f"({2 * self.num_generations} examples)."
+                )
+        self.probe_domain_buffer_sizes = {str(name): int(size) for name, size in sizes.items()}

@@ -151,6 +151,17 @@ class ValueProbe:
             "clip": list(self.clip) if isinstance(self.clip, tuple) else self.clip,
         }
 
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "ValueProbe":
+        """Inverse of `config()` (JSON lists back to tuples)."""
+        pca, clip = config["pca_dims"], config["clip"]
+        pca = pca if pca is None or isinstance(pca, int) else [tuple(block) for block in pca]
+        return cls(alpha=config["alpha"], pca_dims=pca, clip=tuple(clip) if isinstance(clip, list) else clip)
+
+    def clone(self) -> "ValueProbe":
+        """An unfitted probe with the same settings."""
+        return ValueProbe(alpha=self.alpha, pca_dims=self.pca_dims, clip=self.clip)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().contiguous() for k, v in self._state.items()}
 
@@ -159,7 +170,12 @@ class ValueProbe:
 
 
 class ProbeBuffer:
-    """A sliding buffer of (feature, target) examples; the oldest rows are evicted first."""
+    """A sliding buffer of (feature, target[, group]) examples; the oldest rows are evicted first.
+
+    Features are (N, ...) with any fixed trailing shape: (N, D) for one feature vector per row, (N, C, D) for the
+    trainer's rows, which hold one feature vector per candidate layer. `groups` (optional, int64) names the prompt
+    each row came from, so cross-validation can keep a prompt's rows in one fold.
+    """
 
     def __init__(self, capacity: int):
         if capacity < 1:
@@ -167,29 +183,158 @@ class ProbeBuffer:
         self.capacity = capacity
         self.features: torch.Tensor | None = None
         self.targets: torch.Tensor | None = None
+        self.groups: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return 0 if self.targets is None else self.targets.numel()
 
-    def add(self, features: torch.Tensor, targets: torch.Tensor) -> None:
+    def add(self, features: torch.Tensor, targets: torch.Tensor, groups: torch.Tensor | None = None) -> None:
         """Append rows in order, keeping the newest `capacity`. Features are stored in float32 on the CPU."""
         features, targets = features.detach().float().cpu(), targets.detach().float().cpu()
+        groups = None if groups is None else groups.detach().long().cpu()
+        if self.targets is not None and (groups is None) != (self.groups is None):
+            raise ValueError("Give group ids with every batch added to a buffer, or with none.")
         if self.features is not None:
-            if features.size(1) != self.features.size(1):
+            if features.shape[1:] != self.features.shape[1:]:
                 raise ValueError(
-                    f"Feature width changed from {self.features.size(1)} to {features.size(1)}: the feature "
-                    "configuration (layer, features, model) must stay fixed for one buffer."
+                    f"Feature width changed from {tuple(self.features.shape[1:])} to {tuple(features.shape[1:])}: "
+                    "the feature configuration (layers, features, model) must stay fixed for one buffer."
                 )
             features, targets = torch.cat([self.features, features]), torch.cat([self.targets, targets])
+            groups = None if groups is None else torch.cat([self.groups, groups])
         self.features, self.targets = features[-self.capacity :], targets[-self.capacity :]
+        self.groups = None if groups is None else groups[-self.capacity :]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         if self.features is None:
             return {}
-        return {"features": self.features.contiguous(), "targets": self.targets.contiguous()}
+        state = {"features": self.features.contiguous(), "targets": self.targets.contiguous()}
+        if self.groups is not None:
+            state["groups"] = self.groups.contiguous()
+        return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.features, self.targets = state.get("features"), state.get("targets")
+        self.features, self.targets, self.groups = state.get("features"), state.get("targets"), state.get("groups")
+
+
+def grouped_kfold_errors(
+    template: ValueProbe,
+    features: torch.Tensor,
+    targets: torch.Tensor,
+    groups: torch.Tensor | None,
+    folds: int,
+) -> torch.Tensor | None:
+    """Held-out absolute errors of probes configured like `template`, one probe per feature slice.
+
+    `features` is (N, C, D): each of the C slices (one per candidate layer) gets its own K-fold cross-validation.
+    Folds are drawn by group (prompt), so two rollouts of one prompt, or one prompt seen at two steps, never sit on
+    both sides of a split. Returns (C, N) errors, each row predicted by the probe that did not see its group, or
+    None when there are fewer than `folds` groups or a training fold would hold fewer than 2 rows.
+    """
+    if groups is None:
+        groups = torch.arange(targets.numel())
+    unique, inverse = torch.unique(groups.cpu(), return_inverse=True)
+    if folds < 2 or unique.numel() < folds:
+        return None
+    fold = (inverse % folds).to(features.device)  # group ids are prompt hashes, so sorted order is a shuffle
+    if any(int((fold != k).sum()) < 2 for k in range(folds)):
+        return None
+    errors = torch.empty(features.size(1), targets.numel(), dtype=torch.float64, device=features.device)
+    for k in range(folds):
+        train, test = fold != k, fold == k
+        for c in range(features.size(1)):
+            probe = template.clone().fit(features[train, c], targets[train])
+            errors[c, test] = (probe.predict(features[test, c]).double() - targets[test].double()).abs()
+    return errors
+
+
+def choose_layer(mae: torch.Tensor, current: int, margin: float) -> int:
+    """Index of the lowest held-out MAE, with hysteresis: leave `current` only for a relative gain above `margin`."""
+    best = int(torch.argmin(mae))
+    return best if bool(mae[best] < (1 - margin) * mae[current]) else current
+
+
+class OnlineProbe:
+    """One online value probe: a `ValueProbe`, its sliding `ProbeBuffer` and its step counter.
+
+    The trainer keeps one per domain (a single one without `probe_domain_column`). Buffered rows hold the features of
+    every candidate layer, (N, C, D) with C = 1 for a fixed layer; the probe is fitted on one slice, `layer` (an index
+    along C), and always predicts from the slice it was fitted on.
+
+    Args:
+        probe: the unfitted probe (its alpha, PCA and clip settings are reused for every refit).
+        capacity: buffer size in rows.
+        warmup_steps: steps of data before the probe is trusted (RLOO bootstrap until then).
+    """
+
+    def __init__(self, probe: ValueProbe, capacity: int, warmup_steps: int = 0):
+        self.probe = probe
+        self.buffer = ProbeBuffer(capacity)
+        self.warmup_steps = warmup_steps
+        self.steps = 0  # steps whose rows entered the buffer
+        self.layer = 0
+        self.warm_started = False  # loaded from a probe file: trusted at once
+        self.refit_from_step = 0  # a warm start without buffer keeps its loaded fit until this many steps
+
+    @property
+    def trusted(self) -> bool:
+        """Whether the baseline may use this probe: fitted, and past its bootstrap (or warm-started)."""
+        return self.probe.is_fitted and (self.warm_started or self.steps >= self.warmup_steps)
+
+    @property
+    def can_fit(self) -> bool:
+        return len(self.buffer) >= 2 and self.steps >= self.refit_from_step
+
+    def add(self, features: torch.Tensor, targets: torch.Tensor, groups: torch.Tensor | None = None) -> None:
+        """Append one step's rows (possibly none) and count the step."""
+        self.buffer.add(features, targets, groups)
+        self.steps += 1
+
+    def fit(self, layer: int = 0, device: torch.device | str | None = None) -> "OnlineProbe":
+        """Refit on the whole buffer, on feature slice `layer`."""
+        self.probe.fit(self.buffer.features[:, layer].to(device), self.buffer.targets.to(device))
+        self.layer = layer
+        return self
+
+    def predict(self, features: torch.Tensor, return_unclipped: bool = False):
+        """Predictions for (N, C, D) rows, from the slice the probe was fitted on."""
+        return self.probe.predict(features[:, self.layer], return_unclipped=return_unclipped)
+
+    def layer_errors(self, folds: int, device: torch.device | str | None = None) -> torch.Tensor | None:
+        """(C, N) prompt-grouped K-fold absolute errors of each feature slice on the buffer (see
+        `grouped_kfold_errors`); None with too few prompts."""
+        if len(self.buffer) < 2:
+            return None
+        return grouped_kfold_errors(
+            self.probe, self.buffer.features.to(device), self.buffer.targets.to(device), self.buffer.groups, folds
+        )
+
+    def state_dict(self, include_buffer: bool = True) -> dict[str, torch.Tensor]:
+        state = {f"probe.{k}": v for k, v in self.probe.state_dict().items()}
+        if include_buffer:
+            state.update({f"buffer.{k}": v for k, v in self.buffer.state_dict().items()})
+        return state
+
+    def info(self, include_buffer: bool = True) -> dict[str, Any]:
+        return {
+            "probe": self.probe.config(),
+            "buffer_capacity": self.buffer.capacity if include_buffer else None,
+            "steps": self.steps,
+            "layer": self.layer,
+            "warm_started": self.warm_started,
+            "refit_from_step": self.refit_from_step,
+        }
+
+    def load_state(self, state: dict[str, torch.Tensor], info: dict[str, Any]) -> None:
+        """Restore from `state_dict`/`info`. This object's capacity is kept: the newest buffered rows survive."""
+        self.probe = ValueProbe.from_config(info["probe"])
+        self.probe.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("probe.")})
+        buffer = {k[7:]: v for k, v in state.items() if k.startswith("buffer.")}
+        self.buffer = ProbeBuffer(self.buffer.capacity)
+        if buffer.get("targets") is not None and buffer["targets"].numel():
+            self.buffer.add(buffer["features"], buffer["targets"], buffer.get("groups"))
+        self.steps, self.layer = int(info["steps"]), int(info["layer"])
+        self.warm_started, self.refit_from_step = bool(info["warm_started"]), int(info["refit_from_step"])
 
 
 def save_probe_file(
@@ -211,13 +356,56 @@ def load_probe_file(path: str | Path) -> tuple[ValueProbe, ProbeBuffer | None, d
     path = Path(path)
     info = json.loads(path.with_suffix(path.suffix + ".json").read_text())
     tensors = load_file(str(path))
-    cfg = info["probe"]
-    pca = cfg["pca_dims"] if cfg["pca_dims"] is None or isinstance(cfg["pca_dims"], int) else cfg["pca_dims"]
-    clip = tuple(cfg["clip"]) if isinstance(cfg["clip"], list) else cfg["clip"]
-    probe = ValueProbe(alpha=cfg["alpha"], pca_dims=pca, clip=clip)
+    probe = ValueProbe.from_config(info["probe"])
     probe.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("probe.")})
     buffer = None
     if info.get("buffer_capacity") is not None:
         buffer = ProbeBuffer(info["buffer_capacity"])
         buffer.load_state_dict({k[7:]: v for k, v in tensors.items() if k.startswith("buffer.")})
     return probe, buffer, info
+
+
+def save_probe_set(
+    path: str | Path,
+    probes: dict[str, OnlineProbe],
+    metadata: dict[str, Any] | None = None,
+    include_buffer: bool = True,
+) -> None:
+    """Write several named `OnlineProbe`s (e.g. one per domain) to ONE safetensors file plus `path` + '.json'.
+
+    Tensor keys are `domain.<i>.probe.*` / `domain.<i>.buffer.*`; the JSON lists the names in order (names may hold
+    any character), each with its probe settings and counters. Nothing is pickled.
+    """
+    path = Path(path)
+    tensors, domains = {}, []
+    for i, (name, online) in enumerate(probes.items()):
+        tensors.update({f"domain.{i}.{k}": v for k, v in online.state_dict(include_buffer).items()})
+        domains.append({"name": name, **online.info(include_buffer)})
+    save_file(tensors, str(path))
+    info = {**(metadata or {}), "domains": domains}
+    path.with_suffix(path.suffix + ".json").write_text(json.dumps(info, indent=2, sort_keys=True))
+
+
+def load_probe_set(
+    path: str | Path, single_name: str = "default"
+) -> tuple[dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]], dict]:
+    """Inverse of `save_probe_set`: {name: (tensors, per-probe info)} for `OnlineProbe.load_state`, and the JSON.
+
+    A single probe written by `save_probe_file` reads as one set member named `single_name`, with its buffer's
+    (N, D) features as the one slice of (N, 1, D).
+    """
+    path = Path(path)
+    info = json.loads(path.with_suffix(path.suffix + ".json").read_text())
+    tensors = load_file(str(path))
+    if "domains" not in info:  # save_probe_file's layout
+        if "probe" not in info:
+            raise ValueError(f"{path} holds neither a probe set (`save_probe_set`) nor a probe (`save_probe_file`).")
+        state = {k: v.unsqueeze(1) if k == "buffer.features" else v for k, v in tensors.items()}
+        steps = int(info.get("probe_steps", 0))
+        member = {"probe": info["probe"], "steps": steps, "layer": 0, "warm_started": False, "refit_from_step": 0}
+        return {single_name: (state, member)}, info
+    out = {}
+    for i, domain in enumerate(info["domains"]):
+        prefix = f"domain.{i}."
+        out[domain["name"]] = ({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}, domain)
+    return out, info

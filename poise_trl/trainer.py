@@ -1,21 +1,24 @@
 """`POISETrainer`: `GRPOTrainer` with POISE's cross-rollout internal-state baseline. The only TRL-aware module."""
 
+import hashlib
+import json
 import os
 import textwrap
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch
 import trl
-from accelerate.utils import broadcast
+from accelerate.utils import broadcast, gather_object
 from packaging.version import Version
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id
 
-from .baselines import baseline_diagnostics, cross_rollout_baselines, leave_one_out_targets
+from .baselines import baseline_diagnostics, leave_one_out_targets, poise_advantages
 from .config import POISEConfig
 from .features import (
     assemble_features,
@@ -25,10 +28,12 @@ from .features import (
     pca_blocks,
     resolve_layer_index,
 )
-from .probe import ProbeBuffer, ValueProbe, load_probe_file, save_probe_file
+from .probe import OnlineProbe, ProbeBuffer, ValueProbe, choose_layer, load_probe_set, save_probe_set
 
 TESTED_TRL = ("1.16.0", "1.17.0")  # [low, high): the GRPOTrainer internals this subclass was tested against
 PROBE_FILE = "poise_probe.safetensors"
+DEFAULT_DOMAIN = "default"  # the one probe's name when there is no `probe_domain_column`
+AUTO_LAYER_FRACTIONS = (0.25, 0.53, 0.75, 1.0)  # default candidates for probe_layer="auto", as fractions of depth
 
 if not Version(TESTED_TRL[0]) <= Version(trl.__version__) < Version(TESTED_TRL[1]) and not os.environ.get(
     "POISE_ALLOW_UNTESTED_TRL"
@@ -38,6 +43,23 @@ if not Version(TESTED_TRL[0]) <= Version(trl.__version__) < Version(TESTED_TRL[1
         f"POISETrainer hooks GRPOTrainer internals that change between releases: install "
         f"'trl>={TESTED_TRL[0]},<{TESTED_TRL[1]}', or set POISE_ALLOW_UNTESTED_TRL=1 at your own risk."
     )
+
+
+def layer_candidates(candidates: list[int] | None, num_layers: int) -> list[int]:
+    """Sorted, de-duplicated layer indices for probe_layer="auto"; None: `AUTO_LAYER_FRACTIONS` of the depth, which
+    include the fixed default round(0.53·L)."""
+    if candidates is None:
+        candidates = [min(num_layers - 1, round(f * num_layers)) for f in AUTO_LAYER_FRACTIONS]
+    return sorted({resolve_layer_index(c, num_layers) for c in candidates})
+
+
+def prompt_group_ids(prompts: list) -> torch.Tensor:
+    """A stable 63-bit id per prompt (the same on every rank and every run), so K-fold splits can group by prompt."""
+    ids = []
+    for prompt in prompts:
+        text = json.dumps(prompt, sort_keys=True, default=str).encode()
+        ids.append(int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big", signed=True))
+    return torch.tensor(ids, dtype=torch.long)
 
 
 class POISETrainer(GRPOTrainer):
@@ -55,6 +77,11 @@ class POISETrainer(GRPOTrainer):
     (hook the layer during TRL's own old-log-prob pass when there is one, so no forward pass is added),
     `_calculate_rewards` (keep the gathered rewards), and the checkpoint pair `_save_checkpoint` /
     `_load_optimizer_and_scheduler` (probe and buffer travel with every checkpoint).
+
+    Probe state lives in `self.probes`, a dict domain -> [`OnlineProbe`] (probe, buffer, step counter): one entry,
+    `"default"`, unless `probe_domain_column` is set. With `probe_layer="auto"` every candidate layer is hooked in the
+    same pass, buffered rows hold all of them, and the layer in use (`self.probe_layer`) is re-chosen from the buffer
+    every `probe_layer_select_every` steps, after that step's baselines were computed.
     """
 
     _tag_names = ["trl", "poise"]
@@ -87,29 +114,64 @@ class POISETrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args=args, **kwargs)
 
         base = self.accelerator.unwrap_model(self.model)
-        self.probe_layer = resolve_layer_index(args.probe_layer, len(find_decoder_layers(base)))
+        num_layers = len(find_decoder_layers(base))
+        default_layer = resolve_layer_index(None, num_layers)
+        self.auto_layer = args.probe_layer == "auto"
+        # Layers hooked in every captured pass; buffered rows hold one feature vector per entry, in this order.
+        self.probe_layers = (
+            layer_candidates(args.probe_layer_candidates, num_layers)
+            if self.auto_layer
+            else [resolve_layer_index(args.probe_layer, num_layers)]
+        )
+        # Index (into probe_layers) of the layer in use: auto mode starts at the candidate nearest the fixed default.
+        self._layer_index = min(range(len(self.probe_layers)), key=lambda i: abs(self.probe_layers[i] - default_layer))
         self.hidden_size = base.config.get_text_config().hidden_size
         self.marker_ids: list[int] | None = None
         if args.reasoning_end_marker is not None:
             self.marker_ids = self._tokenizer(args.reasoning_end_marker, add_special_tokens=False)["input_ids"]
             if not self.marker_ids:
                 raise ValueError(f"reasoning_end_marker={args.reasoning_end_marker!r} tokenizes to no tokens.")
-        pca = pca_blocks(args.probe_features, self.hidden_size, args.probe_pca_dims)
-        clip = tuple(args.probe_clip_range) if args.probe_clip_range is not None else "observed"
-        self.value_probe = ValueProbe(alpha=args.probe_alpha, pca_dims=pca, clip=clip)
-        self.probe_buffer = ProbeBuffer(args.probe_buffer_size)
-        self.probe_steps = 0  # generation steps whose examples have entered the buffer
-        self.warm_started = args.probe_init_path is not None
-        self._refit_from_step = 0
-        if self.warm_started:
-            self._load_probe(args.probe_init_path)
-            self.probe_steps = 0
-            if len(self.probe_buffer) == 0:  # a few new examples must not overwrite the loaded fit
-                self._refit_from_step = args.probe_warmup_steps
+        self._probe_pca = pca_blocks(args.probe_features, self.hidden_size, args.probe_pca_dims)
+        self.probes: dict[str, OnlineProbe] = {}
+        if args.probe_domain_column is None:
+            self.probes[DEFAULT_DOMAIN] = self._new_online_probe(DEFAULT_DOMAIN)
+        self.probe_steps = 0  # training generation steps whose examples have entered the buffers
+        if args.probe_init_path is not None:
+            self._load_probe(args.probe_init_path, warm_start=True)
         self.feature_passes = 0  # teacher-forced passes POISE ran itself (0 when TRL's own pass is reused)
         self._capture_armed = False
         self._captured: tuple[torch.Tensor, torch.Tensor] | None = None
         self._gathered_rewards: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------------------------------------------ probes
+    @property
+    def probe_layer(self) -> int:
+        """The decoder layer whose features the probes use now (fixed, or the latest automatic choice)."""
+        return self.probe_layers[self._layer_index]
+
+    def _new_online_probe(self, domain: str) -> OnlineProbe:
+        clip = tuple(self.args.probe_clip_range) if self.args.probe_clip_range is not None else "observed"
+        capacity = (self.args.probe_domain_buffer_sizes or {}).get(domain, self.args.probe_buffer_size)
+        probe = ValueProbe(alpha=self.args.probe_alpha, pca_dims=self._probe_pca, clip=clip)
+        return OnlineProbe(probe, capacity, self.args.probe_warmup_steps)
+
+    def _single_probe(self) -> OnlineProbe:
+        if self.args.probe_domain_column is not None:
+            raise AttributeError(
+                f"This run keeps one probe per value of {self.args.probe_domain_column!r}: use "
+                "`trainer.probes[domain].probe`, `.buffer` and `.steps`."
+            )
+        return self.probes[DEFAULT_DOMAIN]
+
+    @property
+    def value_probe(self) -> ValueProbe:
+        """The probe of a single-domain run."""
+        return self._single_probe().probe
+
+    @property
+    def probe_buffer(self) -> ProbeBuffer:
+        """The buffer of a single-domain run: features are (N, len(probe_layers), D)."""
+        return self._single_probe().buffer
 
     # ----------------------------------------------------------------------------------------------------- capture
     def _trl_runs_old_logps_pass(self) -> bool:
@@ -129,13 +191,16 @@ class POISETrainer(GRPOTrainer):
         spans = self._spans(
             attention_mask[:, :-logits_to_keep], input_ids[:, -logits_to_keep:], attention_mask[:, -logits_to_keep:]
         )
-        layer = find_decoder_layers(self.accelerator.unwrap_model(self.model))[self.probe_layer]
+        layers = find_decoder_layers(self.accelerator.unwrap_model(self.model))
         kwargs["compute_entropy"] = True
-        with capture_layer(layer, spans) as capture:
+        with ExitStack() as hooks:  # one pass, one pooling hook per candidate layer
+            captures = [hooks.enter_context(capture_layer(layers[i], spans)) for i in self.probe_layers]
             logps, entropies, aux = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, **kwargs
             )
-        self._captured = (assemble_features(self.args.probe_features, capture.pooled(), entropies, spans), spans)
+        blocks = self.args.probe_features
+        features = torch.stack([assemble_features(blocks, c.pooled(), entropies, spans) for c in captures], dim=1)
+        self._captured = (features, spans)  # (B, len(probe_layers), D)
         return logps, entropies, aux
 
     def _spans(self, prompt_mask, completion_ids, completion_mask):
@@ -176,29 +241,31 @@ class POISETrainer(GRPOTrainer):
 
         device = self.accelerator.device
         has_completion = self.accelerator.gather(spans.completion_mask.any(1))
-        features = self.accelerator.gather(local_features.to(device))
-        feature_ok = has_completion & torch.isfinite(features).all(1)
+        features = self.accelerator.gather(local_features.to(device))  # (N, len(probe_layers), D)
+        feature_ok = has_completion & torch.isfinite(features).flatten(1).all(1)
         rewards_per_func = self._gathered_rewards
         rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(1)
         rewards[torch.isnan(rewards_per_func).all(1) | ~torch.isfinite(rewards)] = torch.nan
         scorable = torch.isfinite(rewards)
+        groups = self.accelerator.gather(prompt_group_ids([x["prompt"] for x in inputs]).to(device))
+        domain_rows = self._domain_rows(inputs, num_generations, device)
 
-        bootstrap = not self.value_probe.is_fitted or (
-            self.probe_steps < self.args.probe_warmup_steps and not self.warm_started
+        # Each row is predicted by its domain's probe as fitted on earlier steps; a domain still in its bootstrap (or
+        # never trained) gives its rows the RLOO baseline.
+        values = torch.full_like(rewards, torch.nan)
+        unclipped = values.clone()
+        trusted = torch.zeros_like(scorable)
+        trusted_domains = {}
+        for name, rows in domain_rows.items():
+            online = self.probes.get(name)
+            trusted_domains[name] = online is not None and online.trusted
+            trusted[rows] = trusted_domains[name]
+            predict = rows & feature_ok
+            if online is not None and online.probe.is_fitted and predict.any():
+                values[predict], unclipped[predict] = online.predict(features[predict], return_unclipped=True)
+        advantages, baselines, receives = poise_advantages(
+            rewards, values, num_generations, feature_ok, has_completion, trusted
         )
-        values = unclipped = torch.full_like(rewards, torch.nan)
-        if self.value_probe.is_fitted and feature_ok.any():
-            values, unclipped = values.clone(), unclipped.clone()
-            values[feature_ok], unclipped[feature_ok] = self.value_probe.predict(
-                features[feature_ok], return_unclipped=True
-            )
-        rloo = leave_one_out_targets(rewards, num_generations, scorable)
-        baselines = rloo
-        if not bootstrap:
-            probe_baselines = cross_rollout_baselines(values, num_generations, feature_ok)
-            baselines = torch.where(torch.isnan(probe_baselines), rloo, probe_baselines)
-        receives = scorable & has_completion & torch.isfinite(baselines)
-        advantages = torch.where(receives, rewards - baselines, torch.zeros_like(rewards))
         if self.args.scale_rewards == "batch" and scorable.sum() > 1:
             advantages = advantages / (rewards[scorable].std() + 1e-4)
 
@@ -213,28 +280,95 @@ class POISETrainer(GRPOTrainer):
         self._logs["extra"]["baseline"].extend(torch.where(receives, baselines, torch.nan).tolist())
 
         metrics = baseline_diagnostics(rewards, baselines, values, num_generations, receives, unclipped)
-        metrics.update(bootstrap=float(bootstrap), feature_rows_dropped=float((has_completion & ~feature_ok).sum()))
+        metrics.update(
+            bootstrap=(~trusted).float().mean().item(),  # fraction of rows on the RLOO baseline
+            feature_rows_dropped=float((has_completion & ~feature_ok).sum()),
+            layer=float(self.probe_layer),  # the layer this step's probe baselines came from
+        )
         if mode == "train":
-            metrics.update(self._update_probe(features, rloo, feature_ok & scorable))
-        metrics["buffer_size"] = float(len(self.probe_buffer))
+            targets = leave_one_out_targets(rewards, num_generations, scorable)  # the partners' mean reward
+            metrics.update(self._update_probes(features, targets, feature_ok & scorable, groups, domain_rows))
+        metrics["buffer_size"] = float(sum(len(online.buffer) for online in self.probes.values()))
+        if self.args.probe_domain_column is not None:
+            for name, rows in domain_rows.items():
+                domain_metrics = baseline_diagnostics(
+                    rewards[rows], baselines[rows], values[rows], num_generations, receives[rows], unclipped[rows]
+                )
+                domain_metrics["bootstrap"] = float(not trusted_domains[name])
+                domain_metrics["buffer_size"] = float(len(self.probes[name].buffer)) if name in self.probes else 0.0
+                metrics.update({f"domain/{name}/{key}": value for key, value in domain_metrics.items()})
         for name, value in metrics.items():
             self._metrics[mode][f"poise/{name}"].append(value)
         return output
 
-    def _update_probe(self, features: torch.Tensor, targets: torch.Tensor, usable: torch.Tensor) -> dict[str, float]:
-        """Append this step's leave-one-out examples, refit on the whole buffer, and make every rank agree."""
-        usable = usable & torch.isfinite(targets)
-        self.probe_buffer.add(features[usable], targets[usable])
-        self.probe_steps += 1
-        if len(self.probe_buffer) < 2 or self.probe_steps < self._refit_from_step:
-            return {"probe_fit_seconds": 0.0}
+    def _domain_rows(self, inputs: list[dict], num_generations: int, device) -> dict[str, torch.Tensor]:
+        """Row mask of the global batch for each domain present, in order of appearance (identical on every rank)."""
+        column = self.args.probe_domain_column
+        if column is None:
+            total = len(inputs) * self.accelerator.num_processes
+            return {DEFAULT_DOMAIN: torch.ones(total, dtype=torch.bool, device=device)}
+        if any(column not in x for x in inputs):
+            raise ValueError(
+                f"probe_domain_column={column!r}, but the batch has no such column (columns: {sorted(inputs[0])}). "
+                "Add it to the dataset, or set probe_domain_column=None."
+            )
+        domains = [str(name) for name in gather_object([x[column] for x in inputs])]
+        for start in range(0, len(domains), num_generations):
+            group = domains[start : start + num_generations]
+            if len(set(group)) != 1:
+                raise ValueError(f"One prompt's rollouts carry different {column!r} values: {group}.")
+        return {
+            name: torch.tensor([d == name for d in domains], dtype=torch.bool, device=device)
+            for name in dict.fromkeys(domains)
+        }
+
+    def _update_probes(
+        self,
+        features: torch.Tensor,
+        targets: torch.Tensor,
+        usable: torch.Tensor,
+        groups: torch.Tensor,
+        domain_rows: dict[str, torch.Tensor],
+    ) -> dict[str, float]:
+        """Append this step's leave-one-out examples to their domains' buffers, re-choose the layer when due (auto),
+        refit, and make every rank agree. Everything here only affects the baselines of later steps."""
         start = time.perf_counter()
+        usable = usable & torch.isfinite(targets)
+        for name, rows in domain_rows.items():
+            if name not in self.probes:
+                self.probes[name] = self._new_online_probe(name)
+            keep = rows & usable
+            self.probes[name].add(features[keep], targets[keep], groups[keep])
+        self.probe_steps += 1
+        metrics = {}
+        if self.auto_layer and self.probe_steps % self.args.probe_layer_select_every == 0:
+            metrics.update(self._select_layer())
         device = self.accelerator.device
-        self.value_probe.fit(self.probe_buffer.features.to(device), self.probe_buffer.targets.to(device))
-        if self.accelerator.num_processes > 1:  # identical inputs, but broadcast so ranks agree to the bit
-            for key, tensor in sorted(self.value_probe.state_dict().items()):
-                self.value_probe._state[key] = broadcast(tensor.to(device), from_process=0)
-        return {"probe_fit_seconds": time.perf_counter() - start}
+        refitted = False
+        for name, online in self.probes.items():
+            if online.can_fit and (name in domain_rows or online.layer != self._layer_index):
+                online.fit(self._layer_index, device)
+                refitted = True
+                if self.accelerator.num_processes > 1:  # identical inputs, but broadcast so ranks agree to the bit
+                    for key, tensor in sorted(online.probe.state_dict().items()):
+                        online.probe._state[key] = broadcast(tensor.to(device), from_process=0)
+        metrics["probe_fit_seconds"] = time.perf_counter() - start if refitted or metrics else 0.0
+        return metrics
+
+    def _select_layer(self) -> dict[str, float]:
+        """Choose the candidate layer with the lowest prompt-grouped K-fold MAE over every domain's buffer, with
+        hysteresis: switch only when the best beats the current layer by `probe_layer_switch_margin` (relative)."""
+        device = self.accelerator.device
+        errors = [online.layer_errors(self.args.probe_layer_folds, device) for online in self.probes.values()]
+        errors = [e for e in errors if e is not None]
+        if not errors:  # too few prompts buffered to cross-validate yet
+            return {}
+        mae = torch.cat(errors, dim=1).mean(1)
+        choice = choose_layer(mae, self._layer_index, self.args.probe_layer_switch_margin)
+        if self.accelerator.num_processes > 1:  # every rank must hook and fit the same layer
+            choice = int(broadcast(torch.tensor([choice], device=device), from_process=0).item())
+        self._layer_index = choice
+        return {f"layer_mae/{layer}": value for layer, value in zip(self.probe_layers, mae.tolist(), strict=True)}
 
     # -------------------------------------------------------------------------------------------------- probe files
     def _probe_metadata(self) -> dict[str, Any]:
@@ -242,35 +376,53 @@ class POISETrainer(GRPOTrainer):
         base = self.accelerator.unwrap_model(self.model)
         return {
             "feature_config": {
-                "probe_layer": self.probe_layer,
+                "probe_layer": "auto" if self.auto_layer else self.probe_layers[0],
+                "probe_layer_candidates": list(self.probe_layers),
                 "probe_pool_tokens": self.args.probe_pool_tokens,
                 "probe_features": list(self.args.probe_features),
                 "reasoning_end_marker": self.args.reasoning_end_marker,
                 "hidden_size": self.hidden_size,
             },
+            "probe_domain_column": self.args.probe_domain_column,
             "model_name": get_config_model_id(base.config),
             "probe_steps": self.probe_steps,
+            "layer": self.probe_layer,
         }
 
     def save_probe(self, path: str | os.PathLike, include_buffer: bool = True) -> None:
-        """Write the probe (and its buffer) as safetensors + JSON: no pickle, so a downloaded file cannot run code."""
-        buffer = self.probe_buffer if include_buffer else None
-        save_probe_file(path, self.value_probe, buffer, self._probe_metadata())
+        """Write every domain's probe (and buffer) to one safetensors file + JSON: no pickle, so a downloaded file
+        cannot run code. `probe_init_path` warm-starts a new run from it."""
+        save_probe_set(path, self.probes, self._probe_metadata(), include_buffer=include_buffer)
 
-    def _load_probe(self, path: str | os.PathLike) -> None:
-        probe, buffer, info = load_probe_file(path)
-        expected = self._probe_metadata()["feature_config"]
-        if info.get("feature_config") != expected:
+    def _load_probe(self, path: str | os.PathLike, warm_start: bool = False) -> None:
+        """Restore every domain from a probe file: exactly on resume; as a fresh, trusted start with `warm_start`."""
+        states, info = load_probe_set(path, single_name=DEFAULT_DOMAIN)
+        expected = self._probe_metadata()
+        features = info.get("feature_config") or {}
+        if "probe_layer_candidates" not in features and isinstance(features.get("probe_layer"), int):
+            features["probe_layer_candidates"] = [features["probe_layer"]]  # one fixed-layer probe (save_probe_file)
+            info.setdefault("layer", features["probe_layer"])
+        if info.get("feature_config") != expected["feature_config"]:
             raise ValueError(
                 f"The probe in {path} was fitted on features {info.get('feature_config')}, but this run extracts "
-                f"{expected}. Resume with the same probe_layer/probe_pool_tokens/probe_features/"
-                "reasoning_end_marker and model, or start a fresh run."
+                f"{expected['feature_config']}. Resume with the same probe_layer/probe_layer_candidates/"
+                "probe_pool_tokens/probe_features/reasoning_end_marker and model, or start a fresh run."
             )
-        self.value_probe = probe
-        self.probe_buffer = ProbeBuffer(self.args.probe_buffer_size)
-        if buffer is not None and len(buffer):  # keep this run's capacity: the newest rows survive
-            self.probe_buffer.add(buffer.features, buffer.targets)
-        self.probe_steps = int(info["probe_steps"])
+        if info.get("probe_domain_column") != self.args.probe_domain_column:
+            raise ValueError(
+                f"The probes in {path} are per {info.get('probe_domain_column')!r} (domains {list(states)}), but this "
+                f"run sets probe_domain_column={self.args.probe_domain_column!r}."
+            )
+        self.probes = {}
+        for name, (tensors, domain_info) in states.items():
+            online = self._new_online_probe(name)  # this run's buffer capacity: the newest rows survive
+            online.load_state(tensors, domain_info)
+            if warm_start:  # trusted at once; without a buffer, keep the loaded fit until warmup steps of new rows
+                online.steps, online.warm_started = 0, True
+                online.refit_from_step = self.args.probe_warmup_steps if len(online.buffer) == 0 else 0
+            self.probes[name] = online
+        self._layer_index = self.probe_layers.index(int(info["layer"]))
+        self.probe_steps = 0 if warm_start else int(info["probe_steps"])
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)

@@ -323,3 +323,23 @@ def test_vllm_importance_sampling_pass_is_reused_for_capture(tiny_model_path, tm
     assert trainer._trl_runs_old_logps_pass()
     trainer.vllm_importance_sampling_correction = False
     assert not trainer._trl_runs_old_logps_pass()
+
+
+def test_warm_start_accepts_a_single_probe_file(tiny_model_path, tmp_path):
+    """`save_probe_file` (one probe, (N, D) buffer, e.g. exported by the probe benchmark) warm-starts a fixed-layer run
+    as its one domain."""
+    from poise_trl.probe import ProbeBuffer, ValueProbe, save_probe_file
+
+    trainer = POISETrainer(str(tiny_model_path), digit_reward, args=_args(tmp_path), train_dataset=_dataset())
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 2 * 128 + 3, generator=g), torch.rand(16, generator=g)
+    probe, buffer = ValueProbe(alpha=0.01).fit(x, y), ProbeBuffer(32)
+    buffer.add(x, y)
+    metadata = trainer._probe_metadata()  # keep only what such a file has: the single layer, no domains
+    metadata = {k: metadata[k] for k in ("feature_config", "model_name", "probe_steps")}
+    metadata["feature_config"].pop("probe_layer_candidates")
+    save_probe_file(tmp_path / "single.safetensors", probe, buffer, metadata)
+    args = _args(tmp_path, probe_init_path=str(tmp_path / "single.safetensors"))
+    warm = POISETrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
+    assert torch.equal(warm.value_probe.state_dict()["coef"], probe.state_dict()["coef"])
+    assert warm.probe_buffer.features.shape == (16, 1, 2 * 128 + 3) and warm.probes["default"].trusted

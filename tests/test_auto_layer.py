@@ -1,0 +1,230 @@
+"""probe_layer="auto": every candidate layer hooked in the one pass, the layer chosen by prompt-grouped K-fold error
+on earlier steps only, with hysteresis."""
+
+import copy
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, HfArgumentParser
+
+from poise_trl import POISEConfig, POISETrainer, features
+from poise_trl.probe import OnlineProbe, ValueProbe, choose_layer, grouped_kfold_errors
+
+from .conftest import CPU_ARGS
+from .test_trainer import _count_scoring_passes
+
+
+# ---------------------------------------------------------------------------------------------------- config
+def _config(**kwargs) -> POISEConfig:
+    return POISEConfig(output_dir="unused", per_device_train_batch_size=4, **{**CPU_ARGS, **kwargs})
+
+
+def test_probe_layer_accepts_ints_auto_and_numeric_strings():
+    assert _config().probe_layer is None
+    assert _config(probe_layer="auto").probe_layer == "auto"
+    assert _config(probe_layer="19").probe_layer == 19 and _config(probe_layer=-1).probe_layer == -1
+    parser = HfArgumentParser(POISEConfig)
+    cli = ["--output_dir", "x", "--use_cpu", "true", "--bf16", "false", "--per_device_train_batch_size", "4"]
+    (args,) = parser.parse_args_into_dataclasses([*cli, "--probe_layer", "-1"])
+    assert args.probe_layer == -1
+    (args,) = parser.parse_args_into_dataclasses([*cli, "--probe_layer", "auto", "--probe_layer_candidates", "1", "3"])
+    assert (args.probe_layer, args.probe_layer_candidates) == ("auto", [1, 3])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(probe_layer="middle"), "'auto', or None"),
+        (dict(probe_layer=2, probe_layer_candidates=[1, 2]), "only used with probe_layer='auto'"),
+        (dict(probe_layer="auto", probe_layer_candidates=[]), "non-empty list"),
+        (dict(probe_layer="auto", probe_layer_select_every=0), ">= 1"),
+        (dict(probe_layer="auto", probe_layer_switch_margin=1.0), r"\[0, 1\)"),
+        (dict(probe_layer="auto", probe_layer_folds=1), ">= 2"),
+    ],
+)
+def test_bad_layer_settings_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _config(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ pure level
+def test_kfold_keeps_a_prompts_rows_in_one_fold_and_finds_the_informative_slice():
+    g = torch.Generator().manual_seed(0)
+    n_groups, per_group = 40, 2
+    groups = torch.arange(n_groups).repeat_interleave(per_group) * 7919  # arbitrary ids, like prompt hashes
+    label = (torch.rand(n_groups, generator=g) > 0.5).float()  # one target per prompt, shared by its rollouts
+    targets = label.repeat_interleave(per_group)
+    # Slice 0: a one-hot of the group, so a probe that saw a row's group would memorise its target.
+    memorise = torch.eye(n_groups).repeat_interleave(per_group, 0)
+    signal = torch.randn(n_groups * per_group, n_groups, generator=g)
+    signal[:, 0] = targets + 0.1 * torch.randn(n_groups * per_group, generator=g)  # slice 1 reveals the target
+    noise = torch.randn(n_groups * per_group, n_groups, generator=g)  # slice 2 reveals nothing
+    x = torch.stack([memorise, signal, noise], dim=1)
+    template = ValueProbe(alpha=1e-3, clip=(0.0, 1.0))
+    errors = grouped_kfold_errors(template, x, targets, groups, folds=5)
+    assert errors.shape == (3, n_groups * per_group)
+    # Rows of one group share their one-hot feature: had the group been split across folds, slice 0 would be
+    # nearly exact. Grouped, slice 0 predicts a held-out group from nothing it has seen.
+    assert errors[0].mean() > 0.3
+    ungrouped = grouped_kfold_errors(template, x, targets, None, folds=5)  # every row its own group: leaks
+    assert ungrouped[0].mean() < 0.1
+    assert errors[1].mean() < errors[2].mean() - 0.2 and int(errors.mean(1).argmin()) == 1
+    assert grouped_kfold_errors(template, x[:8], targets[:8], groups[:8], folds=5) is None  # 4 groups < 5 folds
+
+
+def test_choose_layer_switches_only_past_the_margin():
+    assert choose_layer(torch.tensor([1.0, 0.97, 1.2]), current=0, margin=0.05) == 0  # 3% better: stay
+    assert choose_layer(torch.tensor([1.0, 0.90, 1.2]), current=0, margin=0.05) == 1
+    assert choose_layer(torch.tensor([1.0, 0.97, 1.2]), current=0, margin=0.0) == 1
+    assert choose_layer(torch.tensor([0.5, 0.97, 1.2]), current=2, margin=0.05) == 0
+
+
+# --------------------------------------------------------------------------------------------- trainer level
+def _dataset(n: int = 64) -> Dataset:
+    return Dataset.from_list([{"prompt": f"{i % 10}{(3 * i) % 10}+{i % 7}"} for i in range(n)])
+
+
+def digit_reward(completions: list[str], **kwargs) -> list[float]:
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def _args(tmp_path, **kwargs) -> POISEConfig:
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        max_steps=5,
+        max_completion_length=6,
+        learning_rate=1e-3,
+        logging_steps=1,
+        probe_warmup_steps=1,
+        probe_preset="paper",
+        probe_layer="auto",
+        probe_layer_select_every=2,
+        probe_layer_folds=2,
+        probe_layer_switch_margin=0.0,
+        seed=0,
+    )
+    return POISEConfig(**{**CPU_ARGS, **base, **kwargs})
+
+
+class LayerRecorder(POISETrainer):
+    """Per step: the layer in use, the buffer and probe as they were before the step, the step's (N, C, D)
+    features, rewards and advantages."""
+
+    def _generate_and_score_completions(self, inputs):
+        buffer = self.probe_buffer
+        before = dict(
+            index=self._layer_index,
+            layer=self.probe_layer,
+            probe=copy.deepcopy(self.value_probe),
+            trusted=self.probes["default"].trusted,
+            buffer=None
+            if buffer.targets is None
+            else (buffer.features.clone(), buffer.targets.clone(), buffer.groups),
+        )
+        step_features = []
+        update = self._update_probes
+
+        def spy(feats, *args):
+            step_features.append(feats.clone())
+            return update(feats, *args)
+
+        self._update_probes = spy
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            del self._update_probes
+        rewards = (self._gathered_rewards * self.reward_weights).nansum(1).clone()
+        self.records.append(dict(before, features=step_features[0], rewards=rewards, advantages=output["advantages"]))
+        return output
+
+
+def test_auto_layer_chooses_from_earlier_steps_in_one_pass(tiny_model_path, tmp_path, monkeypatch):
+    hook_calls = []
+    original = features.PooledCapture.__call__
+
+    def counting(self, module, args, output):
+        hook_calls.append(id(module))
+        return original(self, module, args, output)
+
+    monkeypatch.setattr(features.PooledCapture, "__call__", counting)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    scoring_passes = _count_scoring_passes(model)
+    args = _args(tmp_path)
+    trainer = LayerRecorder(model, digit_reward, args=args, train_dataset=_dataset())
+    trainer.records = []
+    trainer.train()
+    steps = 5
+    assert trainer.probe_layers == [1, 2, 3]  # round(0.25·4), round(0.53·4) (the fixed default), round(0.75·4)
+    records = trainer.records
+    assert records[0]["layer"] == 2
+
+    # Still one teacher-forced pass per step (as with a fixed layer), each hooking the three candidates once.
+    assert scoring_passes[0] == trainer.feature_passes == steps
+    assert len(hook_calls) == 3 * steps and all(len(set(hook_calls[i : i + 3])) == 3 for i in range(0, 15, 3))
+    assert records[0]["features"].shape == (8, 3, 2 * 128 + 3)
+
+    template = ValueProbe(alpha=args.probe_alpha, pca_dims=[], clip="observed")
+    for t in range(1, steps):  # step t+1 (1-based) uses what the buffer held after step t
+        record, previous = records[t], records[t - 1]
+        bx, by, bg = record["buffer"]
+        if t % args.probe_layer_select_every == 0:  # a choice was made after step t from steps <= t only
+            mae = grouped_kfold_errors(template, bx, by, bg, args.probe_layer_folds).mean(1)
+            assert record["index"] == choose_layer(mae, previous["index"], args.probe_layer_switch_margin)
+        else:
+            assert record["index"] == previous["index"]
+        # The probe in use was fitted on exactly that buffer, at the layer in use.
+        refit = ValueProbe(alpha=args.probe_alpha, pca_dims=[], clip="observed").fit(bx[:, record["index"]], by)
+        for key, tensor in refit.state_dict().items():
+            torch.testing.assert_close(record["probe"].state_dict()[key], tensor, rtol=1e-9, atol=1e-12)
+        if record["trusted"]:
+            values = record["probe"].predict(record["features"][:, record["index"]])
+            expected = record["rewards"] - values.view(-1, 2).flip(1).reshape(-1)
+            torch.testing.assert_close(record["advantages"], expected, atol=2e-4, rtol=1e-4)
+
+    assert len({r["layer"] for r in records}) > 1  # with seed 0 the choice moves (2 -> 3 -> 2): refits on a switch
+    logged = [h for h in trainer.state.log_history if "poise/layer" in h]
+    assert [h["poise/layer"] for h in logged] == [float(r["layer"]) for r in records]
+    with_mae = [i + 1 for i, h in enumerate(logged) if "poise/layer_mae/1" in h]
+    assert with_mae == [2, 4]
+    assert all(f"poise/layer_mae/{layer}" in logged[1] for layer in (1, 2, 3))
+
+
+def test_select_layer_hysteresis_and_logging_in_the_trainer(tiny_model_path, tmp_path, monkeypatch):
+    trainer = POISETrainer(
+        str(tiny_model_path),
+        digit_reward,
+        args=_args(tmp_path, probe_layer_switch_margin=0.05),
+        train_dataset=_dataset(),
+    )
+    assert trainer.probe_layer == 2
+    per_layer = {}
+    monkeypatch.setattr(OnlineProbe, "layer_errors", lambda self, folds, device=None: per_layer["errors"])
+    per_layer["errors"] = torch.tensor([[0.97, 0.97], [1.0, 1.0], [1.5, 1.5]], dtype=torch.float64)  # 3% better
+    assert trainer._select_layer() == {"layer_mae/1": 0.97, "layer_mae/2": 1.0, "layer_mae/3": 1.5}
+    assert trainer.probe_layer == 2
+    per_layer["errors"] = torch.tensor([[0.8, 0.8], [1.0, 1.0], [1.5, 1.5]], dtype=torch.float64)  # 20%: switch
+    trainer._select_layer()
+    assert trainer.probe_layer == 1
+
+
+def test_saved_probes_record_the_candidate_set(tiny_model_path, tmp_path):
+    auto = POISETrainer(str(tiny_model_path), digit_reward, args=_args(tmp_path), train_dataset=_dataset())
+    auto._layer_index = 2
+    auto.save_probe(tmp_path / "auto.safetensors")
+    again = POISETrainer(
+        str(tiny_model_path),
+        digit_reward,
+        args=_args(tmp_path, probe_init_path=str(tmp_path / "auto.safetensors")),
+        train_dataset=_dataset(),
+    )
+    assert again.probe_layer == 3
+    for other in (dict(probe_layer_candidates=[1, 2]), dict(probe_layer=2)):
+        with pytest.raises(ValueError, match="fitted on features"):
+            POISETrainer(
+                str(tiny_model_path),
+                digit_reward,
+                args=_args(tmp_path, probe_init_path=str(tmp_path / "auto.safetensors"), **other),
+                train_dataset=_dataset(),
+            )
