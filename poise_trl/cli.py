@@ -1,4 +1,4 @@
-"""`poise-trl`: one command with subcommands (`demo`, `plot`, `eval`, ...).
+"""`poise-trl`: one command with subcommands (`demo`, `plot`, `eval`, `probe-bench`, `bench`).
 
 Each subcommand is a function `add_<name>_parser(subparsers)` that registers its parser and stores its handler as
 `func` (called with the parsed namespace, returning an exit code). Add one to `PARSER_BUILDERS` to add a
@@ -10,7 +10,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .bench import add_bench_parser
 from .evaluation import add_eval_parser
+from .probe_bench import add_probe_bench_parser
 from .tasks import DEFAULT_DIFFICULTIES, DEMO_WARMUP_LR, DEMO_WARMUP_STEPS
 
 
@@ -101,6 +103,8 @@ PARSER_BUILDERS: tuple[Callable[[Any], argparse.ArgumentParser], ...] = (
     add_demo_parser,
     add_plot_parser,
     add_eval_parser,
+    add_probe_bench_parser,
+    add_bench_parser,
 )
 
 

@@ -77,7 +77,7 @@ def test_cli_help_lists_subcommands_and_demo_knobs(capsys):
         cli.main(["--help"])
     assert exit_info.value.code == 0
     top = capsys.readouterr().out
-    for command in ("demo", "plot", "eval"):
+    for command in ("demo", "plot", "eval", "probe-bench", "bench"):
         assert command in top
     with pytest.raises(SystemExit):
         cli.main(["demo", "--help"])

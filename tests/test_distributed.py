@@ -40,9 +40,13 @@ def test_ranks_hold_identical_probe_parameters(runs):
 def test_two_processes_match_one_process(runs):
     (single,), (rank0, rank1) = runs[1], runs[2]
     for s, r0, r1 in zip(single["steps"], rank0["steps"], rank1["steps"], strict=True):
-        # Reductions over 2 ranks round differently from 1, so after the first update allow float32 noise.
-        assert r0["advantages"] + r1["advantages"] == pytest.approx(s["advantages"], abs=1e-5)
-        assert r0["baselines"] == pytest.approx(s["baselines"], abs=1e-5, nan_ok=True)
+        # Each rank pads its own rows (a different prompt width) and runs a smaller batch, and DDP reduces gradients in
+        # another order, so features differ by float32 rounding (~1e-7), which the probe's standardisation and solve
+        # on a handful of rows amplify to ~1e-5 (measured: up to 2.5e-5, with or without updates). A pairing or
+        # gathering error would move advantages by ~0.1-1, three orders of magnitude above this tolerance.
+        advantages = r0["advantages"] + r1["advantages"]
+        assert advantages == pytest.approx(s["advantages"], abs=2e-4)
+        assert r0["baselines"] == pytest.approx(s["baselines"], abs=2e-4, nan_ok=True)
         assert any(a != 0 for a in s["advantages"])
     first = single["steps"][0]
     assert rank0["steps"][0]["advantages"] + rank1["steps"][0]["advantages"] == first["advantages"]
