@@ -15,6 +15,8 @@ from torch import nn
 FEATURE_BLOCKS = ("prompt", "reasoning", "entropy", "length")
 HIDDEN_BLOCKS = ("prompt", "reasoning")
 # Model attributes tried, in order, to find the list of decoder blocks.
+# Default candidates of probe_layer="auto", as fractions of the depth (they include the fixed default's 0.53).
+AUTO_LAYER_FRACTIONS = (0.25, 0.53, 0.75, 1.0)
 _LAYER_PATHS = ("model.layers", "model.language_model.layers", "transformer.h", "gpt_neox.layers", "layers")
 
 
@@ -52,6 +54,13 @@ def resolve_layer_index(layer: int | None, num_layers: int) -> int:
             f"[{-num_layers}, {num_layers - 1}], or None for round(0.53 * num_layers)."
         )
     return index
+
+
+def layer_candidates(candidates: Sequence[int] | None, num_layers: int) -> list[int]:
+    """Sorted, de-duplicated layer indices for probe_layer="auto"; None: `AUTO_LAYER_FRACTIONS` of the depth."""
+    if candidates is None:
+        candidates = [min(num_layers - 1, round(f * num_layers)) for f in AUTO_LAYER_FRACTIONS]
+    return sorted({resolve_layer_index(c, num_layers) for c in candidates})
 
 
 def find_last_subsequence(ids: torch.Tensor, mask: torch.Tensor, pattern: Sequence[int]) -> torch.Tensor:

@@ -35,10 +35,11 @@ from .features import (
     capture_layer,
     feature_spans,
     find_decoder_layers,
+    layer_candidates,
     pca_blocks,
     resolve_layer_index,
 )
-from .probe import ValueProbe
+from .probe import ValueProbe, choose_layer, grouped_kfold_errors
 
 DEMO_MODEL = "demo"
 SORT_DATASET = "sort"
@@ -506,6 +507,26 @@ class ValueBenchmark:
         pca = pca_blocks(blocks, self.collection.meta["hidden_size"], dims)
         return self.probe(self.x(blocks, layer, pool), alpha, pca)
 
+    def auto_layer(
+        self, blocks: Sequence[str], preset: str, candidates: Sequence[int], folds: int, margin: float
+    ) -> tuple[int, list[float]] | None:
+        """The layer `probe_layer="auto"` would settle on from the train rows, by the trainer's own rule: each
+        candidate's prompt-grouped K-fold MAE, starting from the candidate nearest the default layer, with hysteresis.
+        Returns (layer, cross-validated MAE per candidate), or None with too few train prompts for K folds."""
+        from .config import PROBE_PRESETS
+
+        alpha, dims = PROBE_PRESETS[preset]
+        template = ValueProbe(alpha=alpha, pca_dims=pca_blocks(blocks, self.collection.meta["hidden_size"], dims))
+        x = torch.stack([self.x(blocks, layer)[self.fit_rows] for layer in candidates], dim=1)
+        groups = self.collection.prompt_index[self.fit_rows]
+        errors = grouped_kfold_errors(template, x, self.targets[self.fit_rows], groups, folds)
+        if errors is None:
+            return None
+        mae = errors.mean(1)
+        default = self.collection.meta["default_layer"]
+        current = min(range(len(candidates)), key=lambda i: abs(candidates[i] - default))
+        return candidates[choose_layer(mae, current, margin)], mae.tolist()
+
     def mlp(self, x: torch.Tensor, depth: int, width: int) -> torch.Tensor:
         """StandardScaler + sklearn MLP (ReLU, Adam, L2, early stopping), clipped to the observed target range."""
         from sklearn.neural_network import MLPRegressor
@@ -631,6 +652,24 @@ def run_benchmark(
         )
         for lay in layers
     ]
+    candidates = [lay for lay in layer_candidates(None, meta["num_layers"]) if lay in layers]
+    folds, margin = _config_default("probe_layer_folds"), _config_default("probe_layer_switch_margin")
+    start = time.perf_counter()
+    auto = bench.auto_layer(blocks, preset, candidates, folds, margin) if len(candidates) > 1 else None
+    if auto is not None:
+        chosen, cv_mae = auto
+        sections["Layer sweep"].append(
+            bench.score(
+                f"auto: {chosen} of {candidates}",
+                bench.probe_preset(blocks, preset, chosen),
+                time.perf_counter() - start,
+                layer=chosen,
+                pool=pool,
+                candidates=candidates,
+                cv_mae=cv_mae,
+                **sweep,
+            )
+        )
     pools = sorted({p for lay, p in collection.captures if lay == layer})
     sections["Pooling window"] = [
         bench.score(
@@ -682,7 +721,7 @@ def run_benchmark(
 SECTION_TITLES = {
     "Probe vs critic": "Value prediction on held-out prompts (paper Fig. 1, Table 2)",
     "Feature ablation": "Input features (paper Table 3)",
-    "Layer sweep": "Layer (paper Tables 6-7)",
+    "Layer sweep": "Layer (paper Tables 6-7; 'auto': the layer probe_layer='auto' picks from the train rows)",
     "Pooling window": "Pooling window (paper Tables 8-9)",
     "Probe architecture": "Probe architecture (paper Table 10)",
 }

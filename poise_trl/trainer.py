@@ -25,6 +25,7 @@ from .features import (
     capture_layer,
     feature_spans,
     find_decoder_layers,
+    layer_candidates,
     pca_blocks,
     resolve_layer_index,
 )
@@ -33,7 +34,6 @@ from .probe import OnlineProbe, ProbeBuffer, ValueProbe, choose_layer, load_prob
 TESTED_TRL = ("1.16.0", "1.17.0")  # [low, high): the GRPOTrainer internals this subclass was tested against
 PROBE_FILE = "poise_probe.safetensors"
 DEFAULT_DOMAIN = "default"  # the one probe's name when there is no `probe_domain_column`
-AUTO_LAYER_FRACTIONS = (0.25, 0.53, 0.75, 1.0)  # default candidates for probe_layer="auto", as fractions of depth
 
 if not Version(TESTED_TRL[0]) <= Version(trl.__version__) < Version(TESTED_TRL[1]) and not os.environ.get(
     "POISE_ALLOW_UNTESTED_TRL"
@@ -43,14 +43,6 @@ if not Version(TESTED_TRL[0]) <= Version(trl.__version__) < Version(TESTED_TRL[1
         f"POISETrainer hooks GRPOTrainer internals that change between releases: install "
         f"'trl>={TESTED_TRL[0]},<{TESTED_TRL[1]}', or set POISE_ALLOW_UNTESTED_TRL=1 at your own risk."
     )
-
-
-def layer_candidates(candidates: list[int] | None, num_layers: int) -> list[int]:
-    """Sorted, de-duplicated layer indices for probe_layer="auto"; None: `AUTO_LAYER_FRACTIONS` of the depth, which
-    include the fixed default round(0.53·L)."""
-    if candidates is None:
-        candidates = [min(num_layers - 1, round(f * num_layers)) for f in AUTO_LAYER_FRACTIONS]
-    return sorted({resolve_layer_index(c, num_layers) for c in candidates})
 
 
 def prompt_group_ids(prompts: list) -> torch.Tensor:

@@ -218,7 +218,13 @@ def test_command_end_to_end_refit_without_generation_and_export_warm_starts_the_
         "POISE probe (paper preset)",
         "Critic (policy backbone + value head, BCE)",
     ]
-    assert [row["layer"] for row in sections["Layer sweep"]] == [1, 2, 3]
+    *sweep, auto = sections["Layer sweep"]
+    assert [row["layer"] for row in sweep] == [1, 2, 3]
+    # The trainer's probe_layer="auto" rule on the train rows: one cross-validated MAE per candidate, then a choice.
+    assert auto["candidates"] == [1, 2, 3] and len(auto["cv_mae"]) == 3 and auto["layer"] in auto["candidates"]
+    assert auto["name"] == f"auto: {auto['layer']} of [1, 2, 3]"
+    chosen = next(row for row in sweep if row["layer"] == auto["layer"])
+    assert auto["pearson_r"] == chosen["pearson_r"]  # scored exactly as the fixed layer it picked
     assert [row["pool"] for row in sections["Pooling window"]] == [2, 3]
     critic = sections["Probe vs critic"][2]
     assert all(0 <= v <= 1 for v in critic["per_prompt_prediction"])
