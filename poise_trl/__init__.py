@@ -1,7 +1,13 @@
-"""POISE for TRL: value baselines predicted from the policy's own internal states (arXiv 2605.07579)."""
+"""POISE for TRL: value baselines predicted from the policy's own internal states (arXiv 2605.07579).
 
-from .baselines import baseline_diagnostics, cross_rollout_baselines, leave_one_out_targets
-from .config import PROBE_PRESETS, POISEConfig
+`POISEConfig` and `POISETrainer` import TRL (several seconds), so they load on first access: the pure modules and
+the `poise-trl` command line stay light.
+"""
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .baselines import baseline_diagnostics, cross_rollout_baselines, leave_one_out_targets, poise_advantages
 from .features import (
     assemble_features,
     capture_layer,
@@ -11,12 +17,25 @@ from .features import (
     find_last_subsequence,
     resolve_layer_index,
 )
-from .probe import ProbeBuffer, ValueProbe, load_probe_file, save_probe_file
-from .trainer import POISETrainer
+from .probe import OnlineProbe, ProbeBuffer, ValueProbe, load_probe_file, save_probe_file
+
+if TYPE_CHECKING:
+    from .config import PROBE_PRESETS, POISEConfig
+    from .trainer import POISETrainer
 
 __version__ = "0.1.0"
 
+_LAZY = {"POISEConfig": ".config", "PROBE_PRESETS": ".config", "POISETrainer": ".trainer"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
+    "OnlineProbe",
     "POISEConfig",
     "POISETrainer",
     "PROBE_PRESETS",
@@ -32,6 +51,7 @@ __all__ = [
     "find_last_subsequence",
     "leave_one_out_targets",
     "load_probe_file",
+    "poise_advantages",
     "resolve_layer_index",
     "save_probe_file",
 ]

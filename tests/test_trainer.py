@@ -2,6 +2,9 @@
 
 import copy
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -343,3 +346,17 @@ def test_warm_start_accepts_a_single_probe_file(tiny_model_path, tmp_path):
     warm = POISETrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
     assert torch.equal(warm.value_probe.state_dict()["coef"], probe.state_dict()["coef"])
     assert warm.probe_buffer.features.shape == (16, 1, 2 * 128 + 3) and warm.probes["default"].trusted
+
+
+def test_untested_trl_release_fails_at_import_with_what_to_do():
+    """POISETrainer overrides GRPOTrainer internals: another TRL minor release must fail loudly, not misbehave."""
+    code = "import trl; trl.__version__ = '1.17.0'; import poise_trl; poise_trl.POISETrainer"
+    env = {k: v for k, v in os.environ.items() if k != "POISE_ALLOW_UNTESTED_TRL"}
+    refused = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0
+    assert "ImportError: poise-trl is tested with trl>=1.16.0,<1.17.0 but trl 1.17.0 is installed" in refused.stderr
+    assert "POISE_ALLOW_UNTESTED_TRL=1" in refused.stderr
+    allowed = subprocess.run(
+        [sys.executable, "-c", code], env={**env, "POISE_ALLOW_UNTESTED_TRL": "1"}, capture_output=True, timeout=120
+    )
+    assert allowed.returncode == 0, allowed.stderr[-2000:]
