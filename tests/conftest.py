@@ -1,8 +1,11 @@
-"""Shared fixtures: a tiny local Qwen3 and character tokenizer (no hub), and CPU-only TRL settings."""
+"""Shared fixtures: a tiny local Qwen3 and character tokenizer (no hub), CPU-only TRL settings, and the short
+training setting most trainer tests start from."""
 
 from pathlib import Path
+from typing import Any
 
 import pytest
+from datasets import Dataset
 
 from poise_trl.tiny import save_tiny
 
@@ -21,3 +24,30 @@ CPU_ARGS = dict(
 def tiny_model_path(tmp_path_factory) -> Path:
     """A saved 4-layer, hidden-128 Qwen3 with a character tokenizer; `</think>` is one token."""
     return save_tiny(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def digit_dataset(n: int = 64) -> Dataset:
+    return Dataset.from_list([{"prompt": f"{i % 10}{(3 * i) % 10}+{i % 7}"} for i in range(n)])
+
+
+def digit_reward(completions: list[str], **kwargs) -> list[float]:
+    """A dense, deterministic reward so advantages are rarely zero on an untrained model."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def poise_args(tmp_path: Path, **overrides: Any):
+    """A 4-step CPU `POISEConfig` of 4 prompts x 2 rollouts with the paper probe, trusted after 1 step."""
+    from poise_trl import POISEConfig
+
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        max_steps=4,
+        max_completion_length=6,
+        learning_rate=1e-3,
+        logging_steps=1,
+        probe_warmup_steps=1,
+        probe_preset="paper",
+        seed=0,
+    )
+    return POISEConfig(**{**CPU_ARGS, **base, **overrides})

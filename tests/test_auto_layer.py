@@ -5,13 +5,12 @@ import copy
 
 import pytest
 import torch
-from datasets import Dataset
 from transformers import AutoModelForCausalLM, HfArgumentParser
 
 from poise_trl import POISEConfig, POISETrainer, features
 from poise_trl.probe import OnlineProbe, ValueProbe, choose_layer, grouped_kfold_errors
 
-from .conftest import CPU_ARGS
+from .conftest import CPU_ARGS, digit_dataset, digit_reward, poise_args
 from .test_trainer import _count_scoring_passes
 
 
@@ -81,31 +80,9 @@ def test_choose_layer_switches_only_past_the_margin():
 
 
 # --------------------------------------------------------------------------------------------- trainer level
-def _dataset(n: int = 64) -> Dataset:
-    return Dataset.from_list([{"prompt": f"{i % 10}{(3 * i) % 10}+{i % 7}"} for i in range(n)])
-
-
-def digit_reward(completions: list[str], **kwargs) -> list[float]:
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
-
-
 def _args(tmp_path, **kwargs) -> POISEConfig:
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=8,
-        max_steps=5,
-        max_completion_length=6,
-        learning_rate=1e-3,
-        logging_steps=1,
-        probe_warmup_steps=1,
-        probe_preset="paper",
-        probe_layer="auto",
-        probe_layer_select_every=2,
-        probe_layer_folds=2,
-        probe_layer_switch_margin=0.0,
-        seed=0,
-    )
-    return POISEConfig(**{**CPU_ARGS, **base, **kwargs})
+    auto = dict(probe_layer="auto", probe_layer_select_every=2, probe_layer_folds=2, probe_layer_switch_margin=0.0)
+    return poise_args(tmp_path, **{"max_steps": 5, **auto, **kwargs})
 
 
 class LayerRecorder(POISETrainer):
@@ -152,7 +129,7 @@ def test_auto_layer_chooses_from_earlier_steps_in_one_pass(tiny_model_path, tmp_
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     scoring_passes = _count_scoring_passes(model)
     args = _args(tmp_path)
-    trainer = LayerRecorder(model, digit_reward, args=args, train_dataset=_dataset())
+    trainer = LayerRecorder(model, digit_reward, args=args, train_dataset=digit_dataset())
     trainer.records = []
     trainer.train()
     steps = 5
@@ -196,7 +173,7 @@ def test_select_layer_hysteresis_and_logging_in_the_trainer(tiny_model_path, tmp
         str(tiny_model_path),
         digit_reward,
         args=_args(tmp_path, probe_layer_switch_margin=0.05),
-        train_dataset=_dataset(),
+        train_dataset=digit_dataset(),
     )
     assert trainer.probe_layer == 2
     per_layer = {}
@@ -210,14 +187,14 @@ def test_select_layer_hysteresis_and_logging_in_the_trainer(tiny_model_path, tmp
 
 
 def test_saved_probes_record_the_candidate_set(tiny_model_path, tmp_path):
-    auto = POISETrainer(str(tiny_model_path), digit_reward, args=_args(tmp_path), train_dataset=_dataset())
+    auto = POISETrainer(str(tiny_model_path), digit_reward, args=_args(tmp_path), train_dataset=digit_dataset())
     auto._layer_index = 2
     auto.save_probe(tmp_path / "auto.safetensors")
     again = POISETrainer(
         str(tiny_model_path),
         digit_reward,
         args=_args(tmp_path, probe_init_path=str(tmp_path / "auto.safetensors")),
-        train_dataset=_dataset(),
+        train_dataset=digit_dataset(),
     )
     assert again.probe_layer == 3
     for other in (dict(probe_layer_candidates=[1, 2]), dict(probe_layer=2)):
@@ -226,5 +203,5 @@ def test_saved_probes_record_the_candidate_set(tiny_model_path, tmp_path):
                 str(tiny_model_path),
                 digit_reward,
                 args=_args(tmp_path, probe_init_path=str(tmp_path / "auto.safetensors"), **other),
-                train_dataset=_dataset(),
+                train_dataset=digit_dataset(),
             )

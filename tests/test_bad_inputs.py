@@ -5,10 +5,10 @@ import math
 import torch
 from datasets import Dataset
 
-from poise_trl import POISEConfig, POISETrainer
+from poise_trl import POISETrainer
 from poise_trl.features import find_decoder_layers
 
-from .conftest import CPU_ARGS
+from .conftest import poise_args
 
 
 def _dataset(n: int = 64) -> Dataset:
@@ -25,19 +25,7 @@ class Recorder(POISETrainer):
 
 
 def _train(tiny_model_path, tmp_path, reward, **kwargs) -> Recorder:
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=8,
-        max_steps=4,
-        max_completion_length=6,
-        learning_rate=1e-3,
-        logging_steps=1,
-        probe_warmup_steps=1,
-        probe_preset="paper",
-    )
-    trainer = Recorder(
-        str(tiny_model_path), reward, args=POISEConfig(**{**CPU_ARGS, **base, **kwargs}), train_dataset=_dataset()
-    )
+    trainer = Recorder(str(tiny_model_path), reward, args=poise_args(tmp_path, **kwargs), train_dataset=_dataset())
     trainer.seen = []
     trainer.train()
     for _, advantages, _ in trainer.seen:
@@ -90,18 +78,8 @@ def test_non_finite_features_are_dropped_and_counted(tiny_model_path, tmp_path):
             finally:
                 handle.remove()
 
-    args = dict(
-        output_dir=str(tmp_path / "o"),
-        per_device_train_batch_size=8,
-        max_steps=3,
-        max_completion_length=6,
-        probe_warmup_steps=1,
-        probe_preset="paper",
-        logging_steps=1,
-        learning_rate=1e-3,
-    )
     trainer = Overflowing(
-        str(tiny_model_path), _dense, args=POISEConfig(**{**CPU_ARGS, **args}), train_dataset=_dataset()
+        str(tiny_model_path), _dense, args=poise_args(tmp_path, max_steps=3), train_dataset=_dataset()
     )
     trainer.seen = []
     trainer.train()

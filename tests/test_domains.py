@@ -11,7 +11,7 @@ from poise_trl import POISEConfig, POISETrainer
 from poise_trl.probe import OnlineProbe, ValueProbe, load_probe_set
 from poise_trl.trainer import PROBE_FILE, prompt_group_ids
 
-from .conftest import CPU_ARGS
+from .conftest import CPU_ARGS, digit_reward, poise_args
 
 
 # ------------------------------------------------------------------------------------------------- pure level
@@ -71,25 +71,9 @@ def _dataset() -> Dataset:
     return Dataset.from_list(rows)
 
 
-def digit_reward(completions: list[str], **kwargs) -> list[float]:
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
-
-
 def _args(tmp_path, **kwargs) -> POISEConfig:
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=8,
-        max_steps=4,
-        max_completion_length=6,
-        learning_rate=1e-3,
-        logging_steps=1,
-        probe_warmup_steps=2,
-        probe_preset="paper",
-        probe_domain_column="domain",
-        probe_domain_buffer_sizes='{"big": 20}',  # a JSON string, as from the command line or YAML
-        seed=0,
-    )
-    return POISEConfig(**{**CPU_ARGS, **base, **kwargs})
+    domains = dict(probe_domain_column="domain", probe_domain_buffer_sizes='{"big": 20}')  # JSON, as from a CLI/YAML
+    return poise_args(tmp_path, **{"probe_warmup_steps": 2, **domains, **kwargs})
 
 
 class DomainRecorder(POISETrainer):

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
@@ -16,33 +15,10 @@ from trl import GRPOConfig, GRPOTrainer
 from poise_trl import POISEConfig, POISETrainer
 from poise_trl.trainer import PROBE_FILE
 
-from .conftest import CPU_ARGS
+from .conftest import CPU_ARGS, digit_reward, poise_args
+from .conftest import digit_dataset as _dataset
 
 MARKER_ID = 3  # `</think>` in the tiny tokenizer
-
-
-def _dataset(n: int = 64) -> Dataset:
-    return Dataset.from_list([{"prompt": f"{i % 10}{(3 * i) % 10}+{i % 7}"} for i in range(n)])
-
-
-def digit_reward(completions: list[str], **kwargs) -> list[float]:
-    """A dense, deterministic reward so advantages are rarely zero on an untrained model."""
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
-
-
-def _args(tmp_path, **kwargs) -> POISEConfig:
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=8,
-        max_steps=4,
-        max_completion_length=6,
-        learning_rate=1e-3,
-        logging_steps=1,
-        probe_warmup_steps=1,
-        probe_preset="paper",
-        seed=0,
-    )
-    return POISEConfig(**{**CPU_ARGS, **base, **kwargs})
 
 
 class RecordingTrainer(POISETrainer):
@@ -93,7 +69,7 @@ def _independent_features(record: dict, n: int) -> torch.Tensor:
 
 
 def test_train_changes_every_parameter_and_advantages_use_the_partner(tiny_model_path, tmp_path):
-    args = _args(tmp_path, max_steps=5, probe_pool_tokens=3)
+    args = poise_args(tmp_path, max_steps=5, probe_pool_tokens=3)
     trainer = RecordingTrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
     trainer.records = []
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -143,9 +119,9 @@ def test_forward_pass_count(tiny_model_path, tmp_path, num_iterations, extra_pas
     for name, trainer_cls, config_cls in [("grpo", GRPOTrainer, GRPOConfig), ("poise", POISETrainer, POISEConfig)]:
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
         calls = _count_scoring_passes(model)
-        kwargs = _args(tmp_path, **common).to_dict() if config_cls is POISEConfig else None
+        kwargs = poise_args(tmp_path, **common).to_dict() if config_cls is POISEConfig else None
         args = (
-            _args(tmp_path, **common)
+            poise_args(tmp_path, **common)
             if kwargs
             else GRPOConfig(
                 **{
@@ -171,7 +147,11 @@ def test_forward_pass_count(tiny_model_path, tmp_path, num_iterations, extra_pas
 def test_peft_keeps_base_frozen_and_trains_lora(tiny_model_path, tmp_path):
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer = POISETrainer(
-        str(tiny_model_path), digit_reward, args=_args(tmp_path), train_dataset=_dataset(), peft_config=peft_config
+        str(tiny_model_path),
+        digit_reward,
+        args=poise_args(tmp_path),
+        train_dataset=_dataset(),
+        peft_config=peft_config,
     )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
@@ -184,7 +164,7 @@ def test_peft_keeps_base_frozen_and_trains_lora(tiny_model_path, tmp_path):
 
 
 def test_eval_does_not_touch_the_buffer(tiny_model_path, tmp_path):
-    args = _args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
+    args = poise_args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
     trainer = POISETrainer(
         str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset(), eval_dataset=_dataset(8)
     )
@@ -196,7 +176,7 @@ def test_eval_does_not_touch_the_buffer(tiny_model_path, tmp_path):
 
 
 def test_resume_restores_probe_buffer_and_next_baselines_bit_for_bit(tiny_model_path, tmp_path):
-    args = _args(tmp_path, max_steps=4, save_strategy="steps", save_steps=3)
+    args = poise_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=3)
     uninterrupted = RecordingTrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
     uninterrupted.records = []
     uninterrupted.train()
@@ -217,23 +197,31 @@ def test_resume_restores_probe_buffer_and_next_baselines_bit_for_bit(tiny_model_
     assert resumed.probe_steps == uninterrupted.probe_steps == 4
 
     changed = POISETrainer(
-        str(tiny_model_path), digit_reward, args=_args(tmp_path, max_steps=4, probe_layer=1), train_dataset=_dataset()
+        str(tiny_model_path),
+        digit_reward,
+        args=poise_args(tmp_path, max_steps=4, probe_layer=1),
+        train_dataset=_dataset(),
     )
     with pytest.raises(ValueError, match="fitted on features"):
         changed.train(resume_from_checkpoint=str(checkpoint))
 
 
 def test_model_card_and_bad_inputs(tiny_model_path, tmp_path):
-    trainer = POISETrainer(str(tiny_model_path), digit_reward, args=_args(tmp_path), train_dataset=_dataset())
+    trainer = POISETrainer(str(tiny_model_path), digit_reward, args=poise_args(tmp_path), train_dataset=_dataset())
     trainer.create_model_card(model_name="tiny-poise")
     card = (tmp_path / "out" / "README.md").read_text()
     assert "POISE" in card and "2605.07579" in card
     assert trainer._tag_names == ["trl", "poise"]
     with pytest.raises(ValueError, match=r"\[-4, 3\]"):
-        POISETrainer(str(tiny_model_path), digit_reward, args=_args(tmp_path, probe_layer=4), train_dataset=_dataset())
+        POISETrainer(
+            str(tiny_model_path), digit_reward, args=poise_args(tmp_path, probe_layer=4), train_dataset=_dataset()
+        )
     with pytest.raises(ValueError, match="only 128 columns"):
         POISETrainer(
-            str(tiny_model_path), digit_reward, args=_args(tmp_path, probe_pca_dims=[200, 0]), train_dataset=_dataset()
+            str(tiny_model_path),
+            digit_reward,
+            args=poise_args(tmp_path, probe_pca_dims=[200, 0]),
+            train_dataset=_dataset(),
         )
     grpo_args = GRPOConfig(output_dir=str(tmp_path), **CPU_ARGS, num_generations=2, per_device_train_batch_size=2)
     with pytest.raises(TypeError, match="needs a POISEConfig"):
@@ -261,7 +249,7 @@ def test_hooks_capture_one_policy_pass_and_never_leak(tiny_model_path, tmp_path,
 
     monkeypatch.setattr(features.PooledCapture, "__call__", counting)
     peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    args = _args(tmp_path, max_steps=4, **extra)
+    args = poise_args(tmp_path, max_steps=4, **extra)
     trainer = POISETrainer(
         str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset(), peft_config=peft_config
     )
@@ -280,13 +268,13 @@ def test_hooks_capture_one_policy_pass_and_never_leak(tiny_model_path, tmp_path,
 @pytest.mark.parametrize("include_buffer", [True, False])
 def test_warm_start_uses_the_loaded_probe_from_the_first_step(tiny_model_path, tmp_path, include_buffer):
     first = POISETrainer(
-        str(tiny_model_path), digit_reward, args=_args(tmp_path, max_steps=3), train_dataset=_dataset()
+        str(tiny_model_path), digit_reward, args=poise_args(tmp_path, max_steps=3), train_dataset=_dataset()
     )
     first.train()
     path = tmp_path / "exported.safetensors"
     first.save_probe(path, include_buffer=include_buffer)
 
-    args = _args(tmp_path, max_steps=2, probe_warmup_steps=4, probe_init_path=str(path), seed=1)
+    args = poise_args(tmp_path, max_steps=2, probe_warmup_steps=4, probe_init_path=str(path), seed=1)
     second = RecordingTrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
     second.records = []
     second.train()
@@ -305,7 +293,7 @@ def test_warm_start_uses_the_loaded_probe_from_the_first_step(tiny_model_path, t
 
 def test_warm_start_refuses_a_probe_from_another_feature_space(tiny_model_path, tmp_path):
     first = POISETrainer(
-        str(tiny_model_path), digit_reward, args=_args(tmp_path, max_steps=1), train_dataset=_dataset()
+        str(tiny_model_path), digit_reward, args=poise_args(tmp_path, max_steps=1), train_dataset=_dataset()
     )
     first.train()
     first.save_probe(tmp_path / "p.safetensors")
@@ -313,14 +301,14 @@ def test_warm_start_refuses_a_probe_from_another_feature_space(tiny_model_path, 
         POISETrainer(
             str(tiny_model_path),
             digit_reward,
-            args=_args(tmp_path, probe_pool_tokens=5, probe_init_path=str(tmp_path / "p.safetensors")),
+            args=poise_args(tmp_path, probe_pool_tokens=5, probe_init_path=str(tmp_path / "p.safetensors")),
             train_dataset=_dataset(),
         )
 
 
 def test_vllm_importance_sampling_pass_is_reused_for_capture(tiny_model_path, tmp_path):
     """vLLM needs CUDA; at its boundary, TRL's IS-correction old-log-prob pass must be recognised as capturable."""
-    trainer = POISETrainer(str(tiny_model_path), digit_reward, args=_args(tmp_path), train_dataset=_dataset())
+    trainer = POISETrainer(str(tiny_model_path), digit_reward, args=poise_args(tmp_path), train_dataset=_dataset())
     assert not trainer._trl_runs_old_logps_pass()
     trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
     assert trainer._trl_runs_old_logps_pass()
@@ -333,7 +321,7 @@ def test_warm_start_accepts_a_single_probe_file(tiny_model_path, tmp_path):
     as its one domain."""
     from poise_trl.probe import ProbeBuffer, ValueProbe, save_probe_file
 
-    trainer = POISETrainer(str(tiny_model_path), digit_reward, args=_args(tmp_path), train_dataset=_dataset())
+    trainer = POISETrainer(str(tiny_model_path), digit_reward, args=poise_args(tmp_path), train_dataset=_dataset())
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(16, 2 * 128 + 3, generator=g), torch.rand(16, generator=g)
     probe, buffer = ValueProbe(alpha=0.01).fit(x, y), ProbeBuffer(32)
@@ -342,7 +330,7 @@ def test_warm_start_accepts_a_single_probe_file(tiny_model_path, tmp_path):
     metadata = {k: metadata[k] for k in ("feature_config", "model_name", "probe_steps")}
     metadata["feature_config"].pop("probe_layer_candidates")
     save_probe_file(tmp_path / "single.safetensors", probe, buffer, metadata)
-    args = _args(tmp_path, probe_init_path=str(tmp_path / "single.safetensors"))
+    args = poise_args(tmp_path, probe_init_path=str(tmp_path / "single.safetensors"))
     warm = POISETrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
     assert torch.equal(warm.value_probe.state_dict()["coef"], probe.state_dict()["coef"])
     assert warm.probe_buffer.features.shape == (16, 1, 2 * 128 + 3) and warm.probes["default"].trusted
