@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny local Qwen3 and character tokenizer (no hub), CPU-only TRL settings, and the short
 training setting most trainer tests start from."""
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,3 +52,21 @@ def poise_args(tmp_path: Path, **overrides: Any):
         seed=0,
     )
     return POISEConfig(**{**CPU_ARGS, **base, **overrides})
+
+
+def score_and_capture_features(trainer: Any, score: Callable[[list], dict], inputs: list) -> tuple[dict, Any]:
+    """Run `score(inputs)`, the parent's `_generate_and_score_completions`, and return its output with the gathered
+    features the step handed to `_update_probes`."""
+    captured = []
+    update = trainer._update_probes
+
+    def spy(features, *args):
+        captured.append(features.clone())
+        return update(features, *args)
+
+    trainer._update_probes = spy
+    try:
+        output = score(inputs)
+    finally:
+        del trainer._update_probes
+    return output, captured[0]

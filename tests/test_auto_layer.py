@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, HfArgumentParser
 from poise_trl import POISEConfig, POISETrainer, features
 from poise_trl.probe import OnlineProbe, ValueProbe, choose_layer, grouped_kfold_errors
 
-from .conftest import CPU_ARGS, digit_dataset, digit_reward, poise_args
+from .conftest import CPU_ARGS, digit_dataset, digit_reward, poise_args, score_and_capture_features
 from .test_trainer import _count_scoring_passes
 
 
@@ -100,20 +100,9 @@ class LayerRecorder(POISETrainer):
             if buffer.targets is None
             else (buffer.features.clone(), buffer.targets.clone(), buffer.groups),
         )
-        step_features = []
-        update = self._update_probes
-
-        def spy(feats, *args):
-            step_features.append(feats.clone())
-            return update(feats, *args)
-
-        self._update_probes = spy
-        try:
-            output = super()._generate_and_score_completions(inputs)
-        finally:
-            del self._update_probes
+        output, features = score_and_capture_features(self, super()._generate_and_score_completions, inputs)
         rewards = (self._gathered_rewards * self.reward_weights).nansum(1).clone()
-        self.records.append(dict(before, features=step_features[0], rewards=rewards, advantages=output["advantages"]))
+        self.records.append(dict(before, features=features, rewards=rewards, advantages=output["advantages"]))
         return output
 
 

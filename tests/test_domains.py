@@ -11,7 +11,7 @@ from poise_trl import POISEConfig, POISETrainer
 from poise_trl.probe import OnlineProbe, ValueProbe, load_probe_set
 from poise_trl.trainer import PROBE_FILE, prompt_group_ids
 
-from .conftest import CPU_ARGS, digit_reward, poise_args
+from .conftest import CPU_ARGS, digit_reward, poise_args, score_and_capture_features
 
 
 # ------------------------------------------------------------------------------------------------- pure level
@@ -81,25 +81,14 @@ class DomainRecorder(POISETrainer):
 
     def _generate_and_score_completions(self, inputs):
         before = {name: (copy.deepcopy(p.probe), p.trusted) for name, p in self.probes.items()}
-        features = []
-        update = self._update_probes
-
-        def spy(feats, *args):
-            features.append(feats.clone())
-            return update(feats, *args)
-
-        self._update_probes = spy
-        try:
-            output = super()._generate_and_score_completions(inputs)
-        finally:
-            del self._update_probes
+        output, features = score_and_capture_features(self, super()._generate_and_score_completions, inputs)
         self.records.append(
             dict(
                 before=before,
                 domains=[x["domain"] for x in inputs],
                 rewards=(self._gathered_rewards * self.reward_weights).nansum(1).clone(),
                 advantages=output["advantages"].clone(),
-                features=features[0],
+                features=features,
             )
         )
         return output
