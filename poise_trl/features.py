@@ -14,9 +14,9 @@ from torch import nn
 
 FEATURE_BLOCKS = ("prompt", "reasoning", "entropy", "length")
 HIDDEN_BLOCKS = ("prompt", "reasoning")
-# Model attributes tried, in order, to find the list of decoder blocks.
 # Default candidates of probe_layer="auto", as fractions of the depth (they include the fixed default's 0.53).
 AUTO_LAYER_FRACTIONS = (0.25, 0.53, 0.75, 1.0)
+# Model attributes tried, in order, to find the list of decoder blocks.
 _LAYER_PATHS = ("model.layers", "model.language_model.layers", "transformer.h", "gpt_neox.layers", "layers")
 
 

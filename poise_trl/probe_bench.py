@@ -494,18 +494,20 @@ class ValueBenchmark:
         return row
 
     # ---------------------------------------------------------------------------------------------- estimators
-    def probe(self, x: torch.Tensor, alpha: float, pca_dims: list[tuple[int, int, int]] | None) -> torch.Tensor:
-        """Fit a `ValueProbe` exactly as the trainer builds it (clip='observed') and predict the held-out rows."""
-        probe = ValueProbe(alpha=alpha, pca_dims=pca_dims, clip="observed")
+    def preset_probe(self, blocks: Sequence[str], preset: str) -> ValueProbe:
+        """An unfitted `ValueProbe` built as the trainer builds it from a preset (clip='observed')."""
+        from .config import PROBE_PRESETS
+
+        alpha, dims = PROBE_PRESETS[preset]
+        return ValueProbe(alpha=alpha, pca_dims=pca_blocks(blocks, self.collection.meta["hidden_size"], dims))
+
+    def probe(self, x: torch.Tensor, probe: ValueProbe) -> torch.Tensor:
+        """Fit `probe` on the train rows' leave-one-out targets and predict the held-out rows."""
         probe.fit(x[self.fit_rows], self.targets[self.fit_rows])
         return probe.predict(x[self.test_rows])
 
     def probe_preset(self, blocks: Sequence[str], preset: str, layer: int | None = None, pool: int | None = None):
-        from .config import PROBE_PRESETS
-
-        alpha, dims = PROBE_PRESETS[preset]
-        pca = pca_blocks(blocks, self.collection.meta["hidden_size"], dims)
-        return self.probe(self.x(blocks, layer, pool), alpha, pca)
+        return self.probe(self.x(blocks, layer, pool), self.preset_probe(blocks, preset))
 
     def auto_layer(
         self, blocks: Sequence[str], preset: str, candidates: Sequence[int], folds: int, margin: float
@@ -513,13 +515,9 @@ class ValueBenchmark:
         """The layer `probe_layer="auto"` would settle on from the train rows, by the trainer's own rule: each
         candidate's prompt-grouped K-fold MAE, starting from the candidate nearest the default layer, with hysteresis.
         Returns (layer, cross-validated MAE per candidate), or None with too few train prompts for K folds."""
-        from .config import PROBE_PRESETS
-
-        alpha, dims = PROBE_PRESETS[preset]
-        template = ValueProbe(alpha=alpha, pca_dims=pca_blocks(blocks, self.collection.meta["hidden_size"], dims))
         x = torch.stack([self.x(blocks, layer)[self.fit_rows] for layer in candidates], dim=1)
         groups = self.collection.prompt_index[self.fit_rows]
-        errors = grouped_kfold_errors(template, x, self.targets[self.fit_rows], groups, folds)
+        errors = grouped_kfold_errors(self.preset_probe(blocks, preset), x, self.targets[self.fit_rows], groups, folds)
         if errors is None:
             return None
         mae = errors.mean(1)
@@ -629,7 +627,7 @@ def run_benchmark(
         main.append(bench.score("Critic (policy backbone + value head, BCE)", values, s))
     main.append(bench.score("Train mean", *_timed(bench.train_mean)))
     length = bench.x(["length"])
-    main.append(bench.score("Response length (linear)", *_timed(lambda: bench.probe(length, 1e-6, None))))
+    main.append(bench.score("Response length (linear)", *_timed(lambda: bench.probe(length, ValueProbe(alpha=1e-6)))))
     main.append(bench.score(f"RLOO, G={vr_group_size} (reward of the other rollouts; VR only)", None))
     sections["Probe vs critic"] = main
     log("      presets, critic and references done")
