@@ -18,8 +18,8 @@ import yaml
 from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl.data import dataset_hub_id, load_math_dataset
-from poise_trl.rewards import math_answer_reward
+from poise_trl.rlvr.data import dataset_hub_id, load_math_dataset
+from poise_trl.rlvr.rewards import math_answer_reward
 
 TRAINERS: dict[str, tuple[type[GRPOTrainer], type[GRPOConfig]]] = {
     "poise": (POISETrainer, POISEConfig),
@@ -41,7 +41,7 @@ class ScriptArguments:
     dataset_name: str = field(
         default="DAPO-Math-17k-en",
         metadata={
-            "help": "A `poise_trl.data.BENCHMARKS` key, a Hub dataset id, or a local .jsonl/.json/.parquet file."
+            "help": "A `poise_trl.rlvr.data.BENCHMARKS` key, a Hub dataset id, or a local .jsonl/.json/.parquet file."
         },
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})

@@ -1,31 +1,49 @@
 """POISE for TRL: value baselines predicted from the policy's own internal states (arXiv 2605.07579).
 
-`POISEConfig` and `POISETrainer` import TRL (several seconds), so they load on first access: the pure modules and
-the `poise-trl` command line stay light.
+Every public name loads on first access: `POISEConfig` and `POISETrainer` import TRL (several seconds) and the math
+modules import torch (about 2 s), so `import poise_trl` and the `poise-trl` command line stay light.
 """
 
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .baselines import baseline_diagnostics, cross_rollout_baselines, leave_one_out_targets, poise_advantages
-from .features import (
-    assemble_features,
-    capture_layer,
-    entropy_statistics,
-    feature_spans,
-    find_decoder_layers,
-    find_last_subsequence,
-    resolve_layer_index,
-)
-from .probe import OnlineProbe, ProbeBuffer, ValueProbe, load_probe_file, save_probe_file
-
 if TYPE_CHECKING:
+    from .baselines import baseline_diagnostics, cross_rollout_baselines, leave_one_out_targets, poise_advantages
     from .config import PROBE_PRESETS, POISEConfig
+    from .features import (
+        assemble_features,
+        capture_layer,
+        entropy_statistics,
+        feature_spans,
+        find_decoder_layers,
+        find_last_subsequence,
+        resolve_layer_index,
+    )
+    from .probe import OnlineProbe, ProbeBuffer, ValueProbe, load_probe_file, save_probe_file
     from .trainer import POISETrainer
 
 __version__ = "0.1.0"
 
-_LAZY = {"POISEConfig": ".config", "PROBE_PRESETS": ".config", "POISETrainer": ".trainer"}
+_LAZY = {
+    **dict.fromkeys(
+        ("baseline_diagnostics", "cross_rollout_baselines", "leave_one_out_targets", "poise_advantages"), ".baselines"
+    ),
+    **dict.fromkeys(("POISEConfig", "PROBE_PRESETS"), ".config"),
+    **dict.fromkeys(
+        (
+            "assemble_features",
+            "capture_layer",
+            "entropy_statistics",
+            "feature_spans",
+            "find_decoder_layers",
+            "find_last_subsequence",
+            "resolve_layer_index",
+        ),
+        ".features",
+    ),
+    **dict.fromkeys(("OnlineProbe", "ProbeBuffer", "ValueProbe", "load_probe_file", "save_probe_file"), ".probe"),
+    "POISETrainer": ".trainer",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -6,7 +6,6 @@ avg@k again → `training_dynamics.png`, `summary.json`, `trainer_state.json` an
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,20 +15,19 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
-from .config import POISEConfig
+from poise_trl.config import POISEConfig
+from poise_trl.trainer import POISETrainer
+
+from .model import default_cache_dir, evaluate_avg_at_k, load_demo_model, prepare_demo_model
 from .plots import plot_training_dynamics
 from .tasks import (
     DEFAULT_DIFFICULTIES,
     DEMO_WARMUP_LR,
     DEMO_WARMUP_STEPS,
     MAX_COMPLETION_LENGTH,
-    evaluate_avg_at_k,
-    load_demo_model,
     make_sort_splits,
-    prepare_demo_model,
     task_reward,
 )
-from .trainer import POISETrainer
 
 # (log key, column header, format): the per-step table, one row per logging window.
 TABLE_COLUMNS = (
@@ -43,11 +41,6 @@ TABLE_COLUMNS = (
 COLUMN_WIDTH = 8
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "training_dynamics.png"
-
-
-def default_cache_dir() -> Path:
-    """Where warm-started models are kept between runs: `$XDG_CACHE_HOME/poise-trl` (else `~/.cache/poise-trl`)."""
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "poise-trl"
 
 
 def _cell(value: Any, fmt: str) -> str:

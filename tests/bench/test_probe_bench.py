@@ -12,17 +12,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl.critic import load_critic, predict_critic, train_critic
-from poise_trl.probe_bench import (
-    Collection,
-    ValueBenchmark,
-    add_probe_bench_parser,
-    collect,
-    load_prompts,
-    split_by_prompt,
-)
+from poise_trl.bench.cli import add_probe_bench_parser
+from poise_trl.bench.critic import load_critic, predict_critic, train_critic
+from poise_trl.bench.value.collect import Collection, collect, load_prompts
+from poise_trl.bench.value.score import ValueBenchmark, split_by_prompt
 
-from .conftest import CPU_ARGS
+from ..conftest import CPU_ARGS
 
 MARKER, EOS = 3, 1  # `</think>` and `<eos>` in the tiny tokenizer
 FEATURES = ("prompt", "reasoning", "entropy", "length")

@@ -18,9 +18,9 @@ from trl import GRPOConfig
 from trl.scripts.vllm_serve import make_parser as make_vllm_serve_parser
 
 from poise_trl import POISEConfig
-from poise_trl.data import DAPO_PROMPT_PREFIX, DAPO_PROMPT_SUFFIX, dataset_hub_id
+from poise_trl.rlvr.data import DAPO_PROMPT_PREFIX, DAPO_PROMPT_SUFFIX, dataset_hub_id
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 
 

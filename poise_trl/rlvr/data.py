@@ -7,9 +7,10 @@ used for training and evaluation, as in the paper.
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from datasets import Dataset, Features, List, Value, load_dataset
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 # DAPO's template, verbatim (paper App. C.4). BytedTsinghua-SIA/DAPO-Math-17k stores its prompts with it applied.
 DAPO_PROMPT_PREFIX = (
@@ -62,14 +63,8 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
 # Paper Table 1 column order.
 PAPER_BENCHMARKS = ("AMC23", "AMC24", "AIME24", "AIME25", "AIME26", "HMMT25", "BRUMO25")
 
-# Declared, not inferred: `map` would otherwise cast a new `answer` back to the int/float type of the source column.
-FEATURES = Features(
-    {
-        "prompt": List({"role": Value("string"), "content": Value("string")}),
-        "answer": Value("string"),
-        "problem": Value("string"),
-    }
-)
+# Benchmarks that `poise-trl eval` runs by default: the paper's, except those without a known Hub copy.
+DEFAULT_BENCHMARKS = tuple(name for name in PAPER_BENCHMARKS if BENCHMARKS[name].hub_id is not None)
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
@@ -109,21 +104,23 @@ def _lookup(row: dict[str, Any], column: str) -> Any:
     return value
 
 
-def _has_column(dataset: Dataset, column: str) -> bool:
+def _has_column(dataset: "Dataset", column: str) -> bool:
     head, _, rest = column.partition(".")
     if head not in dataset.column_names:
         return False
     return not rest or rest in dataset.features[head]
 
 
-def _pick_column(dataset: Dataset, candidates: tuple[str, ...], kind: str) -> str:
+def _pick_column(dataset: "Dataset", candidates: tuple[str, ...], kind: str) -> str:
     for column in candidates:
         if _has_column(dataset, column):
             return column
     raise ValueError(f"no {kind} column among {list(candidates)}; the dataset has {dataset.column_names}")
 
 
-def to_prompt_answer(dataset: Dataset, problem_column: str | None = None, answer_column: str | None = None) -> Dataset:
+def to_prompt_answer(
+    dataset: "Dataset", problem_column: str | None = None, answer_column: str | None = None
+) -> "Dataset":
     """Map any supported schema to `prompt` (DAPO template, conversational), `answer` (str) and `problem` (str)."""
     problem_column = problem_column or _pick_column(dataset, PROBLEM_COLUMNS, "problem")
     answer_column = answer_column or _pick_column(dataset, ANSWER_COLUMNS, "answer")
@@ -133,8 +130,18 @@ def to_prompt_answer(dataset: Dataset, problem_column: str | None = None, answer
         answer = answer_to_str(_lookup(row, answer_column))
         return {"prompt": dapo_prompt(problem), "answer": answer, "problem": problem}
 
+    from datasets import Features, List, Value  # here, not at the top: `poise-trl --help` reads this registry
+
     # Drop the source columns: `prompt` may change type (str -> chat), and rows must have one schema.
-    return dataset.map(convert, remove_columns=dataset.column_names, features=FEATURES)
+    # Declared, not inferred: `map` would otherwise cast a new `answer` back to the source column's int/float type.
+    features = Features(
+        {
+            "prompt": List({"role": Value("string"), "content": Value("string")}),
+            "answer": Value("string"),
+            "problem": Value("string"),
+        }
+    )
+    return dataset.map(convert, remove_columns=dataset.column_names, features=features)
 
 
 def resolve_benchmark(name_or_path: str) -> tuple[str, str]:
@@ -168,13 +175,15 @@ def load_math_dataset(
     problem_column: str | None = None,
     answer_column: str | None = None,
     limit: int | None = None,
-) -> Dataset:
+) -> "Dataset":
     """Load a registered benchmark, any Hub dataset id, or a local `.jsonl`/`.json`/`.parquet` file.
 
     Registry keys (`BENCHMARKS`, case-insensitive) bring their own split, config and columns. Other Hub ids use
     `split` (default "train"); local files are read whole. Both detect the columns from `PROBLEM_COLUMNS` and
     `ANSWER_COLUMNS` unless given. `limit` keeps the first rows only, for smoke runs.
     """
+    from datasets import load_dataset
+
     spec = benchmark_spec(name_or_path)
     path = Path(name_or_path)
     if spec is not None:

@@ -5,19 +5,16 @@ import json
 import pytest
 import torch
 
-from poise_trl.tasks import (
+from poise_trl.demo.model import evaluate_avg_at_k, load_demo_model, prepare_demo_model, warm_start
+from poise_trl.demo.tasks import (
     MAX_COMPLETION_LENGTH,
     REASONING_END,
-    evaluate_avg_at_k,
     extract_answer,
-    load_demo_model,
     make_sort_splits,
-    prepare_demo_model,
     target_completion,
     task_reward,
-    warm_start,
 )
-from poise_trl.tiny import build_tiny_model, build_tiny_tokenizer
+from poise_trl.demo.tiny import build_tiny_model, build_tiny_tokenizer
 
 
 def test_splits_are_deterministic_in_seed():

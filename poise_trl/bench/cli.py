@@ -1,20 +1,38 @@
-"""`poise-trl bench`: training efficiency (POISE vs GRPO vs RLOO at an equal completion budget) and overhead.
+"""Parsers of `poise-trl bench` and `poise-trl probe-bench`, with what each benchmark measures in its `--help`.
 
-This module holds the CLI (both parsers and what each benchmark measures, in their `--help`) and what both share:
-device settings, seed statistics, the text table and the JSON writer. It imports neither trl nor the trainer: the
-handlers import `bench_efficiency` / `bench_overhead` when they run, so building the CLI stays light.
+Only argparse and the light `common` defaults load here; each handler imports its benchmark when it runs.
 """
 
 import argparse
-import json
-import math
-import platform
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import torch
+from .common import (
+    BENCH_WARMUP_STEPS,
+    CONTENDERS,
+    DEFAULT_MATH_DATASET,
+    DEFAULT_MLPS,
+    DEFAULT_POOLS,
+    DEMO_LEARNING_RATE,
+    DEMO_MODEL,
+    PAPER_LEARNING_RATE,
+    PROBE_FIT_ROWS,
+    QWEN3_4B_HIDDEN,
+    SORT_DATASET,
+)
+
+PROBE_BENCH_DESCRIPTION = """Will POISE work on my model? The paper's value-prediction benchmark in one command.
+
+1. Collect: sample K rollouts per prompt, score them with the reward, and extract POISE features in one
+   teacher-forced pass with the trainer's own feature code, hooking several layers and pooling windows at once.
+   Everything is saved (`collection.safetensors`), so fitting can be redone without generation.
+2. Split by prompt into train and held-out prompts; a held-out prompt's target is its empirical avg@K.
+3. Fit every estimator on the train rows with the trainer's leave-one-out target and score the mean of its
+   predictions over each held-out prompt's rollouts: MAE and Pearson r with bootstrap CIs over prompts, and the
+   variance reduction it would give as a cross-rollout baseline. Estimators: the POISE probe (release and paper
+   presets), feature ablations (paper Table 3), a layer sweep (Tables 6-7), pooling windows (Tables 8-9), MLP probes
+   (Table 10), an SPPO-style critic (App. D.1) and trivial references.
+4. Report markdown tables in the paper's layout, `results.json`, and `figure1.png` (probe vs critic, paper Fig. 1).
+"""
 
 EFFICIENCY_DESCRIPTION = """Sample efficiency of POISE, GRPO and RLOO at an equal completion budget.
 
@@ -69,154 +87,15 @@ StandardScaler (+ per-block PCA) + Ridge on the same data with the same thread c
 presets, predictions compared; also on the GPU when there is one.
 """
 
-# The demo warm start (100 steps) leaves almost no all-correct groups at G=8; 150 steps give ~13% all-correct and
-# ~14% all-wrong held-out prompts at avg@8 ~ 0.5, with room left to learn (measured on seed 0).
-BENCH_WARMUP_STEPS = 150
-# On the warm-started sort model 3e-4 (DESIGN §4's rate for max(a, b)) collapses every contender within 10 steps and
-# 1e-4 destabilises GRPO G=8; 5e-5 learns steadily for 100+ steps (seeds 0-1).
-DEMO_LEARNING_RATE = 5e-5
-PAPER_LEARNING_RATE = 1e-6  # paper Table 4, for real models
-QWEN3_4B_HIDDEN = 2560
-PROBE_FIT_ROWS = 4096
-
-
-@dataclass(frozen=True)
-class Contender:
-    name: str
-    label: str
-    algorithm: str  # "poise" | "grpo" | "rloo"
-    group_size: int
-
-
-CONTENDERS = {
-    c.name: c
-    for c in (
-        Contender("poise", "POISE G=2", "poise", 2),
-        Contender("grpo8", "GRPO G=8", "grpo", 8),
-        Contender("rloo2", "RLOO k=2", "rloo", 2),
-        Contender("grpo2", "GRPO G=2", "grpo", 2),
-    )
-}
-REFERENCE = "grpo8"  # every ratio is against it
-
-
-def device_kind() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def trainer_device_args(gradient_checkpointing: bool = False) -> dict[str, Any]:
-    """TRL settings every benchmark run shares. On CPU, GRPOConfig's default `bf16=True` would fail (DESIGN §4)."""
-    args: dict[str, Any] = dict(
-        gradient_checkpointing=gradient_checkpointing,
-        report_to="none",
-        save_strategy="no",
-        log_completions=False,
-        disable_tqdm=True,
-        logging_steps=1,
-    )
-    if device_kind() == "cpu":
-        args.update(use_cpu=True, bf16=False)
-    return args
-
-
-def set_cpu_threads(threads: int) -> None:
-    """Pin torch's intra-op threads on CPU.
-
-    The tiny model's ops are too small to gain from threads, and on a shared 2-core machine two OpenMP threads per
-    process fighting other jobs made a held-out evaluation 3-8x slower and far noisier than one thread.
-    """
-    if device_kind() == "cpu" and threads > 0:
-        torch.set_num_threads(threads)
-
-
-def quiet_libraries() -> None:
-    """Weight-loading and dataset progress bars and library chatter would drown the benchmark's own output."""
-    import datasets
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-    datasets.disable_progress_bars()
-
-
-def environment() -> dict[str, Any]:
-    """What the numbers were measured on, written into every JSON."""
-    import transformers
-    import trl
-
-    info: dict[str, Any] = {
-        "device": device_kind(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "trl": trl.__version__,
-        "python": platform.python_version(),
-        "cpu_threads": torch.get_num_threads(),
-    }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
-
-
-def spread(values: Iterable[float | None]) -> dict[str, Any]:
-    """Median, min and max over seeds. None (e.g. a target never reached) counts as +inf and is reported as None."""
-    finite = [math.inf if v is None else float(v) for v in values]
-    if not finite:
-        return {"median": None, "min": None, "max": None, "n": 0}
-    ordered = sorted(finite)
-    mid = len(ordered) // 2
-    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-    return {
-        "median": None if not math.isfinite(median) else median,
-        "min": None if not math.isfinite(ordered[0]) else ordered[0],
-        "max": None if not math.isfinite(ordered[-1]) else ordered[-1],
-        "n": len(ordered),
-    }
-
-
-def ratio(numerator: float | None, denominator: float | None) -> float | None:
-    if numerator is None or denominator is None or denominator == 0:
-        return None
-    return numerator / denominator
-
-
-def fmt(value: float | None, digits: int = 3) -> str:
-    if value is None:
-        return "–"
-    if abs(value) >= 1000:
-        return f"{value:,.0f}"
-    return f"{value:.{digits}g}"
-
-
-def fmt_spread(stats: dict[str, Any], digits: int = 3) -> str:
-    """`median [min, max]`; a never-reached median prints as `never`."""
-    if stats["n"] == 0:
-        return "–"
-    median = fmt(stats["median"], digits) if stats["median"] is not None else "never"
-    low, high = (fmt(stats[k], digits) if stats[k] is not None else "never" for k in ("min", "max"))
-    return median if stats["n"] == 1 else f"{median} [{low}, {high}]"
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A markdown table (pastes into the README as is)."""
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def write_json(path: Path, payload: dict[str, Any]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    return path
-
 
 def _run_efficiency(args: argparse.Namespace) -> int:
-    from .bench_efficiency import run_efficiency
+    from .efficiency import run_efficiency
 
     return run_efficiency(args)
 
 
 def _run_overhead(args: argparse.Namespace) -> int:
-    from .bench_overhead import run_overhead
+    from .overhead import run_overhead
 
     return run_overhead(args)
 
@@ -226,8 +105,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "bench",
         help="training-efficiency and overhead benchmarks (POISE vs GRPO vs RLOO)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Training-efficiency and overhead benchmarks of POISE against TRL's GRPOTrainer and RLOOTrainer.",
     )
     bench_subparsers = parser.add_subparsers(dest="bench_command", required=True, metavar="{efficiency,overhead}")
     add_efficiency_parser(bench_subparsers)
@@ -312,4 +190,63 @@ def add_overhead_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--train-dataset", default=None, help="prompts for --model (registry key, Hub id, file)")
     parser.add_argument("--train-limit", type=int, default=None)
     parser.set_defaults(func=_run_overhead)
+    return parser
+
+
+def _run_probe_bench(args: argparse.Namespace) -> int:
+    from .value.report import run_probe_bench
+
+    return run_probe_bench(args)
+
+
+def add_probe_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `probe-bench` on the CLI's subparsers; its handler is `func` (call `args.func(args)`)."""
+    parser = subparsers.add_parser(
+        "probe-bench",
+        help="will POISE work on my model? probe vs critic value prediction, with the paper's ablations",
+        description=PROBE_BENCH_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add("model", nargs="?", default=DEMO_MODEL, help="HF model id or path; 'demo': the cached tiny sort model")
+    add(
+        "--dataset",
+        default=None,
+        help=f"'{SORT_DATASET}' (the demo task), a poise_trl.data registry name, Hub id "
+        f"or local .jsonl/.parquet (default: {SORT_DATASET} for the demo, else {DEFAULT_MATH_DATASET})",
+    )
+    add("--split", default=None, help="dataset split (Hub ids)")
+    add("--reward-fn", default=None, help="MODULE:FUNCTION, a TRL reward (default: the task's or math_answer_reward)")
+    add("--num-prompts", type=int, default=320, help="distinct prompts to sample")
+    add("--k", type=int, default=8, help="rollouts per prompt (the paper's avg@8)")
+    add("--temperature", type=float, default=1.0, help="sampling temperature (POISE training samples at 1.0)")
+    add("--top-p", type=float, default=1.0)
+    add("--max-new-tokens", type=int, default=None, help="default: the demo task's length, else 8192")
+    add("--backend", choices=("auto", "hf", "vllm"), default="auto", help="auto: vLLM if installed, else HF generate")
+    add("--vllm-gpu-memory-utilization", type=float, default=0.5, help="vLLM's share; the HF model needs the rest")
+    add("--device", default="auto", help="auto: cuda if available, else cpu")
+    add("--batch-size", type=int, default=32, help="prompts per HF generate call (each expanded to K samples)")
+    add("--feature-batch-size", type=int, default=64, help="rollouts per teacher-forced pass (use ~4 at 8k tokens)")
+    add("--layers", default="auto", help="comma-separated layers to sweep (auto: all up to 16 layers, else odd)")
+    add("--pools", default=",".join(map(str, DEFAULT_POOLS)), help="pooling windows to sweep")
+    add("--layer", type=int, default=None, help="probe layer (default: POISEConfig's, round(0.53 * num_layers))")
+    add("--pool-tokens", type=int, default=None, help="pooling window n (default: POISEConfig's, 10)")
+    add("--features", nargs="+", default=None, metavar="BLOCK",
+        help="any of prompt, reasoning, entropy, length (default: POISEConfig's)")  # fmt: skip
+    add("--reasoning-end-marker", default=None, help="default: POISEConfig's </think>; 'none' for no marker")
+    add("--preset", choices=("release", "paper"), default=None, help="probe for the sweeps (default: POISEConfig's)")
+    add("--test-fraction", type=float, default=0.25, help="share of prompts held out")
+    add("--bootstrap", type=int, default=1000, help="bootstrap resamples of held-out prompts for the CIs")
+    add("--vr-group-size", type=int, default=2, help="G for the variance-reduction column (POISE uses 2)")
+    add("--mlps", default=DEFAULT_MLPS, help="MLP probes, DEPTHxWIDTH comma-separated ('' for none)")
+    add("--no-critic", action="store_true", help="skip the critic baseline")
+    add("--critic-epochs", type=int, default=10, help="max epochs (early stopping on 10%% of train prompts)")
+    add("--critic-lr", type=float, default=None, help="default: 1e-5 above 100M parameters, else 3e-4")
+    add("--critic-batch-size", type=int, default=16)
+    add("--seed", type=int, default=0, help="prompt choice, sampling, split, bootstrap and fits")
+    add("--output-dir", default="runs/probe_bench", help="collection, results.json, results.md, figure1.png")
+    add("--from-collection", default=None, help="refit from a saved collection.safetensors, without generation")
+    add("--export", default=None, help="write the release-preset probe here, for POISEConfig(probe_init_path=...)")
+    add("--cache-dir", default=None, help="demo model cache (default: $XDG_CACHE_HOME/poise-trl)")
+    parser.set_defaults(func=_run_probe_bench)
     return parser

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from poise_trl import cli, demo
-from poise_trl.plots import load_log_history
+from poise_trl import cli
+from poise_trl.demo import run
+from poise_trl.demo.plots import load_log_history
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STEPS = 6
@@ -16,7 +17,7 @@ def demo_run(tmp_path_factory):
     """One short real run: 6 steps of 8 prompts x 2 rollouts, bootstrap for 2 steps then the probe."""
     root = tmp_path_factory.mktemp("demo")
     lines: list[str] = []
-    summary = demo.run_demo(
+    summary = run.run_demo(
         output_dir=root / "run",
         steps=STEPS,
         seed=0,
@@ -38,7 +39,7 @@ def demo_run(tmp_path_factory):
 
 def test_demo_writes_summary_plot_state_and_model(demo_run):
     run_dir, summary, _ = demo_run
-    on_disk = json.loads((run_dir / demo.SUMMARY_FILE).read_text())
+    on_disk = json.loads((run_dir / run.SUMMARY_FILE).read_text())
     assert on_disk["avg_at_k_before"] == summary["avg_at_k_before"]
     for key in ("avg_at_k_before", "avg_at_k_after"):
         assert 0.0 <= on_disk[key] <= 1.0
@@ -46,7 +47,7 @@ def test_demo_writes_summary_plot_state_and_model(demo_run):
     assert on_disk["steps"] == STEPS and on_disk["held_out_prompts"] == 8
     assert on_disk["final_window"]["reward"] is not None
     assert on_disk["final_window"]["poise/mae"] is not None
-    assert (run_dir / demo.PLOT_FILE).read_bytes()[:8] == PNG_MAGIC
+    assert (run_dir / run.PLOT_FILE).read_bytes()[:8] == PNG_MAGIC
     assert (run_dir / "final" / "config.json").exists()
     history = load_log_history(run_dir)
     assert [e["step"] for e in history if "reward" in e] == list(range(1, STEPS + 1))
@@ -88,7 +89,7 @@ def test_cli_help_lists_subcommands_and_demo_knobs(capsys):
 
 def test_cli_demo_passes_its_knobs_through(monkeypatch, tmp_path):
     seen = {}
-    monkeypatch.setattr(demo, "run_demo", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(run, "run_demo", lambda **kwargs: seen.update(kwargs))
     argv = ["demo", "--steps", "7", "--seed", "3", "--task-size", "99", "--min-digits", "3", "--max-digits", "6"]
     argv += ["--output-dir", str(tmp_path), "--warmup-steps", "11", "--no-progress"]
     assert cli.main(argv) == 0

@@ -15,7 +15,15 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-from .bench import (
+from poise_trl.config import POISEConfig
+from poise_trl.demo.model import evaluate_avg_at_k, prepare_demo_model
+from poise_trl.demo.tasks import MAX_COMPLETION_LENGTH, make_sort_splits, task_reward
+from poise_trl.rlvr.data import load_math_dataset
+from poise_trl.rlvr.evaluation import score_benchmark
+from poise_trl.rlvr.rewards import math_answer_reward
+from poise_trl.trainer import POISETrainer
+
+from .common import (
     CONTENDERS,
     DEMO_LEARNING_RATE,
     PAPER_LEARNING_RATE,
@@ -32,12 +40,6 @@ from .bench import (
     trainer_device_args,
     write_json,
 )
-from .config import POISEConfig
-from .data import load_math_dataset
-from .evaluation import score_benchmark
-from .rewards import math_answer_reward
-from .tasks import MAX_COMPLETION_LENGTH, evaluate_avg_at_k, make_sort_splits, prepare_demo_model, task_reward
-from .trainer import POISETrainer
 
 TARGET_FRACTIONS = (0.5, 0.75, 0.9)  # of the reference's median gain, reported side by side in the JSON
 # Logged every step. The `poise/` keys (value-probe quality, paper App. C) exist for POISE only.

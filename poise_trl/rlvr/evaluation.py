@@ -15,15 +15,13 @@ from typing import Any
 import torch
 from datasets import Dataset
 
-from .data import BENCHMARKS, PAPER_BENCHMARKS, load_math_dataset, resolve_benchmark
+from .data import DEFAULT_BENCHMARKS, load_math_dataset, resolve_benchmark
 from .rewards import math_answer_reward
 
 Messages = list[dict[str, str]]
 # prompts -> k completions per prompt
 Sampler = Callable[[list[Messages]], list[list[str]]]
 BACKENDS = ("auto", "hf", "vllm")
-# Benchmarks that `poise-trl eval` runs by default: the paper's, except those without a known Hub copy.
-DEFAULT_BENCHMARKS = tuple(name for name in PAPER_BENCHMARKS if BENCHMARKS[name].hub_id is not None)
 
 
 def vllm_available() -> bool:
@@ -226,32 +224,3 @@ def run_eval(args: argparse.Namespace) -> int:
     output.write_text(json.dumps(results, indent=2) + "\n")
     print(f"\nwrote {output}")
     return 0
-
-
-def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `eval` on the CLI's subparsers; its handler is stored as `func` (call `args.func(args)`)."""
-    parser = subparsers.add_parser(
-        "eval",
-        help="avg@k on the paper's math benchmarks",
-        description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("model", help="model id on the Hub or a local model directory")
-    parser.add_argument(
-        "--benchmarks",
-        nargs="+",
-        default=list(DEFAULT_BENCHMARKS),
-        help=f"registry names ({', '.join(BENCHMARKS)}), Hub dataset ids, local .jsonl/.parquet files, or NAME=PATH",
-    )
-    parser.add_argument("--k", type=int, default=32, help="completions sampled per problem")
-    parser.add_argument("--temperature", type=float, default=0.6)
-    parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--max-new-tokens", type=int, default=8192)
-    parser.add_argument("--backend", choices=BACKENDS, default="auto", help="auto: vLLM if installed, else HF")
-    parser.add_argument("--device", default=None, help="HF backend only; default: cuda if available, else cpu")
-    parser.add_argument("--batch-size", type=int, default=1, help="HF backend only: prompts per generate call")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark (smoke runs)")
-    parser.add_argument("--output", default="eval_results.json", help="where to write the JSON results")
-    parser.set_defaults(func=run_eval)
-    return parser

@@ -8,21 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from poise_trl import evaluation
-from poise_trl.data import PAPER_BENCHMARKS, load_math_dataset
-from poise_trl.evaluation import (
-    DEFAULT_BENCHMARKS,
+from poise_trl.demo.tiny import build_tiny_tokenizer
+from poise_trl.rlvr import evaluation
+from poise_trl.rlvr.cli import add_eval_parser
+from poise_trl.rlvr.data import DEFAULT_BENCHMARKS, PAPER_BENCHMARKS, load_math_dataset
+from poise_trl.rlvr.evaluation import (
     _decode_completion,
-    add_eval_parser,
     evaluate,
     format_table,
     resolve_backend,
     score_benchmark,
     vllm_sampler,
 )
-from poise_trl.tiny import build_tiny_tokenizer
 
-BENCH = str(Path(__file__).parent / "fixtures" / "tiny_bench.jsonl")
+BENCH = str(Path(__file__).parents[1] / "fixtures" / "tiny_bench.jsonl")
 
 
 class RecordingReward:

@@ -2,11 +2,11 @@
 
 from pathlib import Path
 
+import datasets
 import pytest
 from datasets import Dataset, load_dataset
 
-from poise_trl import data
-from poise_trl.data import (
+from poise_trl.rlvr.data import (
     BENCHMARKS,
     DAPO_PROMPT_PREFIX,
     DAPO_PROMPT_SUFFIX,
@@ -19,7 +19,7 @@ from poise_trl.data import (
     strip_dapo_template,
 )
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures"
 
 # Paper App. C.4, typed out independently of the module so that a drift in the constant is caught.
 PAPER_TEMPLATE = (
@@ -144,7 +144,7 @@ def test_registry_names_load_their_hub_dataset_with_the_registered_split_config_
         calls.append((path, config, split))
         return rows
 
-    monkeypatch.setattr(data, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     spec = BENCHMARKS[name]
     dataset = load_math_dataset(name.lower())  # registry names are case-insensitive
     assert calls == [(spec.hub_id, spec.config, spec.split)]
@@ -169,7 +169,7 @@ def test_amc24_without_a_hub_copy_asks_for_a_local_file():
 def test_other_hub_ids_are_passed_through_with_default_split(monkeypatch):
     calls = []
     rows = Dataset.from_list([{"problem": "1+1", "answer": 2}])
-    monkeypatch.setattr(data, "load_dataset", lambda path, config=None, split=None: calls.append(split) or rows)
+    monkeypatch.setattr(datasets, "load_dataset", lambda path, config=None, split=None: calls.append(split) or rows)
     assert load_math_dataset("someone/math-set")["answer"] == ["2"]
     assert calls == ["train"]
 

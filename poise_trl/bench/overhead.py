@@ -20,7 +20,15 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig, GRPOTrainer
 
-from .bench import (
+from poise_trl.config import POISEConfig
+from poise_trl.demo.model import prepare_demo_model
+from poise_trl.demo.tasks import make_sort_splits
+from poise_trl.features import block_sizes, pca_blocks
+from poise_trl.probe import ValueProbe
+from poise_trl.rlvr.data import load_math_dataset
+from poise_trl.trainer import POISETrainer
+
+from .common import (
     PROBE_FIT_ROWS,
     QWEN3_4B_HIDDEN,
     device_kind,
@@ -35,12 +43,6 @@ from .bench import (
     trainer_device_args,
     write_json,
 )
-from .config import POISEConfig
-from .data import load_math_dataset
-from .features import block_sizes, pca_blocks
-from .probe import ValueProbe
-from .tasks import make_sort_splits, prepare_demo_model
-from .trainer import POISETrainer
 
 
 def any_text_reward(completions: list, **kwargs: Any) -> list[float]:
@@ -390,7 +392,7 @@ def probe_fit_benchmark(repeats: int, hidden: int = QWEN3_4B_HIDDEN, rows: int =
     from sklearn.preprocessing import StandardScaler
     from threadpoolctl import threadpool_limits
 
-    from .config import PROBE_PRESETS
+    from poise_trl.config import PROBE_PRESETS
 
     blocks = ["prompt", "reasoning", "entropy"]
     x, y = _probe_data(rows, hidden)

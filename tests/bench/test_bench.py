@@ -11,9 +11,10 @@ import threading
 
 import pytest
 
-from poise_trl.bench import CONTENDERS, add_bench_parser, spread
-from poise_trl.bench_efficiency import completions_to_gain, reference_gain
-from poise_trl.bench_overhead import Baton
+from poise_trl.bench.cli import add_bench_parser
+from poise_trl.bench.common import CONTENDERS, spread
+from poise_trl.bench.efficiency import completions_to_gain, reference_gain
+from poise_trl.bench.overhead import Baton
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

@@ -5,7 +5,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-NOTEBOOK = Path(__file__).parent.parent / "examples" / "quickstart.ipynb"
+NOTEBOOK = Path(__file__).parents[2] / "examples" / "quickstart.ipynb"
 
 
 def test_quickstart_notebook_runs(tmp_path):

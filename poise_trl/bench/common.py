@@ -1,0 +1,165 @@
+"""What the benchmarks share: contenders, defaults, device settings, seed statistics, the table and JSON writers.
+
+It imports no torch at module level (only inside the device helpers), so `poise_trl.bench.cli` can read its
+defaults and `poise-trl --help` stays light.
+"""
+
+import json
+import math
+import platform
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# The demo warm start (100 steps) leaves almost no all-correct groups at G=8; 150 steps give ~13% all-correct and
+# ~14% all-wrong held-out prompts at avg@8 ~ 0.5, with room left to learn (measured on seed 0).
+BENCH_WARMUP_STEPS = 150
+# On the warm-started sort model 3e-4 (DESIGN §4's rate for max(a, b)) collapses every contender within 10 steps and
+# 1e-4 destabilises GRPO G=8; 5e-5 learns steadily for 100+ steps (seeds 0-1).
+DEMO_LEARNING_RATE = 5e-5
+PAPER_LEARNING_RATE = 1e-6  # paper Table 4, for real models
+QWEN3_4B_HIDDEN = 2560
+PROBE_FIT_ROWS = 4096
+# probe-bench: the model and dataset names that mean "the offline demo", and its sweep defaults.
+DEMO_MODEL = "demo"
+SORT_DATASET = "sort"
+DEFAULT_MATH_DATASET = "DAPO-Math-17k-en"
+DEFAULT_POOLS = (5, 10, 15)
+# Depth x width, a CPU-sized slice of paper Table 10's grid (3x512 alone costs ~40 s on 2 cores for 2k rows); on a
+# GPU machine pass the paper's "1x512,3x512,5x512,7x512,9x512,3x1024,5x1024".
+DEFAULT_MLPS = "1x128,3x128,1x512,3x512"
+
+
+@dataclass(frozen=True)
+class Contender:
+    name: str
+    label: str
+    algorithm: str  # "poise" | "grpo" | "rloo"
+    group_size: int
+
+
+CONTENDERS = {
+    c.name: c
+    for c in (
+        Contender("poise", "POISE G=2", "poise", 2),
+        Contender("grpo8", "GRPO G=8", "grpo", 8),
+        Contender("rloo2", "RLOO k=2", "rloo", 2),
+        Contender("grpo2", "GRPO G=2", "grpo", 2),
+    )
+}
+REFERENCE = "grpo8"  # every ratio is against it
+
+
+def device_kind() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def trainer_device_args(gradient_checkpointing: bool = False) -> dict[str, Any]:
+    """TRL settings every benchmark run shares. On CPU, GRPOConfig's default `bf16=True` would fail (DESIGN §4)."""
+    args: dict[str, Any] = dict(
+        gradient_checkpointing=gradient_checkpointing,
+        report_to="none",
+        save_strategy="no",
+        log_completions=False,
+        disable_tqdm=True,
+        logging_steps=1,
+    )
+    if device_kind() == "cpu":
+        args.update(use_cpu=True, bf16=False)
+    return args
+
+
+def set_cpu_threads(threads: int) -> None:
+    """Pin torch's intra-op threads on CPU.
+
+    The tiny model's ops are too small to gain from threads, and on a shared 2-core machine two OpenMP threads per
+    process fighting other jobs made a held-out evaluation 3-8x slower and far noisier than one thread.
+    """
+    import torch
+
+    if device_kind() == "cpu" and threads > 0:
+        torch.set_num_threads(threads)
+
+
+def quiet_libraries() -> None:
+    """Weight-loading and dataset progress bars and library chatter would drown the benchmark's own output."""
+    import datasets
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+
+
+def environment() -> dict[str, Any]:
+    """What the numbers were measured on, written into every JSON."""
+    import torch
+    import transformers
+    import trl
+
+    info: dict[str, Any] = {
+        "device": device_kind(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+        "python": platform.python_version(),
+        "cpu_threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def spread(values: Iterable[float | None]) -> dict[str, Any]:
+    """Median, min and max over seeds. None (e.g. a target never reached) counts as +inf and is reported as None."""
+    finite = [math.inf if v is None else float(v) for v in values]
+    if not finite:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    ordered = sorted(finite)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return {
+        "median": None if not math.isfinite(median) else median,
+        "min": None if not math.isfinite(ordered[0]) else ordered[0],
+        "max": None if not math.isfinite(ordered[-1]) else ordered[-1],
+        "n": len(ordered),
+    }
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+def fmt(value: float | None, digits: int = 3) -> str:
+    if value is None:
+        return "–"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}g}"
+
+
+def fmt_spread(stats: dict[str, Any], digits: int = 3) -> str:
+    """`median [min, max]`; a never-reached median prints as `never`."""
+    if stats["n"] == 0:
+        return "–"
+    median = fmt(stats["median"], digits) if stats["median"] is not None else "never"
+    low, high = (fmt(stats[k], digits) if stats[k] is not None else "never" for k in ("min", "max"))
+    return median if stats["n"] == 1 else f"{median} [{low}, {high}]"
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A markdown table (pastes into the README as is)."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path

@@ -1,0 +1,89 @@
+"""Parsers of `poise-trl demo` and `poise-trl plot`; each handler imports the demo (TRL, torch) only when it runs."""
+
+import argparse
+from typing import Any
+
+from .tasks import DEFAULT_DIFFICULTIES, DEMO_WARMUP_LR, DEMO_WARMUP_STEPS
+
+
+def run_demo_command(args: argparse.Namespace) -> int:
+    from .run import run_demo
+
+    run_demo(
+        output_dir=args.output_dir,
+        steps=args.steps,
+        seed=args.seed,
+        min_digits=args.min_digits,
+        max_digits=args.max_digits,
+        num_train=args.task_size,
+        num_eval=args.eval_size,
+        warmup_steps=args.warmup_steps,
+        warmup_lr=args.warmup_lr,
+        learning_rate=args.learning_rate,
+        num_generations=args.num_generations,
+        prompts_per_step=args.prompts_per_step,
+        probe_warmup_steps=args.probe_warmup_steps,
+        probe_preset=args.probe_preset,
+        eval_k=args.eval_k,
+        logging_steps=args.logging_steps,
+        cache_dir=args.cache_dir,
+        show_progress=not args.no_progress,
+    )
+    return 0
+
+
+def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "demo",
+        help="train the tiny model with POISE on digit sorting (CPU, a few minutes)",
+        description="Warm-start a tiny Qwen3 on sorting 2-8 digits, measure held-out avg@k, train it with "
+        "POISETrainer while printing the probe's diagnostics, measure again, and write a training-dynamics plot "
+        "and summary.json.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--output-dir", default="runs/demo", help="where the plot, summary and final model go")
+    parser.add_argument("--steps", type=int, default=200, help="POISE training steps")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the task split, model init and training")
+    parser.add_argument("--min-digits", type=int, default=DEFAULT_DIFFICULTIES[0], help="easiest prompts")
+    parser.add_argument("--max-digits", type=int, default=DEFAULT_DIFFICULTIES[1], help="hardest prompts (<= 9)")
+    parser.add_argument("--task-size", type=int, default=2000, help="training prompts")
+    parser.add_argument("--eval-size", type=int, default=140, help="held-out prompts, never seen in training")
+    parser.add_argument("--eval-k", type=int, default=8, help="samples per held-out prompt for avg@k")
+    parser.add_argument("--warmup-steps", type=int, default=DEMO_WARMUP_STEPS, help="supervised warm-start steps")
+    parser.add_argument("--warmup-lr", type=float, default=DEMO_WARMUP_LR, help="warm-start learning rate")
+    parser.add_argument("--learning-rate", type=float, default=1e-4, help="POISE learning rate")
+    parser.add_argument("--num-generations", type=int, default=2, help="rollouts per prompt (G)")
+    parser.add_argument("--prompts-per-step", type=int, default=32, help="prompts per optimisation step")
+    parser.add_argument("--probe-warmup-steps", type=int, default=16, help="RLOO bootstrap steps before the probe")
+    parser.add_argument("--probe-preset", choices=("release", "paper"), default="release", help="probe settings")
+    parser.add_argument("--logging-steps", type=int, default=10, help="steps per table row / plot point")
+    parser.add_argument(
+        "--cache-dir", default=None, help="warm-started model cache (default: $XDG_CACHE_HOME/poise-trl)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
+    parser.set_defaults(func=run_demo_command)
+    return parser
+
+
+def run_plot_command(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .plots import load_log_history, plot_training_dynamics
+
+    output = args.output or Path(args.run_dir) / "training_dynamics.png"
+    print(plot_training_dynamics(load_log_history(args.run_dir), output, title=args.title))
+    return 0
+
+
+def add_plot_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "plot",
+        help="plot a run's training dynamics (reward, value, entropy, MAE, variance reduction)",
+        description="Read RUN_DIR/trainer_state.json (or the newest checkpoint-*/trainer_state.json) and write the "
+        "paper's training-dynamics panels as a PNG.",
+    )
+    parser.add_argument("run_dir", help="a trainer output_dir")
+    parser.add_argument("--output", default=None, help="PNG path (default: RUN_DIR/training_dynamics.png)")
+    parser.add_argument("--title", default=None, help="figure title")
+    parser.set_defaults(func=run_plot_command)
+    return parser
