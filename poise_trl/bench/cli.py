@@ -56,7 +56,7 @@ until it first gains `--target-fraction` of GRPO-8's median gain over the seed's
 between evaluations; the JSON repeats it for 0.5, 0.75 and 0.9), the final accuracy (also paired by seed against
 GRPO-8), the mean gradient norm before clipping, and the fraction of prompts whose advantages are all zero.
 
-Offline default: the demo sort-digits task (`poise_trl.tasks`) on the tiny model, warm-started longer than the
+Offline default: the demo sort-digits task (`poise_trl.demo.tasks`) on the tiny model, warm-started longer than the
 demo so that about a quarter of held-out prompts start all-correct or all-wrong at 8 samples. With `--model`,
 `--train-dataset` and `--eval-dataset` the same command trains a real model on a math dataset, one process on one
 GPU (the runs are sequential).
@@ -149,7 +149,7 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     demo.add_argument("--cache-dir", default=None, help="warm-started models; default OUTPUT_DIR/models")
     real = parser.add_argument_group("real model and dataset (a GPU in practice)")
     real.add_argument("--model", default=None, help="Hub id or local path; every contender starts from it")
-    real.add_argument("--train-dataset", default=None, help="poise_trl.data registry key, Hub id or local file")
+    real.add_argument("--train-dataset", default=None, help="poise_trl.rlvr.data registry key, Hub id or local file")
     real.add_argument("--train-limit", type=int, default=None, help="first N training rows")
     real.add_argument("--eval-dataset", default=None, help="held-out benchmark (registry key, Hub id or file)")
     real.add_argument("--eval-limit", type=int, default=None, help="first N held-out problems")
@@ -212,7 +212,7 @@ def add_probe_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     add(
         "--dataset",
         default=None,
-        help=f"'{SORT_DATASET}' (the demo task), a poise_trl.data registry name, Hub id "
+        help=f"'{SORT_DATASET}' (the demo task), a poise_trl.rlvr.data registry name, Hub id "
         f"or local .jsonl/.parquet (default: {SORT_DATASET} for the demo, else {DEFAULT_MATH_DATASET})",
     )
     add("--split", default=None, help="dataset split (Hub ids)")

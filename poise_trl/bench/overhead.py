@@ -283,7 +283,7 @@ def _proc_status_mib(field: str) -> float:
 
 
 def memory_worker(algorithm: str, rows: list[Row], settings: dict[str, Any]) -> list[dict[str, float]]:
-    """Run in a fresh process (`python -m poise_trl.bench_overhead JSON`): after one warm-up cycle, for each row,
+    """Run in a fresh process (`python -m poise_trl.bench.overhead JSON`): after one warm-up cycle, for each row,
     build the trainer, train a few cycles, and report its peak memory above what the process held when training
     started."""
     quiet_libraries()
@@ -320,7 +320,7 @@ def measure_memory(rows: list[Row], settings: dict[str, Any]) -> list[dict[str, 
     processes = {}
     for algorithm in ("poise", "grpo"):
         payload = json.dumps({"algorithm": algorithm, "rows": [asdict(r) for r in rows], "settings": settings})
-        command = [sys.executable, "-m", "poise_trl.bench_overhead", payload]
+        command = [sys.executable, "-m", "poise_trl.bench.overhead", payload]
         log = Path(settings["output_dir"]) / f"memory_{algorithm}.log"  # a file: a full stderr pipe would stall it
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("w") as stderr:

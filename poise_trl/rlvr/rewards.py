@@ -100,7 +100,7 @@ def math_answer_reward(
 ) -> list[float | None]:
     """TRL reward function: 1.0 for a correct final answer, 0.0 otherwise, None if the ground truth is unparseable.
 
-    `answer` is the dataset column of ground truths (see `poise_trl.data`); TRL passes it by name. None makes TRL
+    `answer` is the dataset column of ground truths (see `poise_trl.rlvr.data`); TRL passes it by name. None makes TRL
     skip the sample (NaN) instead of teaching the policy from a broken label.
     """
     rewards: list[float | None] = []

@@ -375,7 +375,9 @@ def load_reward_fn(spec: str) -> RewardFn:
     """'package.module:function' -> the function (any TRL-style reward)."""
     module, _, attr = spec.partition(":")
     if not module or not attr:
-        raise ValueError(f"--reward-fn {spec!r}: write MODULE:FUNCTION, e.g. poise_trl.rewards:math_answer_reward")
+        raise ValueError(
+            f"--reward-fn {spec!r}: write MODULE:FUNCTION, e.g. poise_trl.rlvr.rewards:math_answer_reward."
+        )
     return getattr(importlib.import_module(module), attr)
 
 
