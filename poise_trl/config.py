@@ -108,7 +108,8 @@ class POISEConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "PCA components for the [prompt, reasoning] hidden-state blocks; 0 disables PCA on a block. "
-            "None: taken from `probe_preset`.",
+            "None: taken from `probe_preset` and capped at each block's width (a model with hidden size 8 keeps 8 "
+            "prompt components); explicit dims wider than their block are an error.",
         },
     )
     probe_clip_range: list[float] | None = field(
@@ -184,6 +185,8 @@ class POISEConfig(GRPOConfig):
         if self.probe_preset not in PROBE_PRESETS:
             raise ValueError(f"probe_preset={self.probe_preset!r}: choose one of {list(PROBE_PRESETS)}.")
         preset_alpha, preset_dims = PROBE_PRESETS[self.probe_preset]
+        # A preset's PCA dims are capped at the block width of a small model; explicit dims are taken as given.
+        self.pca_dims_from_preset = self.probe_pca_dims is None
         self.probe_alpha = preset_alpha if self.probe_alpha is None else float(self.probe_alpha)
         self.probe_pca_dims = list(preset_dims if self.probe_pca_dims is None else self.probe_pca_dims)
         if self.probe_alpha <= 0:

@@ -123,7 +123,9 @@ class POISETrainer(GRPOTrainer):
             self.marker_ids = self._tokenizer(args.reasoning_end_marker, add_special_tokens=False)["input_ids"]
             if not self.marker_ids:
                 raise ValueError(f"reasoning_end_marker={args.reasoning_end_marker!r} tokenizes to no tokens.")
-        self._probe_pca = pca_blocks(args.probe_features, self.hidden_size, args.probe_pca_dims)
+        self._probe_pca = pca_blocks(
+            args.probe_features, self.hidden_size, args.probe_pca_dims, cap_at_width=args.pca_dims_from_preset
+        )
         self.probes: dict[str, OnlineProbe] = {}
         if args.probe_domain_column is None:
             self.probes[DEFAULT_DOMAIN] = self._new_online_probe(DEFAULT_DOMAIN)
