@@ -156,7 +156,7 @@ class SpyTrainer(POISETrainer):
                     advantages=output["advantages"].clone(),
                     rewards=rewards,
                     baselines=torch.tensor(list(self._logs["extra"]["baseline"])[-rows:]),
-                    divisor=torch.tensor(divisor),
+                    divisor=divisor,
                     output={k: v.clone() for k, v in output.items() if isinstance(v, torch.Tensor)},
                 )
             )
