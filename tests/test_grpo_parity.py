@@ -196,5 +196,5 @@ def test_peft_lora(paths, tmp_path, arch):
 def test_the_tiny_tokenizer_round_trips():
     """Precondition of the scenarios above: the character tokenizer is lossless on prompts and markup."""
     tokenizer = char_tokenizer()
-    text = "12+3</think>7<tool_call>\n{}</tool_call>"
+    text = "12+3</think>\n\n7<tool_call>\n{}</tool_call>"
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text

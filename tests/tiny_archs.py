@@ -41,7 +41,7 @@ def char_tokenizer(chat_template: str = PLAIN_TEMPLATE, extra_tokens: tuple[str,
     for ch in ALPHABET:
         vocab.setdefault(ch, len(vocab))
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # newlines too
     backend.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>", unk_token="<unk>", padding_side="left"
@@ -64,7 +64,7 @@ def causal_lm(arch: str, vocab_size: int, hidden_size: int = 16, num_layers: int
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=hidden_size // 2,
-        max_position_embeddings=512,
+        max_position_embeddings=2048,  # a tool schema in the system prompt is ~600 characters
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=None,
