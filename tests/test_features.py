@@ -13,6 +13,7 @@ from poise_trl.features import (
     feature_spans,
     find_decoder_layers,
     find_last_subsequence,
+    pca_blocks,
     pool_hidden,
     resolve_layer_index,
 )
@@ -205,3 +206,10 @@ def test_nan_at_padding_never_reaches_the_pooled_mean_and_zero_width_completions
     )
     pooled = pool_hidden(torch.randn(2, 3, 4), empty.pool_index, empty.pool_weight)
     assert pooled[:, 1].eq(0).all() and torch.equal(entropy_statistics(torch.zeros(2, 0), empty), torch.zeros(2, 3))
+
+
+def test_pca_blocks_cap_a_preset_at_the_block_width_and_refuse_explicit_dims_beyond_it():
+    assert pca_blocks(["prompt", "reasoning", "entropy"], 8, [32, 64], cap_at_width=True) == [(0, 8, 8), (8, 16, 8)]
+    assert pca_blocks(["reasoning"], 8, [32, 4], cap_at_width=True) == [(0, 8, 4)]
+    with pytest.raises(ValueError, match="asks for 32 components of the prompt block, which has only 8 columns"):
+        pca_blocks(["prompt", "reasoning"], 8, [32, 0])
