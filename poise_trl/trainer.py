@@ -81,8 +81,9 @@ class POISETrainer(GRPOTrainer):
 
     Overrides: `_generate_and_score_completions` (replace the advantages), `_get_per_token_logps_and_entropies`
     (hook the layer during TRL's own old-log-prob pass when there is one, so no forward pass is added),
-    `_calculate_rewards` (keep the gathered rewards), and the checkpoint pair `_save_checkpoint` /
-    `_load_optimizer_and_scheduler` (probe and buffer travel with every checkpoint).
+    `_calculate_rewards` (keep the gathered rewards), `_generate` (keep the tool/env mask, so features use only the
+    tokens the policy generated), and the checkpoint pair `_save_checkpoint` / `_load_optimizer_and_scheduler` (probe,
+    buffer and reward std travel with every checkpoint).
 
     Probe state lives in `self.probes`, a dict domain -> [`OnlineProbe`] (probe, buffer, step counter): one entry,
     `"default"`, unless `probe_domain_column` is set. With `probe_layer="auto"` every candidate layer is hooked in the
