@@ -9,9 +9,12 @@ from typing import Any
 from .common import (
     BENCH_WARMUP_STEPS,
     CONTENDERS,
+    DAPO_MAX_ROUNDS,
+    DEFAULT_EFFICIENCY_STEPS,
     DEFAULT_MATH_DATASET,
     DEFAULT_MLPS,
     DEFAULT_POOLS,
+    DEFAULT_SEEDS,
     DEMO_LEARNING_RATE,
     DEMO_MODEL,
     PAPER_LEARNING_RATE,
@@ -120,10 +123,16 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=EFFICIENCY_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4], help="one run per seed and contender")
-    parser.add_argument("--completions-per-step", type=int, default=32, help="B, the same for every contender")
-    parser.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
+    parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS),
+                        help="one lacking a config field in this library version is reported, not run")  # fmt: skip
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS), help="one run per contender")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="(contender, seed) runs in parallel processes, each with --cpu-threads threads; results "
+                        "do not depend on it (default: the usable cores; 1 with --model)")  # fmt: skip
+    parser.add_argument("--completions-per-step", type=int, default=32, help="B trained per step, every contender")
+    parser.add_argument("--per-device-batch-size", type=int, default=None,
+                        help="micro-batch; gradient accumulation keeps B per optimizer step (default: B)")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=DEFAULT_EFFICIENCY_STEPS, help="optimizer steps per run")
     parser.add_argument("--eval-every", type=int, default=10, help="held-out avg@k every N steps")
     parser.add_argument("--eval-k", type=int, default=8, help="k of the held-out avg@k")
     parser.add_argument("--eval-seed", type=int, default=0, help="sampling seed of every held-out evaluation")
@@ -132,15 +141,14 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--epsilon", type=float, default=0.2, help="lower clip range, all contenders")
     parser.add_argument("--epsilon-high", type=float, default=0.28, help="upper clip range, all contenders")
     parser.add_argument("--max-completion-length", type=int, default=None, help="default: demo 12, --model 2048")
-    parser.add_argument("--target-fraction", type=float, default=0.75,
-                        help="'completions to target' counts until avg@k >= the seed's start + this fraction of "
-                        "GRPO-8's median gain (past POISE's 16-step bootstrap at the defaults)")  # fmt: skip
-    parser.add_argument("--target-gain", type=float, default=None, help="an absolute gain instead of the fraction")
-    parser.add_argument("--grpo-scale-rewards", choices=["group", "batch", "none"], default="group")
-    parser.add_argument("--probe-preset", choices=["release", "paper"], default="release", help="POISE's probe")
-    parser.add_argument("--gradient-checkpointing", action="store_true", help="all contenders (real models)")
+    parser.add_argument("--grpo-scale-rewards", choices=["group", "batch", "none"], default="group",
+                        help="GRPO and DAPO-DS")  # fmt: skip
+    parser.add_argument("--dapo-max-rounds", type=int, default=DAPO_MAX_ROUNDS,
+                        help="DAPO-DS: most generation batches per step (hitting it logs dapo/capped)")  # fmt: skip
+    parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                        help="all contenders (default: on with --model, off for the tiny demo model)")  # fmt: skip
     parser.add_argument("--output-dir", default="runs/bench/efficiency", help="JSON, PNG and run folders")
-    parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads on CPU (0: torch's default)")
+    parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads per run on CPU (0: torch's default)")
     demo = parser.add_argument_group("offline demo task (used when --model is not given)")
     demo.add_argument("--warmup-steps", type=int, default=BENCH_WARMUP_STEPS, help="supervised warm-start steps")
     demo.add_argument("--min-digits", type=int, default=2)
