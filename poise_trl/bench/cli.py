@@ -37,32 +37,42 @@ PROBE_BENCH_DESCRIPTION = """Will POISE work on my model? The paper's value-pred
 4. Report markdown tables in the paper's layout, `results.json`, and `figure1.png` (probe vs critic, paper Fig. 1).
 """
 
-EFFICIENCY_DESCRIPTION = """Sample efficiency of POISE, GRPO and RLOO at an equal completion budget.
+EFFICIENCY_DESCRIPTION = """Sample efficiency of POISE vs GRPO, DAPO dynamic sampling and RLOO per generated completion.
 
-Every contender spends the same B completions per optimizer step (paper §2.3: at a fixed budget, fewer rollouts
+Every contender trains on the same B completions per optimizer step (paper §2.3: at a fixed budget, fewer rollouts
 per prompt means more distinct prompts and a lower-variance gradient):
 
-    POISE  G=2, B/2 prompts   (POISETrainer)
-    GRPO   G=8, B/8 prompts   (trl.GRPOTrainer, the reference of every ratio)
-    RLOO   k=2, B/2 prompts   (trl.RLOOTrainer)
-    GRPO   G=2, B/2 prompts   (trl.GRPOTrainer)
+    GRPO  G=8        B/8 prompts   trl.GRPOTrainer
+    DAPO-DS G=8      B/8 prompts   GRPOTrainer + dynamic sampling (DAPO §3.2, in the benchmark): groups whose rewards
+                                   all tie are dropped and fresh prompts generated until B/8 groups are informative
+                                   (at most --dapo-max-rounds generation batches per step); it generates more than B
+    RLOO  k=2        B/2 prompts   trl.RLOOTrainer
+    GRPO  G=2        B/2 prompts   trl.GRPOTrainer
+    POISE (paper)    B/2 prompts   POISETrainer, the paper's algorithm (paper probe preset, RLOO bootstrap)
+    POISE (default)  B/2 prompts   POISETrainer with the library's defaults
+    POISE +partner / +shrunk / +selection: POISE (paper) with one issue-12 option each; skipped, with a message,
+                                   while POISEConfig lacks the field
 
-Shared by all: the model and its warm start (per seed), the data-order seed, learning rate, clip range
-(0.2/0.28), max completion length, temperature 1, no KL, one optimizer step per generation, and the held-out
-evaluator (its own sampling seed, so every contender starts from the same measured accuracy). GRPO and POISE use
-token-mean aggregation (`loss_type="dapo"`); TRL's RLOOTrainer has no `loss_type` and always uses a sequence-level
-ratio with a per-sequence mean, the one difference that cannot be set away. GRPO keeps TRL's own reward scaling
-(`--grpo-scale-rewards`, default "group"); POISE's advantage is the unscaled `r - b` of the paper.
+Shared by all: the model and its warm start (per seed), the data-order seed, learning rate, clip range (0.2/0.28),
+max completion length, temperature 1, no KL, one generation per optimizer step, and the held-out evaluator (its own
+sampling seed, so every contender starts from the same measured accuracy). GRPO, DAPO-DS and POISE use token-mean
+aggregation (`loss_type="dapo"`); TRL's RLOOTrainer always uses a sequence mean, the one difference that cannot be
+set away. GRPO keeps TRL's reward scaling (`--grpo-scale-rewards`); POISE's advantage is the unscaled `r - b`.
 
-Per contender, median [min, max] over seeds: held-out avg@k every `--eval-every` steps, the completions spent
-until it first gains `--target-fraction` of GRPO-8's median gain over the seed's start (linearly interpolated
-between evaluations; the JSON repeats it for 0.5, 0.75 and 0.9), the final accuracy (also paired by seed against
-GRPO-8), the mean gradient norm before clipping, and the fraction of prompts whose advantages are all zero.
+Compute, per run: completions generated and trained, tokens generated, prefill tokens (prompt tokens per generated
+completion, plus value-guided selection's own prefill), rows through teacher-forced passes, and train seconds.
+
+Statistics that can decide, with the x-axis in completions GENERATED: the AUC, the mean held-out avg@k over the
+first C completions (linear interpolation between evaluations; C, the common budget, is the smallest final count
+over all runs), and per-seed paired ratios of it against GRPO-8 and against DAPO-DS; the completions generated until
+avg@k first gains 0.5, 0.75 and 0.9 of GRPO-8's median gain over the seed's start, paired the same way. Each is a
+median over seeds with a 95% percentile-bootstrap CI (seeds resampled). Runs are independent processes (`--jobs`),
+one thread each on CPU, so the results do not depend on the number of jobs.
 
 Offline default: the demo sort-digits task (`poise_trl.demo.tasks`) on the tiny model, warm-started longer than the
-demo so that about a quarter of held-out prompts start all-correct or all-wrong at 8 samples. With `--model`,
-`--train-dataset` and `--eval-dataset` the same command trains a real model on a math dataset, one process on one
-GPU (the runs are sequential).
+demo so that about a quarter of G=8 groups start tied (printed as the task check). With `--model`, `--train-dataset`
+and `--eval-dataset` the same command trains a real model on a math dataset, one run at a time on one GPU, with
+gradient checkpointing on and `--per-device-batch-size` micro-batches.
 """
 
 OVERHEAD_DESCRIPTION = """POISE's per-step time and peak memory against plain GRPO, and the probe fit's cost.
@@ -119,7 +129,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "efficiency",
-        help="POISE vs GRPO G=8 vs RLOO k=2 vs GRPO G=2 at an equal number of completions per step",
+        help="POISE vs GRPO G=8, DAPO dynamic sampling, RLOO k=2 and GRPO G=2 per completion generated",
         description=EFFICIENCY_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -189,7 +199,10 @@ def add_overhead_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--probe-fit-hidden", type=int, default=QWEN3_4B_HIDDEN, help="d: features are 2d + 3")
     parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--gradient-checkpointing", action="store_true", help="both trainers (real models)")
+    parser.add_argument("--per-device-batch-size", type=int, default=None,
+                        help="micro-batch; accumulation keeps the step's completions (--model: e.g. 4)")  # fmt: skip
+    parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                        help="both trainers (default: on with --model, off for the tiny demo model)")  # fmt: skip
     parser.add_argument("--thread-timeout", type=float, default=3600, help="seconds a trainer waits for its turn")
     parser.add_argument("--output-dir", default="runs/bench/overhead")
     parser.add_argument("--cache-dir", default=None, help="warm-started demo model; default OUTPUT_DIR/models")
