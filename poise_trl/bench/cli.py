@@ -37,7 +37,7 @@ PROBE_BENCH_DESCRIPTION = """Will POISE work on my model? The paper's value-pred
 4. Report markdown tables in the paper's layout, `results.json`, and `figure1.png` (probe vs critic, paper Fig. 1).
 """
 
-EFFICIENCY_DESCRIPTION = """Sample efficiency of POISE vs GRPO, DAPO dynamic sampling and RLOO per generated completion.
+EFFICIENCY_DESCRIPTION = """Sample efficiency of POISE vs GRPO, DAPO dynamic sampling and RLOO, per generated rollout.
 
 Every contender trains on the same B completions per optimizer step (paper §2.3: at a fixed budget, fewer rollouts
 per prompt means more distinct prompts and a lower-variance gradient):
