@@ -558,17 +558,32 @@ def reference_gain(runs: list[dict[str, Any]], reference: str) -> float | None:
     return None if gain is None or gain <= 0 else gain
 
 
-def _paired(mine: dict[int, float | None], theirs: dict[int, float | None], kind: str) -> list[float | None]:
-    """Per-seed `kind` ("ratio" or "difference") of two contenders' values on the seeds both ran."""
+def _paired(
+    mine: dict[int, float | None],
+    theirs: dict[int, float | None],
+    kind: str,
+    their_budget: dict[int, float] | None = None,
+) -> list[float | None]:
+    """Per-seed `kind` ("ratio" or "difference") of two contenders' values on the seeds both ran.
+
+    For completions to a target, None means never reached, and the ratio stays conservative for `mine`: mine never
+    reached, an infinite ratio (None); the reference never reached, its final count (`their_budget`, less than what it
+    would need) stands in, an upper bound on the ratio; neither reached, the seed says nothing and is left out.
+    """
     values = []
     for seed in sorted(set(mine) & set(theirs)):
         a, b = mine[seed], theirs[seed]
         if kind == "difference":
             values.append(None if a is None or b is None else a - b)
         elif a is None:
-            values.append(None)  # never reached: an infinite ratio
+            if b is not None:
+                values.append(None)
+        elif b is None:
+            if their_budget is None:
+                raise ValueError("a reference that never reached the target needs its budget")
+            values.append(a / their_budget[seed])
         else:
-            values.append(ratio(a, b) if b is not None else 0.0)  # the reference never reached it: ratio 0
+            values.append(ratio(a, b))
     return values
 
 
@@ -628,8 +643,10 @@ def summarize(
             stats["paired_auc_gain_ratio"][reference] = bootstrap_median(
                 _paired(seeds["auc_gain"], theirs["auc_gain"], "ratio")
             )
+            their_budget = {r["seed"]: r["completions_generated"] for r in runs if r["contender"] == reference}
             stats["paired_completions_to_target"][reference] = {
-                f: bootstrap_median(_paired(seeds[f"to_{f}"], theirs[f"to_{f}"], "ratio")) for f in targets
+                f: bootstrap_median(_paired(seeds[f"to_{f}"], theirs[f"to_{f}"], "ratio", their_budget))
+                for f in targets
             }
         summary[contender.name] = stats
     return summary

@@ -83,8 +83,12 @@ def test_bootstrap_median_and_paired_ratios():
     assert middle == 5.0 and 1.0 < low < middle < high < 100.0  # the median's CI resists the outlier
     assert bootstrap_median(values) == [middle, low, high]  # seeded: a re-run reports the same interval
     assert bootstrap_median([None, None, 1.0]) == [None, 1.0, None]  # never reached counts as +inf
-    mine, reference = {0: 50.0, 1: None, 2: 30.0}, {0: 100.0, 1: 80.0, 2: None}
-    assert _paired(mine, reference, "ratio") == [0.5, None, 0.0]  # never reached: inf; the reference never: 0
+    mine, reference = {0: 50.0, 1: None, 2: 30.0, 3: None}, {0: 100.0, 1: 80.0, 2: None, 3: None}
+    # Conservative for `mine`: never reached is an infinite ratio (None); the reference never reached stands at its
+    # final count (a bound); neither reached says nothing.
+    assert _paired(mine, reference, "ratio", {0: 200, 1: 200, 2: 120, 3: 200}) == [0.5, None, 0.25]
+    with pytest.raises(ValueError):
+        _paired(mine, reference, "ratio")
     assert _paired({0: 0.6, 5: 0.1}, {0: 0.5}, "difference") == [pytest.approx(0.1)]  # only seeds both ran
 
 
