@@ -64,7 +64,7 @@ completion, plus value-guided selection's own prefill), rows through teacher-for
 
 Statistics that can decide, with the x-axis in completions GENERATED: the AUC, the mean held-out avg@k over the
 first C completions (linear interpolation between evaluations; C, the common budget, is the smallest final count
-over all runs), and per-seed paired ratios of it against GRPO-8 and against DAPO-DS; the completions generated until
+over all runs), and per-seed paired ratios of it against GRPO-8, DAPO-DS and RLOO-2; the completions generated until
 avg@k first gains 0.5, 0.75 and 0.9 of GRPO-8's median gain over the seed's start, paired the same way. Each is a
 median over seeds with a 95% percentile-bootstrap CI (seeds resampled). Runs are independent processes (`--jobs`),
 one thread each on CPU, so the results do not depend on the number of jobs.

@@ -75,7 +75,9 @@ CONTENDERS = {
         _paper_ablation("poise_select", "POISE +selection G=2", {"prompt_selection": "value"}),
     )
 }
-REFERENCES = ("grpo8", "dapo_ds")  # paired ratios are taken against each
+# Paired ratios are taken against each: GRPO-8 (the paper's baseline), DAPO-DS (behind its wall-clock claim) and
+# RLOO-2 (the same prompts per step as POISE, with the plain leave-one-out baseline).
+REFERENCES = ("grpo8", "dapo_ds", "rloo2")
 DEFAULT_SEEDS = tuple(range(10))
 DEFAULT_EFFICIENCY_STEPS = 150
 DAPO_MAX_ROUNDS = 8  # DAPO's recipe caps dynamic sampling at a few generation batches per step (max_num_gen_batches)

@@ -676,6 +676,7 @@ def format_report(summary: dict[str, Any], settings: dict[str, Any]) -> str:
         "AUC ratio vs GRPO-8",
         "AUC ratio vs DAPO-DS",
         f"to {target} target vs DAPO-DS",
+        f"to {target} target vs RLOO-2",
         f"final avg@{k}",
         "zero-adv prompts",
         "train s",
@@ -683,6 +684,7 @@ def format_report(summary: dict[str, Any], settings: dict[str, Any]) -> str:
     rows = []
     for s in summary.values():
         to_dapo = s["paired_completions_to_target"].get("dapo_ds", {}).get(target)
+        to_rloo = s["paired_completions_to_target"].get("rloo2", {}).get(target)
         rows.append(
             [
                 s["label"],
@@ -694,6 +696,7 @@ def format_report(summary: dict[str, Any], settings: dict[str, Any]) -> str:
                 fmt_ci(s["paired"]["grpo8"]) if "grpo8" in s["paired"] else "–",
                 fmt_ci(s["paired"]["dapo_ds"]) if "dapo_ds" in s["paired"] else "–",
                 fmt_ci(to_dapo, 2) if to_dapo else "–",
+                fmt_ci(to_rloo, 2) if to_rloo else "–",
                 fmt_spread(s["final_avg_at_k"]),
                 fmt_spread(s["frac_zero_advantage_prompts"], 2),
                 fmt_spread(s["train_seconds"]),

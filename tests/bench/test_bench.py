@@ -203,7 +203,7 @@ def test_efficiency_smoke(tmp_path, capsys):
     for name, stats in result["summary"].items():
         assert stats["name"] == name
         assert set(stats) >= {"completions_generated", "completions_trained", "auc", "auc_ci", "final_avg_at_k"}
-        assert set(stats["paired"]) == {"grpo8", "dapo_ds"}
+        assert set(stats["paired"]) == {"grpo8", "dapo_ds", "rloo2"}
         assert all(len(interval) == 3 for interval in stats["paired"].values())
         assert len(stats["auc_ci"]) == 2 and stats["completions_trained"] == steps * budget
     for seed in (0, 1):  # one model and evaluator per seed, each run in its own process: the same start
