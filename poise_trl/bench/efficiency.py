@@ -49,6 +49,7 @@ from .common import (
 
 TARGET_FRACTIONS = (0.5, 0.75, 0.9)  # of GRPO-8's median gain, reported side by side in the JSON
 HEADLINE_FRACTION = "0.75"
+MIN_SEEDS_FOR_CI = 8  # below it the percentile bootstrap of a median over seeds has too few distinct resamples
 # Logged every step. The `poise/` keys (value-probe quality, paper App. C) exist for POISE only, `dapo/` for DAPO-DS.
 PER_STEP_KEYS = (
     "grad_norm",
@@ -725,16 +726,21 @@ def headline(summary: dict[str, Any], settings: dict[str, Any]) -> str:
         for reference in REFERENCES:
             if reference not in s["paired"]:
                 continue
-            auc = s["paired"][reference]
+            auc, gain = s["paired"][reference], s["paired_auc_gain_ratio"][reference]
             to = s["paired_completions_to_target"][reference].get(target, [None] * 3)
             parts.append(
-                f"{s['label']} vs {summary[reference]['label']}: AUC ×{fmt_ci(auc)} ({_verdict(auc, False)}), "
-                f"completions to the {target} target ×{fmt_ci(to, 2)} ({_verdict(to, True)})"
+                f"{s['label']} vs {summary[reference]['label']}: AUC ×{fmt_ci(auc)} ({_verdict(auc, False)}; "
+                f"above the start ×{fmt_ci(gain, 2)}), completions to the {target} target ×{fmt_ci(to, 2)} "
+                f"({_verdict(to, True)})"
             )
     if not parts:
         return f"Summary: no POISE contender or no reference run, so no paired ratios ({seeds} seeds)."
+    caution = f" (only {seeds} seeds: a bootstrap CI needs about {MIN_SEEDS_FOR_CI} to mean much)" * (
+        seeds < MIN_SEEDS_FOR_CI
+    )
     return (
-        f"Summary, paired by seed, median [95% bootstrap CI] over {seeds} seeds, AUC over the first {fmt(budget)} "
+        f"Summary, paired by seed, median [95% bootstrap CI] over {seeds} seeds{caution}, AUC over the first "
+        f"{fmt(budget)} "
         "completions generated (ratio > 1: POISE better), completions ratio < 1: POISE needs fewer: "
         + "; ".join(parts)
         + "."
