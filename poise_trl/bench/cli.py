@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from .common import (
+    BENCH_MAX_DIGITS,
     BENCH_WARMUP_STEPS,
     CONTENDERS,
     DAPO_MAX_ROUNDS,
@@ -162,7 +163,7 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     demo = parser.add_argument_group("offline demo task (used when --model is not given)")
     demo.add_argument("--warmup-steps", type=int, default=BENCH_WARMUP_STEPS, help="supervised warm-start steps")
     demo.add_argument("--min-digits", type=int, default=2)
-    demo.add_argument("--max-digits", type=int, default=8)
+    demo.add_argument("--max-digits", type=int, default=BENCH_MAX_DIGITS)
     demo.add_argument("--num-eval", type=int, default=140, help="held-out prompts")
     demo.add_argument("--cache-dir", default=None, help="warm-started models; default OUTPUT_DIR/models")
     real = parser.add_argument_group("real model and dataset (a GPU in practice)")
