@@ -70,10 +70,10 @@ avg@k first gains 0.5, 0.75 and 0.9 of GRPO-8's median gain over the seed's star
 median over seeds with a 95% percentile-bootstrap CI (seeds resampled). Runs are independent processes (`--jobs`),
 one thread each on CPU, so the results do not depend on the number of jobs.
 
-Offline default: the demo sort-digits task (`poise_trl.demo.tasks`) on the tiny model, warm-started longer than the
-demo so that about a quarter of G=8 groups start tied (printed as the task check). With `--model`, `--train-dataset`
-and `--eval-dataset` the same command trains a real model on a math dataset, one run at a time on one GPU, with
-gradient checkpointing on and `--per-device-batch-size` micro-batches.
+Offline default: the demo sort-digits task (`poise_trl.demo.tasks`) on 2-9 digits and the tiny model, warm-started
+longer than the demo, so that over a quarter of G=8 groups start tied (printed as the task check). With `--model`,
+`--train-dataset` and `--eval-dataset` the same command trains a real model on a math dataset, one run at a time on
+one GPU, with gradient checkpointing on and `--per-device-batch-size` micro-batches.
 """
 
 OVERHEAD_DESCRIPTION = """POISE's per-step time and peak memory against plain GRPO, and the probe fit's cost.
