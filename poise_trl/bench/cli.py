@@ -85,8 +85,9 @@ both alike; the ratio is taken pair by pair. Completions are forced to exactly `
 generation dominates the step, as it does at real scale. Each length has two rows:
   - "+1 pass": TRL runs no old-log-prob pass (one optimizer step per generation), so POISE runs one no-grad
     teacher-forced pass of its own;
-  - "+0 pass": two optimizer steps per generation (`steps_per_generation=2`), so TRL computes old log-probs and
-    POISE captures its features inside that pass.
+  - "+0 pass": two optimizer steps per generation (`steps_per_generation` twice the accumulation steps), so TRL
+    computes old log-probs and POISE captures its features inside that pass.
+With `--per-device-batch-size` each optimizer step accumulates micro-batches to the same completions per step.
 A cycle is one generation and its optimizer steps. POISE's probe buffer is filled to capacity after the first
 cycle, so every timed step pays the steady-state refit on a full buffer. The first `--warmup-cycles` cycles are
 not timed. Both trainers are held at once: with `--model` on one GPU, pick a model for which two fit.
