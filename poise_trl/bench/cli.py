@@ -8,11 +8,15 @@ from collections.abc import Callable
 from typing import Any
 
 from .common import (
+    BENCH_MAX_DIGITS,
     BENCH_WARMUP_STEPS,
     CONTENDERS,
+    DAPO_MAX_ROUNDS,
+    DEFAULT_EFFICIENCY_STEPS,
     DEFAULT_MATH_DATASET,
     DEFAULT_MLPS,
     DEFAULT_POOLS,
+    DEFAULT_SEEDS,
     DEMO_LEARNING_RATE,
     DEMO_MODEL,
     PAPER_LEARNING_RATE,
@@ -35,32 +39,42 @@ PROBE_BENCH_DESCRIPTION = """Will POISE work on my model? The paper's value-pred
 4. Report markdown tables in the paper's layout, `results.json`, and `figure1.png` (probe vs critic, paper Fig. 1).
 """
 
-EFFICIENCY_DESCRIPTION = """Sample efficiency of POISE, GRPO and RLOO at an equal completion budget.
+EFFICIENCY_DESCRIPTION = """Sample efficiency of POISE vs GRPO, DAPO dynamic sampling and RLOO, per generated rollout.
 
-Every contender spends the same B completions per optimizer step (paper §2.3: at a fixed budget, fewer rollouts
+Every contender trains on the same B completions per optimizer step (paper §2.3: at a fixed budget, fewer rollouts
 per prompt means more distinct prompts and a lower-variance gradient):
 
-    POISE  G=2, B/2 prompts   (POISETrainer)
-    GRPO   G=8, B/8 prompts   (trl.GRPOTrainer, the reference of every ratio)
-    RLOO   k=2, B/2 prompts   (trl.RLOOTrainer)
-    GRPO   G=2, B/2 prompts   (trl.GRPOTrainer)
+    GRPO  G=8        B/8 prompts   trl.GRPOTrainer
+    DAPO-DS G=8      B/8 prompts   GRPOTrainer + dynamic sampling (DAPO §3.2, in the benchmark): groups whose rewards
+                                   all tie are dropped and fresh prompts generated until B/8 groups are informative
+                                   (at most --dapo-max-rounds generation batches per step); it generates more than B
+    RLOO  k=2        B/2 prompts   trl.RLOOTrainer
+    GRPO  G=2        B/2 prompts   trl.GRPOTrainer
+    POISE (paper)    B/2 prompts   POISETrainer, the paper's algorithm (paper probe preset, RLOO bootstrap)
+    POISE (default)  B/2 prompts   POISETrainer with the library's defaults
+    POISE +partner / +shrunk / +selection: POISE (paper) with one issue-12 option each; skipped, with a message,
+                                   while POISEConfig lacks the field
 
-Shared by all: the model and its warm start (per seed), the data-order seed, learning rate, clip range
-(0.2/0.28), max completion length, temperature 1, no KL, one optimizer step per generation, and the held-out
-evaluator (its own sampling seed, so every contender starts from the same measured accuracy). GRPO and POISE use
-token-mean aggregation (`loss_type="dapo"`); TRL's RLOOTrainer has no `loss_type` and always uses a sequence-level
-ratio with a per-sequence mean, the one difference that cannot be set away. GRPO keeps TRL's own reward scaling
-(`--grpo-scale-rewards`, default "group"); POISE's advantage is the unscaled `r - b` of the paper.
+Shared by all: the model and its warm start (per seed), the data-order seed, learning rate, clip range (0.2/0.28),
+max completion length, temperature 1, no KL, one generation per optimizer step, and the held-out evaluator (its own
+sampling seed, so every contender starts from the same measured accuracy). GRPO, DAPO-DS and POISE use token-mean
+aggregation (`loss_type="dapo"`); TRL's RLOOTrainer always uses a sequence mean, the one difference that cannot be
+set away. GRPO keeps TRL's reward scaling (`--grpo-scale-rewards`); POISE's advantage is the unscaled `r - b`.
 
-Per contender, median [min, max] over seeds: held-out avg@k every `--eval-every` steps, the completions spent
-until it first gains `--target-fraction` of GRPO-8's median gain over the seed's start (linearly interpolated
-between evaluations; the JSON repeats it for 0.5, 0.75 and 0.9), the final accuracy (also paired by seed against
-GRPO-8), the mean gradient norm before clipping, and the fraction of prompts whose advantages are all zero.
+Compute, per run: completions generated and trained, tokens generated, prefill tokens (prompt tokens per generated
+completion, plus value-guided selection's own prefill), rows through teacher-forced passes, and train seconds.
 
-Offline default: the demo sort-digits task (`poise_trl.demo.tasks`) on the tiny model, warm-started longer than the
-demo so that about a quarter of held-out prompts start all-correct or all-wrong at 8 samples. With `--model`,
-`--train-dataset` and `--eval-dataset` the same command trains a real model on a math dataset, one process on one
-GPU (the runs are sequential).
+Statistics that can decide, with the x-axis in completions GENERATED: the AUC, the mean held-out avg@k over the
+first C completions (linear interpolation between evaluations; C, the common budget, is the smallest final count
+over all runs), and per-seed paired ratios of it against GRPO-8, DAPO-DS and RLOO-2; the completions generated until
+avg@k first gains 0.5, 0.75 and 0.9 of GRPO-8's median gain over the seed's start, paired the same way. Each is a
+median over seeds with a 95% percentile-bootstrap CI (seeds resampled). Runs are independent processes (`--jobs`),
+one thread each on CPU, so the results do not depend on the number of jobs.
+
+Offline default: the demo sort-digits task (`poise_trl.demo.tasks`) on 2-9 digits and the tiny model, warm-started
+longer than the demo, so that over a quarter of G=8 groups start tied (printed as the task check). With `--model`,
+`--train-dataset` and `--eval-dataset` the same command trains a real model on a math dataset, one run at a time on
+one GPU, with gradient checkpointing on and `--per-device-batch-size` micro-batches.
 """
 
 OVERHEAD_DESCRIPTION = """POISE's per-step time and peak memory against plain GRPO, and the probe fit's cost.
@@ -72,8 +86,9 @@ both alike; the ratio is taken pair by pair. Completions are forced to exactly `
 generation dominates the step, as it does at real scale. Each length has two rows:
   - "+1 pass": TRL runs no old-log-prob pass (one optimizer step per generation), so POISE runs one no-grad
     teacher-forced pass of its own;
-  - "+0 pass": two optimizer steps per generation (`steps_per_generation=2`), so TRL computes old log-probs and
-    POISE captures its features inside that pass.
+  - "+0 pass": two optimizer steps per generation (`steps_per_generation` twice the accumulation steps), so TRL
+    computes old log-probs and POISE captures its features inside that pass.
+With `--per-device-batch-size` each optimizer step accumulates micro-batches to the same completions per step.
 A cycle is one generation and its optimizer steps. POISE's probe buffer is filled to capacity after the first
 cycle, so every timed step pays the steady-state refit on a full buffer. The first `--warmup-cycles` cycles are
 not timed. Both trainers are held at once: with `--model` on one GPU, pick a model for which two fit.
@@ -117,14 +132,20 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "efficiency",
-        help="POISE vs GRPO G=8 vs RLOO k=2 vs GRPO G=2 at an equal number of completions per step",
+        help="POISE vs GRPO G=8, DAPO dynamic sampling, RLOO k=2 and GRPO G=2 per completion generated",
         description=EFFICIENCY_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4], help="one run per seed and contender")
-    parser.add_argument("--completions-per-step", type=int, default=32, help="B, the same for every contender")
-    parser.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
+    parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS),
+                        help="one lacking a config field in this library version is reported, not run")  # fmt: skip
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS), help="one run per contender")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="(contender, seed) runs in parallel processes, each with --cpu-threads threads; results "
+                        "do not depend on it (default: the usable cores; 1 with --model)")  # fmt: skip
+    parser.add_argument("--completions-per-step", type=int, default=32, help="B trained per step, every contender")
+    parser.add_argument("--per-device-batch-size", type=int, default=None,
+                        help="micro-batch; gradient accumulation keeps B per optimizer step (default: B)")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=DEFAULT_EFFICIENCY_STEPS, help="optimizer steps per run")
     parser.add_argument("--eval-every", type=int, default=10, help="held-out avg@k every N steps")
     parser.add_argument("--eval-k", type=int, default=8, help="k of the held-out avg@k")
     parser.add_argument("--eval-seed", type=int, default=0, help="sampling seed of every held-out evaluation")
@@ -133,19 +154,18 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--epsilon", type=float, default=0.2, help="lower clip range, all contenders")
     parser.add_argument("--epsilon-high", type=float, default=0.28, help="upper clip range, all contenders")
     parser.add_argument("--max-completion-length", type=int, default=None, help="default: demo 12, --model 2048")
-    parser.add_argument("--target-fraction", type=float, default=0.75,
-                        help="'completions to target' counts until avg@k >= the seed's start + this fraction of "
-                        "GRPO-8's median gain (past POISE's 16-step bootstrap at the defaults)")  # fmt: skip
-    parser.add_argument("--target-gain", type=float, default=None, help="an absolute gain instead of the fraction")
-    parser.add_argument("--grpo-scale-rewards", choices=["group", "batch", "none"], default="group")
-    parser.add_argument("--probe-preset", choices=["release", "paper"], default="release", help="POISE's probe")
-    parser.add_argument("--gradient-checkpointing", action="store_true", help="all contenders (real models)")
+    parser.add_argument("--grpo-scale-rewards", choices=["group", "batch", "none"], default="group",
+                        help="GRPO and DAPO-DS")  # fmt: skip
+    parser.add_argument("--dapo-max-rounds", type=int, default=DAPO_MAX_ROUNDS,
+                        help="DAPO-DS: most generation batches per step (hitting it logs dapo/capped)")  # fmt: skip
+    parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                        help="all contenders (default: on with --model, off for the tiny demo model)")  # fmt: skip
     parser.add_argument("--output-dir", default="runs/bench/efficiency", help="JSON, PNG and run folders")
-    parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads on CPU (0: torch's default)")
+    parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads per run on CPU (0: torch's default)")
     demo = parser.add_argument_group("offline demo task (used when --model is not given)")
     demo.add_argument("--warmup-steps", type=int, default=BENCH_WARMUP_STEPS, help="supervised warm-start steps")
     demo.add_argument("--min-digits", type=int, default=2)
-    demo.add_argument("--max-digits", type=int, default=8)
+    demo.add_argument("--max-digits", type=int, default=BENCH_MAX_DIGITS)
     demo.add_argument("--num-eval", type=int, default=140, help="held-out prompts")
     demo.add_argument("--cache-dir", default=None, help="warm-started models; default OUTPUT_DIR/models")
     real = parser.add_argument_group("real model and dataset (a GPU in practice)")
@@ -182,7 +202,10 @@ def add_overhead_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--probe-fit-hidden", type=int, default=QWEN3_4B_HIDDEN, help="d: features are 2d + 3")
     parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--gradient-checkpointing", action="store_true", help="both trainers (real models)")
+    parser.add_argument("--per-device-batch-size", type=int, default=None,
+                        help="micro-batch; accumulation keeps the step's completions (--model: e.g. 4)")  # fmt: skip
+    parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                        help="both trainers (default: on with --model, off for the tiny demo model)")  # fmt: skip
     parser.add_argument("--thread-timeout", type=float, default=3600, help="seconds a trainer waits for its turn")
     parser.add_argument("--output-dir", default="runs/bench/overhead")
     parser.add_argument("--cache-dir", default=None, help="warm-started demo model; default OUTPUT_DIR/models")

@@ -6,15 +6,20 @@ defaults and `poise-trl --help` stays light.
 
 import json
 import math
+import os
 import platform
+import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# The demo warm start (100 steps) leaves almost no all-correct groups at G=8; 150 steps give ~13% all-correct and
-# ~14% all-wrong held-out prompts at avg@8 ~ 0.5, with room left to learn (measured on seed 0).
-BENCH_WARMUP_STEPS = 150
+# The efficiency task must leave many G=8 groups tied at the start, or DAPO's dynamic sampling has nothing to do and
+# POISE's answer to degenerate groups is not tested (issue #13 asks for >= 25%), and must not saturate. Sorting 2-8
+# digits after 150 warm-up steps left 20-30% of training prompts tied at 8 samples (24% of GRPO-8's groups in a
+# 3-seed run); 2-9 digits after 200 steps leaves 36-40% tied at avg@8 0.53-0.67 (seeds 0-1, 200 training prompts).
+BENCH_WARMUP_STEPS = 200
+BENCH_MAX_DIGITS = 9
 # On the warm-started sort model 3e-4 (DESIGN §4's rate for max(a, b)) collapses every contender within 10 steps and
 # 1e-4 destabilises GRPO G=8; 5e-5 learns steadily for 100+ steps (seeds 0-1).
 DEMO_LEARNING_RATE = 5e-5
@@ -31,24 +36,55 @@ DEFAULT_POOLS = (5, 10, 15)
 DEFAULT_MLPS = "1x128,3x128,1x512,3x512"
 
 
+# The paper's algorithm, field by field, for POISEConfig fields that arrive after it (issue 12): where a field exists,
+# "POISE (paper)" and its one-change ablations pin it to the paper's choice; where it does not, the library predates it
+# and already behaves as the paper.
+PAPER_PINS: dict[str, Any] = {"probe_partner_reward": False, "probe_bootstrap": "rloo", "prompt_selection": None}
+
+
 @dataclass(frozen=True)
 class Contender:
+    """One line per contender: its trainer, group size and config overrides.
+
+    `overrides` must all exist as config fields (a missing one makes the contender unavailable, reported, not run);
+    `pins` are applied only where the field exists (see PAPER_PINS).
+    """
+
     name: str
     label: str
-    algorithm: str  # "poise" | "grpo" | "rloo"
+    trainer: str  # "poise" | "grpo" | "rloo" | "dapo_ds" (GRPO G=8 with DAPO's dynamic sampling)
     group_size: int
+    overrides: dict[str, Any] = field(default_factory=dict)
+    pins: dict[str, Any] = field(default_factory=dict)
+
+
+def _paper_ablation(name: str, label: str, change: dict[str, Any]) -> Contender:
+    """POISE (paper) with one change: the difference against POISE (paper) is that change's effect."""
+    pins = {key: value for key, value in PAPER_PINS.items() if key not in change}
+    return Contender(name, label, "poise", 2, {"probe_preset": "paper", **change}, pins)
 
 
 CONTENDERS = {
     c.name: c
     for c in (
-        Contender("poise", "POISE G=2", "poise", 2),
         Contender("grpo8", "GRPO G=8", "grpo", 8),
+        Contender("dapo_ds", "DAPO-DS G=8", "dapo_ds", 8),
         Contender("rloo2", "RLOO k=2", "rloo", 2),
         Contender("grpo2", "GRPO G=2", "grpo", 2),
+        Contender("poise_paper", "POISE (paper) G=2", "poise", 2, {"probe_preset": "paper"}, PAPER_PINS),
+        Contender("poise", "POISE (default) G=2", "poise", 2),
+        _paper_ablation("poise_partner", "POISE +partner G=2", {"probe_partner_reward": True}),
+        _paper_ablation("poise_shrunk", "POISE +shrunk G=2", {"probe_bootstrap": "shrunk"}),
+        _paper_ablation("poise_select", "POISE +selection G=2", {"prompt_selection": "value"}),
     )
 }
-REFERENCE = "grpo8"  # every ratio is against it
+# Paired ratios are taken against each: GRPO-8 (the paper's baseline), DAPO-DS (behind its wall-clock claim) and
+# RLOO-2 (the same prompts per step as POISE, with the plain leave-one-out baseline).
+REFERENCES = ("grpo8", "dapo_ds", "rloo2")
+DEFAULT_SEEDS = tuple(range(10))
+DEFAULT_EFFICIENCY_STEPS = 150
+DAPO_MAX_ROUNDS = 8  # DAPO's recipe caps dynamic sampling at a few generation batches per step (max_num_gen_batches)
+BOOTSTRAP_RESAMPLES = 4000
 
 
 def device_kind() -> str:
@@ -163,3 +199,35 @@ def write_json(path: Path, payload: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def bootstrap_median(values: Iterable[float | None], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> list:
+    """[median, low, high]: the median over seeds and its 95% percentile-bootstrap CI (seeds resampled).
+
+    None (a target never reached, a ratio against nothing) counts as +inf, so a CI bound is None when that many seeds
+    never got there. Deterministic (own seeded RNG), so a re-run reports the same interval.
+    """
+    finite = [math.inf if v is None else float(v) for v in values]
+    if not finite:
+        return [None, None, None]
+    rng = random.Random(seed)
+    medians = sorted(median(rng.choices(finite, k=len(finite))) for _ in range(resamples))
+    low, high = medians[int(0.025 * (resamples - 1))], medians[int(0.975 * (resamples - 1))]
+    return [None if not math.isfinite(v) else v for v in (median(finite), low, high)]
+
+
+def fmt_ci(interval: Sequence[float | None], digits: int = 3) -> str:
+    """`median [low, high]`; None (infinite: never reached) prints as `never`."""
+    shown = [fmt(v, digits) if v is not None else "never" for v in interval]
+    return f"{shown[0]} [{shown[1]}, {shown[2]}]"
+
+
+def default_jobs() -> int:
+    """Processes for independent runs: the cores this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

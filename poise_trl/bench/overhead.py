@@ -68,11 +68,16 @@ class Row:
 
 
 def _config(algorithm: str, row: Row, settings: dict[str, Any], max_steps: int, output_dir: str):
+    """Both trainers' config; `--per-device-batch-size` micro-batches with gradient accumulation, so a real model's
+    completions per optimizer step stay `--completions-per-step` without holding them all in one forward pass."""
+    per_device = settings["per_device_batch_size"] or settings["completions_per_step"]
+    accumulation = settings["completions_per_step"] // per_device
     common = dict(
         output_dir=output_dir,
-        per_device_train_batch_size=settings["completions_per_step"],
-        gradient_accumulation_steps=1,
-        steps_per_generation=row.steps_per_cycle,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accumulation,
+        # Generation once per cycle: +1 pass, one optimizer step (TRL needs no old log-probs); +0 pass, two (it does).
+        steps_per_generation=row.steps_per_cycle * accumulation,
         num_generations=settings["group_size"],
         max_steps=max_steps,
         learning_rate=settings["learning_rate"],
@@ -503,11 +508,16 @@ def run_overhead(args: argparse.Namespace) -> int:
     set_cpu_threads(args.cpu_threads)
     if args.completions_per_step % args.group_size:
         raise SystemExit("--completions-per-step must be a multiple of --group-size")
+    if args.per_device_batch_size is not None and args.completions_per_step % args.per_device_batch_size:
+        raise SystemExit("--completions-per-step must be a multiple of --per-device-batch-size")
+    if args.gradient_checkpointing is None:
+        args.gradient_checkpointing = args.model is not None  # a real model's activations need it (OOM otherwise)
     output_dir = Path(args.output_dir)
     settings = {
         key: getattr(args, key)
         for key in (
-            "completion_lengths", "extra_passes", "group_size", "completions_per_step", "cycles", "warmup_cycles",
+            "completion_lengths", "extra_passes", "group_size", "completions_per_step", "per_device_batch_size",
+            "cycles", "warmup_cycles",
             "memory_cycles", "learning_rate", "seed", "model", "train_dataset", "train_limit",
             "gradient_checkpointing", "cpu_threads", "probe_fit_rows", "probe_fit_hidden", "probe_fit_repeats",
         )
