@@ -68,6 +68,7 @@ def selection_trials(
     """Mean true p(1 - p) and degenerate share of the kept prompts under each rule, over random candidate draws."""
     rng = np.random.default_rng(seed)
     candidates = min(len(avg_at_k), math.ceil(oversample * batch_prompts))
+    batch_prompts = min(batch_prompts, max(1, math.floor(candidates / oversample)))  # few held-out prompts
     spread_true, spread_predicted = avg_at_k * (1 - avg_at_k), predicted * (1 - predicted)
     kept: dict[str, list[np.ndarray]] = {"random": [], "value: top-k": [], "value: sampled ∝ p(1-p)+ε": []}
     for _ in range(trials):
