@@ -15,6 +15,7 @@ import trl
 from accelerate.utils import broadcast, gather_object
 from datasets import IterableDataset
 from packaging.version import Version
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
@@ -522,8 +523,6 @@ class POISETrainer(GRPOTrainer):
         save_file(tensors, str(path), metadata={"domains": json.dumps(names)})
 
     def _load_bootstrap(self, path: Path) -> None:
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt") as f:
             names = json.loads(f.metadata()["domains"])
         tensors = load_file(str(path))
