@@ -4,6 +4,8 @@ Rollouts come in consecutive groups of G (TRL's layout). Every function here tak
 an invalid rollout is never used as somebody else's partner, so a NaN never crosses into another row.
 """
 
+import math
+
 import torch
 
 
@@ -130,6 +132,49 @@ def poise_advantages(
     receives = scorable & has_completion.bool() & torch.isfinite(baselines)
     advantages = torch.where(receives, rewards - baselines, torch.zeros_like(rewards))
     return advantages, baselines, receives
+
+
+class RunningStd:
+    """Sample std of every finite value seen so far, merged batch by batch (Chan et al.) in float64.
+
+    `scale_rewards="batch"` divides step t's advantages by the std of the rewards of steps < t: a constant given the
+    past, so, unlike the current batch's std, which contains each rollout's own reward, it cannot bias the gradient.
+    Plain Python floats, so every rank computes the same value and a checkpoint restores it exactly.
+    """
+
+    def __init__(self) -> None:
+        self.count, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def update(self, values: torch.Tensor) -> None:
+        """Add the finite entries of `values`."""
+        values = values[torch.isfinite(values)].double()
+        n = values.numel()
+        if n == 0:
+            return
+        mean = values.mean().item()
+        m2 = (values - mean).pow(2).sum().item()
+        total = self.count + n
+        delta = mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += m2 + delta * delta * self.count * n / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        """Sample (n - 1) std, as TRL's batch std; NaN before two values."""
+        return math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else float("nan")
+
+    def divisor(self, eps: float = 1e-4) -> float:
+        """`std + eps` (TRL's batch scale), or 1 while the values seen so far have no spread above `eps` (at the
+        first step, for instance), so that a missing scale never multiplies the advantages by 1/eps."""
+        std = self.std
+        return std + eps if std > eps else 1.0
+
+    def state_dict(self) -> dict[str, float]:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
 
 
 def append_reward_column(features: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,9 @@ class POISEConfig(GRPOConfig):
     Inherits every parameter of [`~trl.GRPOConfig`] and changes four defaults to the paper's Table 4: two rollouts per
     prompt (`num_generations=2`), asymmetric clipping (`epsilon_high=0.28`), token-mean aggregation
     (`loss_type="dapo"`) and unscaled advantages (`scale_rewards="none"`), since POISE's advantage is `r - b` with
-    no std normalisation. `scale_rewards="batch"` divides by the batch reward std (a shared constant, so the
-    gradient stays unbiased); `"group"` is rejected because a per-group std includes the rollout's own reward.
+    no std normalisation. `scale_rewards="batch"` divides by the std of the rewards of earlier training steps (1 at
+    the first step), a constant given the past, so the gradient stays unbiased; `"group"` is rejected because a
+    per-group std includes the rollout's own reward.
 
     The `probe_*` fields configure the value probe that predicts each rollout's expected reward from the policy's
     hidden states; see the README's field table for paper and release values.
@@ -42,8 +43,10 @@ class POISEConfig(GRPOConfig):
     scale_rewards: str = field(
         default="none",
         metadata={
-            "help": "'none' (paper): advantage = reward - baseline. 'batch': divide by the batch reward std. "
-            "'group' is not supported by POISE because it would make the advantage depend on the rollout itself.",
+            "help": "'none' (paper): advantage = reward - baseline. 'batch': divide by the std of the rewards of all "
+            "earlier training steps (+1e-4; 1 until they show any spread), never by a std that contains the "
+            "rollout's own reward. 'group' is not supported by POISE because it would make the advantage depend on "
+            "the rollout itself.",
         },
     )
     # `int | str | None` parses as a string on the command line; __post_init__ turns "19" into 19.
@@ -108,7 +111,8 @@ class POISEConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "PCA components for the [prompt, reasoning] hidden-state blocks; 0 disables PCA on a block. "
-            "None: taken from `probe_preset`.",
+            "None: taken from `probe_preset` and capped at each block's width (a model with hidden size 8 keeps 8 "
+            "prompt components); explicit dims wider than their block are an error.",
         },
     )
     probe_clip_range: list[float] | None = field(
@@ -164,8 +168,9 @@ class POISEConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Probe file written by `POISETrainer.save_probe` to warm-start from. Its layer, pooling, features "
-            "and hidden size must match this run. The RLOO bootstrap is skipped; a file saved without its buffer "
-            "is kept unrefitted until `probe_warmup_steps` steps of new examples are buffered.",
+            "and hidden size must match this run. The loaded fit predicts as saved; every later refit uses this "
+            "run's probe_alpha, probe_pca_dims and probe_clip_range. The RLOO bootstrap is skipped; a file saved "
+            "without its buffer is kept unrefitted until `probe_warmup_steps` steps of new examples are buffered.",
         },
     )
 
@@ -198,7 +203,9 @@ class POISEConfig(GRPOConfig):
             )
         if self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
-                "POISE needs the raw weighted reward sum as its target: set "
+                f"multi_objective_aggregation={self.multi_objective_aggregation!r} is not supported by POISE: it "
+                "normalises each reward within its group, own reward included, so a rollout's reward would depend on "
+                "its partners. POISE needs the raw weighted reward sum: set "
                 "multi_objective_aggregation='sum_then_normalize'."
             )
         if self.probe_pool_tokens <= 0:
@@ -215,6 +222,8 @@ class POISEConfig(GRPOConfig):
         if self.probe_preset not in PROBE_PRESETS:
             raise ValueError(f"probe_preset={self.probe_preset!r}: choose one of {list(PROBE_PRESETS)}.")
         preset_alpha, preset_dims = PROBE_PRESETS[self.probe_preset]
+        # A preset's PCA dims are capped at the block width of a small model; explicit dims are taken as given.
+        self.pca_dims_from_preset = self.probe_pca_dims is None
         self.probe_alpha = preset_alpha if self.probe_alpha is None else float(self.probe_alpha)
         self.probe_pca_dims = list(preset_dims if self.probe_pca_dims is None else self.probe_pca_dims)
         if self.probe_alpha <= 0:

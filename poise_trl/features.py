@@ -89,7 +89,8 @@ class FeatureSpans:
 
     `pool_index`/`pool_weight` are (B, 2, n): positions (in the concatenated prompt+completion sequence) of the last
     n prompt tokens and the last n reasoning tokens, with weight 0 on slots a short span cannot fill.
-    `reasoning_mask`/`answer_mask` are (B, C) masks over completion tokens for the entropy statistics.
+    `completion_mask` marks the completion tokens the policy generated (tool results and environment feedback
+    excluded); `reasoning_mask`/`answer_mask` are (B, C) subsets of it for the entropy statistics.
     """
 
     pool_index: torch.Tensor
@@ -107,11 +108,16 @@ def _last_valid(mask: torch.Tensor) -> torch.Tensor:
     return length - 1 - mask.flip(1).float().argmax(dim=1)
 
 
-def _last_n(end: torch.Tensor, count: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    offsets = torch.arange(n, device=end.device)
-    index = (end.unsqueeze(1) - offsets).clamp(min=0)
-    weight = (offsets.unsqueeze(0) < count.unsqueeze(1)).float()
-    return index, weight
+def _last_n(mask: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions of the last n ones of each row of `mask` (latest first) and weight 1 on the slots they fill.
+
+    The ones need not be contiguous: a tool result inside a completion leaves a gap that pooling skips."""
+    batch, length = mask.shape
+    positions = torch.arange(length, device=mask.device).expand(batch, -1)
+    score = torch.where(mask.bool(), positions, torch.full_like(positions, -1))
+    top = score.topk(min(n, length), dim=1).values
+    top = torch.cat([top, top.new_full((batch, n - top.size(1)), -1)], dim=1)
+    return top.clamp(min=0), (top >= 0).float()
 
 
 def feature_spans(
@@ -120,37 +126,42 @@ def feature_spans(
     completion_mask: torch.Tensor,
     pool_tokens: int,
     marker_ids: Sequence[int] | None,
+    generated_mask: torch.Tensor | None = None,
 ) -> FeatureSpans:
-    """Spans for pooling and entropy statistics (paper §3).
+    """Spans for pooling and entropy statistics (paper §3), over the tokens the policy generated.
 
-    The reasoning span runs from the first completion token to the last occurrence of the marker, marker included;
-    without a marker it is the whole completion. The answer span is what follows the marker; without a marker it is
-    the last n completion tokens. Spans are contiguous, as TRL's left-padded prompts and right-padded completions are.
+    `generated_mask` (B, C) is 0 on completion tokens the policy did not write (TRL's `tool_mask`: tool results,
+    environment feedback); None means it wrote them all. Only generated tokens are pooled, enter the entropy
+    statistics or count as length, and only a marker the policy wrote ends the reasoning span, so a `</think>` inside
+    a tool result cannot move the cut. The reasoning span runs from the first completion token to the last occurrence
+    of the marker, marker included; without a marker it is the whole completion. The answer span is what follows the
+    marker; without a marker it is the last n generated tokens.
     """
     prompt_len = prompt_mask.size(1)
-    completion_mask = completion_mask.bool()
-    positions = torch.arange(completion_mask.size(1), device=completion_mask.device).unsqueeze(0)
-    completion_count = completion_mask.sum(1)
-    completion_end = _last_valid(completion_mask)
+    generated = completion_mask.bool()
+    if generated_mask is not None:
+        generated = generated & generated_mask.bool()
+    positions = torch.arange(generated.size(1), device=generated.device).unsqueeze(0)
+    last_generated = _last_valid(generated)
 
     marker_end = (
-        find_last_subsequence(completion_ids, completion_mask, marker_ids)
+        find_last_subsequence(completion_ids, generated, marker_ids)
         if marker_ids
-        else torch.full_like(completion_end, -1)
+        else torch.full_like(last_generated, -1)
     )
     has_marker = marker_end >= 0
-    reasoning_end = torch.where(has_marker, marker_end, completion_end)
-    reasoning_mask = completion_mask & (positions <= reasoning_end.unsqueeze(1))
-    tail = completion_mask & (positions > (completion_end - pool_tokens).unsqueeze(1))
-    answer_mask = torch.where(has_marker.unsqueeze(1), completion_mask & ~reasoning_mask, tail)
+    reasoning_end = torch.where(has_marker, marker_end, last_generated)
+    reasoning_mask = generated & (positions <= reasoning_end.unsqueeze(1))
+    generated_after = generated.flip(1).cumsum(1).flip(1)  # generated tokens at or after each position
+    tail = generated & (generated_after <= pool_tokens)
+    answer_mask = torch.where(has_marker.unsqueeze(1), generated & ~reasoning_mask, tail)
 
-    prompt_index, prompt_weight = _last_n(_last_valid(prompt_mask.bool()), prompt_mask.sum(1), pool_tokens)
-    reasoning_count = torch.where(completion_count > 0, reasoning_end + 1, torch.zeros_like(reasoning_end))
-    reasoning_index, reasoning_weight = _last_n(prompt_len + reasoning_end, reasoning_count, pool_tokens)
+    prompt_index, prompt_weight = _last_n(prompt_mask, pool_tokens)
+    reasoning_index, reasoning_weight = _last_n(reasoning_mask, pool_tokens)
     return FeatureSpans(
-        pool_index=torch.stack([prompt_index, reasoning_index], dim=1),
+        pool_index=torch.stack([prompt_index, prompt_len + reasoning_index], dim=1),
         pool_weight=torch.stack([prompt_weight, reasoning_weight], dim=1),
-        completion_mask=completion_mask,
+        completion_mask=generated,
         reasoning_mask=reasoning_mask,
         answer_mask=answer_mask,
     )
@@ -238,13 +249,21 @@ def block_slices(blocks: Sequence[str], hidden_size: int) -> dict[str, tuple[int
     return slices
 
 
-def pca_blocks(blocks: Sequence[str], hidden_size: int, pca_dims: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(start, stop, k) column blocks for `ValueProbe(pca_dims=...)` from [prompt k, reasoning k] (0 = no PCA)."""
+def pca_blocks(
+    blocks: Sequence[str], hidden_size: int, pca_dims: Sequence[int], cap_at_width: bool = False
+) -> list[tuple[int, int, int]]:
+    """(start, stop, k) column blocks for `ValueProbe(pca_dims=...)` from [prompt k, reasoning k] (0 = no PCA).
+
+    `cap_at_width` caps k at the block's width, for a preset's dims, which were chosen for a large model (a small
+    model keeps every component); an explicit k wider than its block is a mistake and raises.
+    """
     slices, out = block_slices(blocks, hidden_size), []
     for name, k in zip(HIDDEN_BLOCKS, pca_dims, strict=True):
         if name in slices and k > 0:
             start, stop = slices[name]
-            if k > stop - start:
+            if cap_at_width:
+                k = min(k, stop - start)
+            elif k > stop - start:
                 raise ValueError(
                     f"probe_pca_dims asks for {k} components of the {name} block, which has only {stop - start} "
                     f"columns (hidden size {hidden_size}): use at most {stop - start}, or 0 for no PCA."

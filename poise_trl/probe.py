@@ -335,8 +335,9 @@ class OnlineProbe:
         }
 
     def load_state(self, state: dict[str, torch.Tensor], info: dict[str, Any]) -> None:
-        """Restore from `state_dict`/`info`. This object's capacity is kept: the newest buffered rows survive."""
-        self.probe = ValueProbe.from_config(info["probe"])
+        """Restore the fit, buffer and counters from `state_dict`/`info`. This object's probe settings (alpha, PCA,
+        clip) are kept, and govern every later refit; the loaded fit predicts as saved. This object's capacity is
+        kept too: the newest buffered rows survive."""
         self.probe.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("probe.")})
         buffer = {k[7:]: v for k, v in state.items() if k.startswith("buffer.")}
         self.buffer = ProbeBuffer(self.buffer.capacity)

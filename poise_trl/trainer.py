@@ -1,6 +1,7 @@
 """`POISETrainer`: `GRPOTrainer` with POISE's cross-rollout internal-state baseline. The only TRL-aware module."""
 
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id
 
 from .baselines import (
+    RunningStd,
     append_reward_column,
     baseline_diagnostics,
     leave_one_out_targets,
@@ -31,6 +33,7 @@ from .baselines import (
 )
 from .config import POISEConfig
 from .features import (
+    HIDDEN_BLOCKS,
     assemble_features,
     block_slices,
     capture_layer,
@@ -46,6 +49,14 @@ TESTED_TRL = ("1.16.0", "1.17.0")  # [low, high): the GRPOTrainer internals this
 PROBE_FILE = "poise_probe.safetensors"
 BOOTSTRAP_FILE = "poise_bootstrap.safetensors"  # the shrunk bootstrap's (partner mean, reward) pairs per domain
 DEFAULT_DOMAIN = "default"  # the one probe's name when there is no `probe_domain_column`
+# Output keys of `_generate_and_score_completions` that TRL's own log-prob pass takes as model inputs besides the
+# token ids (pixel_values, image_grid_thw, num_images, token_type_ids, ...): POISE's feature pass forwards the same.
+_PASS_ARGUMENTS = ("self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy")
+FORWARD_INPUT_KEYS = tuple(
+    name
+    for name in inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters
+    if name not in (*_PASS_ARGUMENTS, "compute_aux_loss")
+)
 
 if not Version(TESTED_TRL[0]) <= Version(trl.__version__) < Version(TESTED_TRL[1]) and not os.environ.get(
     "POISE_ALLOW_UNTESTED_TRL"
@@ -58,10 +69,13 @@ if not Version(TESTED_TRL[0]) <= Version(trl.__version__) < Version(TESTED_TRL[1
 
 
 def prompt_group_ids(prompts: list) -> torch.Tensor:
-    """A stable 63-bit id per prompt (the same on every rank and every run), so K-fold splits can group by prompt."""
+    """A stable 63-bit id per prompt (the same on every rank and every run), so K-fold splits can group by prompt.
+
+    Values JSON cannot write (images) count by type only: two prompts that differ only there share a group, which
+    errs on the safe side for cross-validation, whereas an object's address would split one prompt's rollouts."""
     ids = []
     for prompt in prompts:
-        text = json.dumps(prompt, sort_keys=True, default=str).encode()
+        text = json.dumps(prompt, sort_keys=True, default=lambda value: type(value).__name__).encode()
         ids.append(int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big", signed=True))
     return torch.tensor(ids, dtype=torch.long)
 
@@ -145,17 +159,21 @@ class POISETrainer(GRPOTrainer):
             self.marker_ids = self._tokenizer(args.reasoning_end_marker, add_special_tokens=False)["input_ids"]
             if not self.marker_ids:
                 raise ValueError(f"reasoning_end_marker={args.reasoning_end_marker!r} tokenizes to no tokens.")
-        self._probe_pca = pca_blocks(args.probe_features, self.hidden_size, args.probe_pca_dims)
+        self._probe_pca = pca_blocks(
+            args.probe_features, self.hidden_size, args.probe_pca_dims, cap_at_width=args.pca_dims_from_preset
+        )
         self.probes: dict[str, OnlineProbe] = {}
         if args.probe_domain_column is None:
             self.probes[DEFAULT_DOMAIN] = self._new_online_probe(DEFAULT_DOMAIN)
         self.probe_steps = 0  # training generation steps whose examples have entered the buffers
+        self.reward_std = RunningStd()  # rewards of earlier training steps: the `scale_rewards="batch"` divisor
         if args.probe_init_path is not None:
             self._load_probe(args.probe_init_path, warm_start=True)
         self.feature_passes = 0  # teacher-forced passes POISE ran itself (0 when TRL's own pass is reused)
         self._capture_armed = False
         self._captured: tuple[torch.Tensor, torch.Tensor] | None = None
         self._gathered_rewards: torch.Tensor | None = None
+        self._tool_mask: list | None = None  # this batch's tool/env mask from `_generate` (1 = the policy wrote it)
         self.bootstrap_pairs: dict[str, ProbeBuffer] = {}  # per domain: (partner mean, reward) of earlier steps
         self._init_prompt_selection()
 
@@ -220,19 +238,39 @@ class POISETrainer(GRPOTrainer):
         return logps, entropies, aux
 
     def _spans(self, prompt_mask, completion_ids, completion_mask):
+        generated = None
+        if self._tool_mask is not None:  # right-pad TRL's per-row lists to the completion width, as TRL does
+            generated = torch.ones_like(completion_mask)
+            for row, mask in enumerate(self._tool_mask):
+                mask = torch.as_tensor(mask, dtype=generated.dtype)[: generated.size(1)]
+                generated[row, : mask.numel()] = mask
         return feature_spans(
-            prompt_mask, completion_ids, completion_mask, self.args.probe_pool_tokens, self.marker_ids
+            prompt_mask, completion_ids, completion_mask, self.args.probe_pool_tokens, self.marker_ids, generated
         )
 
+    def _generate(self, prompts):
+        """Keep the tool/env mask (tool results and `rollout_func`'s `env_mask` are 0), so that features use only the
+        tokens the policy generated; the capture pass runs before TRL puts it in the output dict."""
+        generated = super()._generate(prompts)
+        self._tool_mask = generated[2]
+        return generated
+
     def _feature_pass(self, output: dict[str, Any], mode: str) -> None:
-        """One no-grad teacher-forced pass with entropies, outside gradient checkpointing, when TRL ran none."""
+        """One no-grad teacher-forced pass with entropies, outside gradient checkpointing, when TRL ran none. It takes
+        the multimodal inputs TRL's own log-prob pass takes (pixel_values, image_grid_thw, ...)."""
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+        forward_inputs = {key: output[key] for key in FORWARD_INPUT_KEYS if key in output}
         self._capture_armed = True
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             self._get_per_token_logps_and_entropies(
-                self.model, input_ids, attention_mask, output["completion_ids"].size(1), batch_size=batch_size
+                self.model,
+                input_ids,
+                attention_mask,
+                output["completion_ids"].size(1),
+                batch_size=batch_size,
+                **forward_inputs,
             )
         self.feature_passes += 1
 
@@ -245,11 +283,13 @@ class POISETrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         inputs = self._select_prompts(inputs)
         mode = "train" if self.model.training else "eval"
-        self._captured, self._capture_armed = None, self._trl_runs_old_logps_pass()
+        self._captured, self._capture_armed, self._tool_mask = None, self._trl_runs_old_logps_pass(), None
         output = super()._generate_and_score_completions(inputs)
         self._capture_armed = False
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         if num_generations < 2:  # eval with a single generation: nothing to pair, keep TRL's advantages
+            rows = len(inputs) * self.accelerator.num_processes
+            self._logs["extra"]["baseline"].extend([float("nan")] * rows)  # keep the column in step with its rows
             return output
         if self._captured is None:
             self._feature_pass(output, mode)
@@ -265,7 +305,8 @@ class POISETrainer(GRPOTrainer):
         rewards[torch.isnan(rewards_per_func).all(1) | ~torch.isfinite(rewards)] = torch.nan
         scorable = torch.isfinite(rewards)
         features, feature_ok = self._partner_reward_features(features, rewards, feature_ok)
-        groups = self.accelerator.gather(prompt_group_ids([x["prompt"] for x in inputs]).to(device))
+        # Environment-routed datasets may have no `prompt` column; the row then names the prompt.
+        groups = self.accelerator.gather(prompt_group_ids([x.get("prompt", x) for x in inputs]).to(device))
         domain_rows = self._domain_rows(inputs, num_generations, device)
 
         # Each row is predicted by its domain's probe as fitted on earlier steps; a domain still in its bootstrap (or
@@ -285,8 +326,8 @@ class POISETrainer(GRPOTrainer):
         advantages, baselines, receives = poise_advantages(
             rewards, values, num_generations, feature_ok, has_completion, trusted, fallback
         )
-        if self.args.scale_rewards == "batch" and scorable.sum() > 1:
-            advantages = advantages / (rewards[scorable].std() + 1e-4)
+        if self.args.scale_rewards == "batch":  # the std of earlier steps' rewards: independent of this batch
+            advantages = advantages / self.reward_std.divisor()
 
         process_slice = slice(
             self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs)
@@ -306,6 +347,7 @@ class POISETrainer(GRPOTrainer):
             **bootstrap_metrics,
         )
         if mode == "train":
+            self.reward_std.update(rewards)
             targets = leave_one_out_targets(rewards, num_generations, scorable)  # the partners' mean reward
             metrics.update(self._update_probes(features, targets, feature_ok & scorable, groups, domain_rows))
             self._update_bootstrap(rewards, num_generations, scorable, domain_rows)
@@ -410,7 +452,18 @@ class POISETrainer(GRPOTrainer):
             "model_name": get_config_model_id(base.config),
             "probe_steps": self.probe_steps,
             "layer": self.probe_layer,
+            "reward_std": self.reward_std.state_dict(),
         }
+
+    def _probe_settings(self, probe: ValueProbe) -> str:
+        """A probe's refit settings in POISEConfig's terms, for error messages."""
+        pca = probe.pca_dims
+        if isinstance(pca, list | tuple):
+            slices = block_slices(self.args.probe_features, self.hidden_size)
+            ks = {int(start): int(k) for start, _, k in pca}
+            pca = [ks.get(slices[name][0], 0) if name in slices else 0 for name in HIDDEN_BLOCKS]
+        clip = None if probe.clip == "observed" else list(probe.clip) if probe.clip is not None else "no clipping"
+        return f"probe_alpha={probe.alpha}, probe_pca_dims={pca}, probe_clip_range={clip}"
 
     def save_probe(self, path: str | os.PathLike, include_buffer: bool = True) -> None:
         """Write every domain's probe (and buffer) to one safetensors file + JSON: no pickle, so a downloaded file
@@ -441,7 +494,14 @@ class POISETrainer(GRPOTrainer):
             )
         self.probes = {}
         for name, (tensors, domain_info) in states.items():
-            online = self._new_online_probe(name)  # this run's buffer capacity: the newest rows survive
+            online = self._new_online_probe(name)  # this run's settings and buffer capacity (the newest rows survive)
+            saved = ValueProbe.from_config(domain_info["probe"])
+            if not warm_start and saved.config() != online.probe.config():
+                raise ValueError(
+                    f"The probe in {path} (domain {name!r}) refits with {self._probe_settings(saved)}, but this run "
+                    f"sets {self._probe_settings(online.probe)}. Resume with the settings (or probe_preset) the run "
+                    "was started with; to change them, start a new run with probe_init_path pointing at this file."
+                )
             online.load_state(tensors, domain_info)
             if warm_start:  # trusted at once; without a buffer, keep the loaded fit until warmup steps of new rows
                 online.steps, online.warm_started = 0, True
@@ -449,13 +509,17 @@ class POISETrainer(GRPOTrainer):
             self.probes[name] = online
         self._layer_index = self.probe_layers.index(int(info["layer"]))
         self.probe_steps = 0 if warm_start else int(info["probe_steps"])
+        if not warm_start and "reward_std" in info:
+            self.reward_std.load_state_dict(info["reward_std"])
 
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
+        # The probe is written first: the parent pushes the checkpoint folder to the Hub before it returns.
         if self.args.should_save:
-            checkpoint_folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            self.save_probe(Path(self._get_output_dir(trial=trial)) / checkpoint_folder / PROBE_FILE)
-            self._save_bootstrap(Path(self._get_output_dir(trial=trial)) / checkpoint_folder / BOOTSTRAP_FILE)
+            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            folder.mkdir(parents=True, exist_ok=True)
+            self.save_probe(folder / PROBE_FILE)
+            self._save_bootstrap(folder / BOOTSTRAP_FILE)
+        super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from poise_trl.baselines import baseline_diagnostics, cross_rollout_baselines, leave_one_out_targets
+from poise_trl.baselines import RunningStd, baseline_diagnostics, cross_rollout_baselines, leave_one_out_targets
 
 
 def test_g2_is_the_swap():
@@ -62,3 +62,21 @@ def test_diagnostics_with_constant_rewards_are_nan_not_errors():
 
 def test_own_value_never_touches_own_baseline_even_when_huge():
     assert cross_rollout_baselines(torch.tensor([1e8, 1.0, 0.5]), 3)[0] == 0.75
+
+
+def test_running_std_merges_batches_exactly_and_starts_at_divisor_one():
+    """The batch-scaling divisor: 1 before any spread, then the sample std of every finite value seen, + 1e-4."""
+    running = RunningStd()
+    assert running.divisor() == 1.0
+    running.update(torch.tensor([0.5, 0.5, float("nan")]))
+    assert running.count == 2 and running.divisor() == 1.0  # no spread yet: never 1 / 1e-4
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.rand(n, generator=g, dtype=torch.float64) * 3 for n in (1, 7, 16)]
+    for batch in batches:
+        running.update(batch)
+    everything = torch.cat([torch.tensor([0.5, 0.5], dtype=torch.float64), *batches])
+    assert running.std == pytest.approx(everything.std().item(), rel=1e-12)
+    assert running.divisor() == pytest.approx(everything.std().item() + 1e-4, rel=1e-12)
+    restored = RunningStd()
+    restored.load_state_dict(running.state_dict())
+    assert restored.divisor() == running.divisor()

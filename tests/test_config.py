@@ -23,6 +23,8 @@ def test_paper_preset_and_explicit_overrides():
     assert (_config(probe_preset="paper").probe_alpha, _config(probe_preset="paper").probe_pca_dims) == (0.01, [0, 0])
     c = _config(probe_preset="paper", probe_alpha=3.0, probe_pca_dims=[8, 0])
     assert (c.probe_alpha, c.probe_pca_dims) == (3.0, [8, 0])
+    # Only a preset's dims are capped at a small model's block width; explicit dims are checked as given.
+    assert _config().pca_dims_from_preset and not c.pca_dims_from_preset
     assert _config(probe_features=["entropy", "prompt"]).probe_features == ["prompt", "entropy"]
 
 

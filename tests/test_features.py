@@ -13,6 +13,7 @@ from poise_trl.features import (
     feature_spans,
     find_decoder_layers,
     find_last_subsequence,
+    pca_blocks,
     pool_hidden,
     resolve_layer_index,
 )
@@ -53,6 +54,32 @@ def test_spans_cut_reasoning_at_last_marker_and_answer_after_it():
     assert spans.pool_index[1, 0].tolist() == [2, 1]
     no_marker = feature_spans(prompt_mask, completion_ids, completion_mask, pool_tokens=2, marker_ids=None)
     assert no_marker.reasoning_mask[0].tolist() == [True] * 8
+
+
+def test_spans_use_only_generated_tokens_and_a_tool_marker_does_not_move_the_cut():
+    """Multi-turn tool calls: tokens with generated_mask 0 (a tool result) are never pooled, never enter the entropy
+    statistics or the length, and a marker inside them is not the policy's."""
+    prompts = [[11, 12], [11, 12], [11, 12]]
+    completions = [
+        [20, 21, 7, 8, 40, 22, 23, 24],  # the tool result [7, 8, 40] holds the marker: no marker of the policy's
+        [20, 7, 8, 30, 7, 8, 31],  # a tool result [7, 8], then the policy's own marker at 4-5
+        [7, 8, 9],  # the policy wrote 7, the tool result starts with 8: no whole marker
+    ]
+    generated = [[1, 1, 0, 0, 0, 1, 1, 1], [1, 0, 0, 1, 1, 1, 1, 0], [1, 0, 1, 0, 0, 0, 0, 0]]
+    _, prompt_mask, completion_ids, completion_mask = _batch(prompts, completions)
+    spans = feature_spans(prompt_mask, completion_ids, completion_mask, 4, MARKER, torch.tensor(generated))
+    on = lambda mask: [i for i, v in enumerate(mask.tolist()) if v]  # noqa: E731
+    assert on(spans.completion_mask[0]) == on(spans.reasoning_mask[0]) == [0, 1, 5, 6, 7]
+    # No marker of the policy's: the answer span is its last 4 tokens, and pooling skips the gap (prompt length 2).
+    assert on(spans.answer_mask[0]) == [1, 5, 6, 7] and spans.pool_index[0, 1].tolist() == [2 + 7, 2 + 6, 2 + 5, 2 + 1]
+    assert on(spans.reasoning_mask[1]) == [0, 3, 4, 5] and on(spans.answer_mask[1]) == [6]
+    assert on(spans.reasoning_mask[2]) == [0, 2] and on(spans.answer_mask[2]) == [0, 2]
+    entropies = torch.arange(8.0).repeat(3, 1)
+    stats = entropy_statistics(entropies, spans)
+    torch.testing.assert_close(stats[0], torch.tensor([19 / 5, 19 / 5, 19 / 4]))
+    torch.testing.assert_close(stats[1], torch.tensor([18 / 5, 3.0, 6.0]))
+    pooled = torch.zeros(3, 2, 1)
+    assert assemble_features(["length"], pooled, entropies, spans).flatten().tolist() == [5, 5, 2]
 
 
 def test_pooling_matches_unpadded_per_row_recomputation():
@@ -179,3 +206,10 @@ def test_nan_at_padding_never_reaches_the_pooled_mean_and_zero_width_completions
     )
     pooled = pool_hidden(torch.randn(2, 3, 4), empty.pool_index, empty.pool_weight)
     assert pooled[:, 1].eq(0).all() and torch.equal(entropy_statistics(torch.zeros(2, 0), empty), torch.zeros(2, 3))
+
+
+def test_pca_blocks_cap_a_preset_at_the_block_width_and_refuse_explicit_dims_beyond_it():
+    assert pca_blocks(["prompt", "reasoning", "entropy"], 8, [32, 64], cap_at_width=True) == [(0, 8, 8), (8, 16, 8)]
+    assert pca_blocks(["reasoning"], 8, [32, 4], cap_at_width=True) == [(0, 8, 4)]
+    with pytest.raises(ValueError, match="asks for 32 components of the prompt block, which has only 8 columns"):
+        pca_blocks(["prompt", "reasoning"], 8, [32, 0])

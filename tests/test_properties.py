@@ -186,7 +186,8 @@ def test_trainer_advantage_of_a_row_ignores_its_own_features_and_value(batch, da
 # ------------------------------------------------------------------------------------------------------- features
 @st.composite
 def span_batches(draw) -> dict:
-    """Prompts left- or right-padded, right-padded completions (some empty), a marker that may or may not occur."""
+    """Prompts left- or right-padded, right-padded completions (some empty), a marker that may or may not occur, and
+    possibly a generated mask with gaps (tool results) that can cut a marker in two."""
     batch = draw(st.integers(1, 5))
     prompt_width, completion_width = draw(st.integers(1, 6)), draw(st.integers(1, 8))
     vocab = 4
@@ -208,6 +209,10 @@ def span_batches(draw) -> dict:
             at = draw(st.integers(0, c_len - len(marker)))
             ids[at : at + len(marker)] = marker
         completion_ids[row] = torch.tensor(ids)
+    generated_mask = None
+    if draw(st.booleans()):
+        bits = draw(st.lists(st.booleans(), min_size=batch * completion_width, max_size=batch * completion_width))
+        generated_mask = torch.tensor(bits).view(batch, completion_width).long()
     seed = draw(st.integers(0, 2**31 - 1))
     g = torch.Generator().manual_seed(seed)
     hidden_size = draw(st.integers(1, 4))
@@ -218,6 +223,7 @@ def span_batches(draw) -> dict:
         prompt_mask=prompt_mask,
         completion_ids=completion_ids,
         completion_mask=completion_mask,
+        generated_mask=generated_mask,
         pool_tokens=draw(st.integers(1, 5)),
         marker=marker,
         hidden=torch.randn(batch, prompt_width + completion_width, hidden_size, generator=g) * 10,
@@ -225,10 +231,13 @@ def span_batches(draw) -> dict:
     )
 
 
-def _last_marker_end(ids: list[int], length: int, marker: list[int] | None) -> int:
+def _last_marker_end(ids: list[int], generated: list[int], marker: list[int] | None) -> int:
+    """End of the last marker whose every token the policy generated."""
     if not marker:
         return -1
-    ends = [e for e in range(len(marker) - 1, length) if ids[e - len(marker) + 1 : e + 1] == marker]
+    m = len(marker)
+    whole = [e for e in generated if set(range(e - m + 1, e + 1)) <= set(generated)]
+    ends = [e for e in whole if ids[e - m + 1 : e + 1] == marker]
     return ends[-1] if ends else -1
 
 
@@ -246,9 +255,13 @@ def _mean_values(values: list[float]) -> float:
 @given(span_batches())
 def test_spans_pooling_and_entropy_match_a_brute_force_oracle(case):
     """feature_spans + pool_hidden + entropy_statistics equal a per-row list computation, and are finite, for empty
-    prompts, empty completions, markers at any position or absent, and NaN/±inf entropies (counted as 0)."""
+    prompts, empty completions, markers at any position or absent, tokens the policy did not generate, and NaN/±inf
+    entropies (counted as 0)."""
     n = case["pool_tokens"]
-    spans = feature_spans(case["prompt_mask"], case["completion_ids"], case["completion_mask"], n, case["marker"])
+    generated_mask = case["generated_mask"]
+    spans = feature_spans(
+        case["prompt_mask"], case["completion_ids"], case["completion_mask"], n, case["marker"], generated_mask
+    )
     pooled = pool_hidden(case["hidden"], spans.pool_index, spans.pool_weight)
     stats = entropy_statistics(case["entropies"], spans)
     features = assemble_features(("prompt", "reasoning", "entropy", "length"), pooled, case["entropies"], spans)
@@ -258,21 +271,27 @@ def test_spans_pooling_and_entropy_match_a_brute_force_oracle(case):
     assert features.shape == (batch, 2 * hidden_size + 4) and torch.isfinite(features).all()
 
     entropies = case["entropies"].nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-    marker_ends = find_last_subsequence(case["completion_ids"], case["completion_mask"], case["marker"] or [])
+    valid = case["completion_mask"] if generated_mask is None else case["completion_mask"] * generated_mask
+    marker_ends = find_last_subsequence(case["completion_ids"], valid, case["marker"] or [])
     for row in range(batch):
         prompt_positions = [p for p in range(prompt_width) if case["prompt_mask"][row, p]]
-        length = int(case["completion_mask"][row].sum())
+        generated = [
+            p
+            for p in range(int(case["completion_mask"][row].sum()))
+            if generated_mask is None or generated_mask[row, p]
+        ]
+        length = len(generated)
         ids = case["completion_ids"][row].tolist()
-        end = _last_marker_end(ids, length, case["marker"])
+        end = _last_marker_end(ids, generated, case["marker"])
         assert int(marker_ends[row]) == end
-        reasoning = list(range(end + 1)) if end >= 0 else list(range(length))
-        answer = list(range(end + 1, length)) if end >= 0 else list(range(max(0, length - n), length))
+        reasoning = [p for p in generated if p <= end] if end >= 0 else generated
+        answer = [p for p in generated if p > end] if end >= 0 else generated[-n:] if length else []
         expected_prompt = _mean_rows(case["hidden"][row], prompt_positions[-n:])
         expected_reasoning = _mean_rows(case["hidden"][row], [prompt_width + p for p in reasoning[-n:]])
         torch.testing.assert_close(pooled[row, 0], expected_prompt, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(pooled[row, 1], expected_reasoning, rtol=1e-5, atol=1e-5)
         row_entropy = entropies[row].tolist()
-        expected_stats = [_mean_values([row_entropy[p] for p in span]) for span in (range(length), reasoning, answer)]
+        expected_stats = [_mean_values([row_entropy[p] for p in span]) for span in (generated, reasoning, answer)]
         torch.testing.assert_close(stats[row], torch.tensor(expected_stats), rtol=1e-5, atol=1e-5)
         assert features[row, -1] == length
 

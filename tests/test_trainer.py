@@ -17,6 +17,7 @@ from poise_trl.trainer import PROBE_FILE
 
 from .conftest import CPU_ARGS, digit_reward, poise_args
 from .conftest import digit_dataset as _dataset
+from .tiny_archs import SpyTrainer, save_causal_lm
 
 MARKER_ID = 3  # `</think>` in the tiny tokenizer
 
@@ -304,6 +305,67 @@ def test_warm_start_refuses_a_probe_from_another_feature_space(tiny_model_path, 
             args=poise_args(tmp_path, probe_pool_tokens=5, probe_init_path=str(tmp_path / "p.safetensors")),
             train_dataset=_dataset(),
         )
+
+
+@pytest.fixture(scope="module")
+def small_model_path(tmp_path_factory):
+    """A hidden-16, 2-layer Qwen3: for tests about the probe's files, where the model's size does not matter."""
+    return save_causal_lm(tmp_path_factory.mktemp("small") / "qwen3")
+
+
+def test_resume_refuses_changed_probe_settings_and_warm_start_refits_with_the_run_s(small_model_path, tmp_path):
+    """A loaded probe never replaces the run's alpha, PCA dims or clip range: on resume a mismatch is an error that
+    names both; on warm start the loaded fit predicts as saved and every later refit uses the run's settings. The
+    batch-scaling reward std resumes too."""
+    saved = dict(max_steps=2, save_strategy="steps", save_steps=2, probe_alpha=0.5, scale_rewards="batch")
+    first = POISETrainer(
+        str(small_model_path), digit_reward, args=poise_args(tmp_path, **saved), train_dataset=_dataset()
+    )
+    first.train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+
+    def resume(**changed):
+        args = poise_args(tmp_path, **{**saved, "max_steps": 3, **changed})
+        return SpyTrainer(str(small_model_path), digit_reward, args=args, train_dataset=_dataset())
+
+    with pytest.raises(ValueError, match=r"refits with probe_alpha=0.5, .* but this run sets probe_alpha=2.0"):
+        resume(probe_alpha=2.0).train(resume_from_checkpoint=str(checkpoint))
+    with pytest.raises(ValueError, match=r"probe_pca_dims=\[0, 0\], .* this run sets .*probe_pca_dims=\[4, 0\]"):
+        resume(probe_pca_dims=[4, 0])._load_probe(checkpoint / PROBE_FILE)  # what resuming calls
+    with pytest.raises(ValueError, match=r"probe_clip_range=None, .* this run sets .*probe_clip_range=\[0.0, 0.5\]"):
+        resume(probe_clip_range=[0.0, 0.5])._load_probe(checkpoint / PROBE_FILE)
+    resumed = resume()
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert [s["divisor"] for s in resumed.scored] == [first.reward_std.divisor()] and resumed.reward_std.count == 24
+
+    run = dict(probe_alpha=2.0, probe_pca_dims=[4, 0], probe_clip_range=[0.0, 0.5], max_steps=1)
+    warm = POISETrainer(
+        str(small_model_path),
+        digit_reward,
+        args=poise_args(tmp_path, probe_init_path=str(checkpoint / PROBE_FILE), **run),
+        train_dataset=_dataset(),
+    )
+    assert torch.equal(warm.value_probe.state_dict()["coef"], first.value_probe.state_dict()["coef"])
+    assert (warm.value_probe.alpha, warm.value_probe.pca_dims, warm.value_probe.clip) == (
+        2.0,
+        [(0, 16, 4)],
+        (0.0, 0.5),
+    )
+    assert warm.reward_std.count == 0  # a warm start is a new run
+    warm.train()
+    assert warm.value_probe.fitted_pca_dims == [4]
+    assert warm.value_probe.state_dict()["clip"].tolist() == [0.0, 0.5]
+
+
+def test_the_probe_is_in_the_checkpoint_before_it_is_pushed(small_model_path, tmp_path):
+    """With push_to_hub, the parent pushes the checkpoint folder inside `_save_checkpoint`; the probe must be there."""
+    args = poise_args(tmp_path, max_steps=1, save_strategy="steps", save_steps=1, hub_strategy="checkpoint")
+    trainer = POISETrainer(str(small_model_path), digit_reward, args=args, train_dataset=_dataset())
+    trainer.args.push_to_hub = True  # after construction, so no Hub repository is created (no network)
+    pushed = []
+    trainer._push_from_checkpoint = lambda folder: pushed.append(sorted(os.listdir(folder)))
+    trainer.train()
+    assert len(pushed) == 1 and {PROBE_FILE, PROBE_FILE + ".json", "trainer_state.json"} <= set(pushed[0])
 
 
 def test_vllm_importance_sampling_pass_is_reused_for_capture(tiny_model_path, tmp_path):

@@ -4,6 +4,7 @@ Only argparse and the light `common` defaults load here; each handler imports it
 """
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from .common import (
@@ -193,10 +194,10 @@ def add_overhead_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
-def _run_probe_bench(args: argparse.Namespace) -> int:
+def _run_probe_bench(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     from .value.report import run_probe_bench
 
-    return run_probe_bench(args)
+    return run_probe_bench(args, log)
 
 
 def add_probe_bench_parser(subparsers: Any) -> argparse.ArgumentParser:

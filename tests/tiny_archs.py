@@ -1,0 +1,188 @@
+"""Tiny local models of several architectures (hidden size 8-16, no hub) and a trainer that records what POISE
+computed next to what TRL's loss received, for the drop-in tests (`test_grpo_parity`, `test_training_options`,
+`test_tools`, `test_vision`)."""
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3ForSequenceClassification,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from poise_trl import POISETrainer
+
+# Chat and tool markup are single tokens, as in Qwen3's vocabulary; everything else is one token per character.
+SPECIAL = ["<pad>", "<|im_end|>", "<unk>"]
+MARKUP = ["<|im_start|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+ALPHABET = "".join(chr(c) for c in range(32, 127)) + "\n"
+# Renders any conversation as plain text, so standard and conversational datasets both work.
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] }}{% if not loop.last %}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}={% endif %}"
+)
+CAUSAL_ARCHS = ("qwen3", "llama", "qwen3_moe", "mixtral")
+
+
+def char_tokenizer(chat_template: str = PLAIN_TEMPLATE, extra_tokens: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    """A character tokenizer whose chat/tool markup are single added tokens; `</think>` is one token."""
+    vocab = {token: i for i, token in enumerate(SPECIAL)}
+    for ch in ALPHABET:
+        vocab.setdefault(ch, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # newlines too
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>", unk_token="<unk>", padding_side="left"
+    )
+    # Not special, as in Qwen3: TRL decodes with skip_special_tokens=True, and rewards and parsers must see them.
+    tokenizer.add_tokens([AddedToken(token, special=False) for token in (*MARKUP, *extra_tokens)])
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def causal_lm(arch: str, vocab_size: int, hidden_size: int = 16, num_layers: int = 2, seed: int = 0):
+    """A tiny causal LM of `arch` built from its config: dense (Qwen3, Llama) or mixture-of-experts (Qwen3-MoE,
+    Mixtral, 4 experts, top-2)."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=hidden_size // 2,
+        max_position_embeddings=2048,  # a tool schema in the system prompt is ~600 characters
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    moe = dict(num_local_experts=4, num_experts_per_tok=2)
+    if arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    elif arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen3_moe":
+        config = Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size)
+        model = Qwen3MoeForCausalLM(config)
+    elif arch == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(**common, **moe))
+    else:
+        raise ValueError(f"arch={arch!r}: choose one of {CAUSAL_ARCHS}.")
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
+    return model
+
+
+def save_causal_lm(path: Path, arch: str = "qwen3", hidden_size: int = 16, tokenizer=None) -> Path:
+    """Save a tiny `arch` model and its tokenizer at `path` (beta > 0 reloads the reference model from there)."""
+    tokenizer = tokenizer or char_tokenizer()
+    causal_lm(arch, len(tokenizer), hidden_size).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def save_reward_model(path: Path, hidden_size: int = 8) -> Path:
+    """A tiny Qwen3 sequence classifier (one score) and its tokenizer: a reward model with a processing class."""
+    tokenizer = char_tokenizer()
+    torch.manual_seed(1)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=hidden_size // 2,
+        num_labels=1,
+        pad_token_id=0,
+    )
+    Qwen3ForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def prompts(n: int = 8, conversational: bool = False) -> Dataset:
+    """`n` short distinct prompts, standard or conversational (prompt-only)."""
+    texts = [f"{i % 10}{(3 * i) % 10}+{i % 7}" for i in range(n)]
+    if conversational:
+        return Dataset.from_list([{"prompt": [{"role": "user", "content": t}]} for t in texts])
+    return Dataset.from_list([{"prompt": t} for t in texts])
+
+
+def completion_text(completion: Any) -> str:
+    """The text of a standard (str) or conversational (list of messages) completion."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(str(message.get("content") or "") for message in completion)
+
+
+def code_reward(completions: list, **kwargs) -> list[float]:
+    """A dense, deterministic reward in [0, 1) that differs between almost any two completions of a random model."""
+    return [sum(map(ord, completion_text(c))) % 97 / 97 for c in completions]
+
+
+class SpyTrainer(POISETrainer):
+    """Records, at each training scoring step, POISE's advantages with the rewards and baselines they came from, and
+    every `advantages` tensor TRL's loss received."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scored: list[dict[str, Any]] = []
+        self.loss_advantages: list[torch.Tensor] = []
+
+    def _generate_and_score_completions(self, inputs):
+        training = self.model.training
+        divisor = self.reward_std.divisor() if self.args.scale_rewards == "batch" else 1.0
+        output = super()._generate_and_score_completions(inputs)
+        if training:
+            rows = output["advantages"].numel()
+            rewards = (self._gathered_rewards * self.reward_weights).nansum(1)
+            rewards[torch.isnan(self._gathered_rewards).all(1)] = torch.nan
+            self.scored.append(
+                dict(
+                    prompts=[x.get("prompt") for x in inputs],
+                    advantages=output["advantages"].clone(),
+                    rewards=rewards,
+                    baselines=torch.tensor(list(self._logs["extra"]["baseline"])[-rows:]),
+                    divisor=divisor,
+                    output={k: v.clone() for k, v in output.items() if isinstance(v, torch.Tensor)},
+                )
+            )
+        return output
+
+    def _compute_loss(self, model, inputs):
+        if self.model.training:
+            self.loss_advantages.append(inputs["advantages"].detach().clone())
+        return super()._compute_loss(model, inputs)
+
+
+def assert_poise_advantages_reach_the_loss(trainer: SpyTrainer) -> None:
+    """Every advantage is POISE's (r - b) / divisor (0 where no baseline), differs from TRL's group-mean advantage
+    wherever a group's rewards differ, and TRL's loss received exactly these rows, each used num_iterations times."""
+    assert trainer.scored, "no training step was scored"
+    for step in trainer.scored:
+        rewards, baselines = step["rewards"], step["baselines"]
+        expected = torch.where(torch.isfinite(baselines), (rewards - baselines) / step["divisor"], 0.0)
+        torch.testing.assert_close(step["advantages"], expected.float(), atol=1e-6, rtol=1e-5)
+        grouped = rewards.view(-1, trainer.num_generations)
+        group_mean = grouped - grouped.nanmean(1, keepdim=True)
+        varied = (grouped.nan_to_num().amax(1) != grouped.nan_to_num().amin(1)).repeat_interleave(
+            trainer.num_generations
+        )
+        if varied.any():  # GRPO's advantage (r - mean) is not what reached the loss
+            assert not torch.allclose(step["advantages"][varied], group_mean.flatten()[varied].float())
+    produced = torch.cat([s["advantages"] for s in trainer.scored]).repeat(trainer.num_iterations)
+    received = torch.cat([a.flatten() for a in trainer.loss_advantages])
+    assert torch.equal(produced.sort().values, received.sort().values)
