@@ -115,16 +115,18 @@ def poise_advantages(
     feature_ok: torch.Tensor,
     has_completion: torch.Tensor,
     trusted: torch.Tensor,
+    fallback: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """POISE's advantage rule on a gathered batch: (advantages, baselines, receives).
 
     A row whose probe is `trusted` gets the cross-rollout baseline from its partners' probe values (partners with
     usable features only); otherwise, or when no partner has usable features, the RLOO mean of the partners'
     rewards. Both are independent of the row itself, so the gradient stays unbiased. Rows with a non-finite reward,
-    no completion, or no baseline at all `receive` nothing: advantage 0, never NaN.
+    no completion, or no baseline at all `receive` nothing: advantage 0, never NaN. `fallback` replaces the RLOO
+    baseline (e.g. the shrunk bootstrap, a + w * RLOO); it must not depend on the row's own rollout either.
     """
     scorable = torch.isfinite(rewards)
-    rloo = leave_one_out_targets(rewards, num_generations, scorable)
+    rloo = leave_one_out_targets(rewards, num_generations, scorable) if fallback is None else fallback
     probe = cross_rollout_baselines(values, num_generations, feature_ok)
     baselines = torch.where(trusted.bool() & ~torch.isnan(probe), probe, rloo)
     receives = scorable & has_completion.bool() & torch.isfinite(baselines)
@@ -173,3 +175,33 @@ class RunningStd:
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
+
+
+def append_reward_column(features: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+    """[φ_j, r_j]: the partner-aware probe's input, the rollout's own reward as one more (last) column.
+
+    `features` is (N, D) or (N, C, D) (one vector per candidate layer); every slice gets the same reward column. The
+    probe h(φ_j, r_j) only ever serves as the baseline of j's partners, so using r_j keeps their gradient unbiased.
+    """
+    if rewards.shape != features.shape[:1]:
+        raise ValueError(f"Got {rewards.shape[0]} rewards for {features.shape[0]} feature rows.")
+    column = rewards.to(features.dtype).view(-1, *([1] * (features.ndim - 1)))
+    return torch.cat([features, column.expand(*features.shape[:-1], 1)], dim=-1)
+
+
+def shrunk_rloo_fit(partner_means: torch.Tensor, rewards: torch.Tensor) -> tuple[float, float]:
+    """(a, w) of the least-squares line r_i ≈ a + w * m_i over the finite pairs (m_i = mean reward of i's partners).
+
+    The shrunk bootstrap uses a + w * m_i as baseline: with (a, w) fitted on earlier steps only it is a fixed
+    function of the partners' rewards, hence unbiased. With no pairs: a=0, w=1 (plain RLOO); when every m_i is the
+    same: w=0 and a = the mean reward.
+    """
+    keep = torch.isfinite(partner_means) & torch.isfinite(rewards)
+    m, r = partner_means[keep].double(), rewards[keep].double()
+    if m.numel() == 0:
+        return 0.0, 1.0
+    variance = (m - m.mean()).pow(2).mean()
+    if variance <= 1e-12:
+        return r.mean().item(), 0.0
+    weight = ((m - m.mean()) * (r - r.mean())).mean() / variance
+    return (r.mean() - weight * m.mean()).item(), weight.item()

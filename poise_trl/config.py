@@ -133,6 +133,37 @@ class POISEConfig(GRPOConfig):
         },
     )
 
+    probe_partner_reward: bool = field(
+        default=True,
+        metadata={
+            "help": "Partner-aware probe: the probe's input for rollout j is [φ_j, r_j], its own reward appended as "
+            "one more standardized column (outside any PCA block); the target stays the other rollouts' mean reward. "
+            "b_i = mean over j != i of h(φ_j, r_j) depends only on the other rollouts, so it stays unbiased. False: "
+            "the paper's g(φ_j).",
+        },
+    )
+    probe_bootstrap: str = field(
+        default="shrunk",
+        metadata={
+            "help": "Baseline before the probe is trusted (and where a row has no usable partner): 'rloo' (paper), "
+            "the other rollouts' mean reward m_i; 'shrunk', a + w * m_i with (a, w) a least-squares fit of r_i on "
+            "m_i over earlier steps' rollouts (a=0, w=1 before any history).",
+        },
+    )
+    prompt_selection: str | None = field(
+        default=None,
+        metadata={
+            "help": "None: train on the sampler's prompts (paper). 'value': draw `prompt_selection_oversample` times "
+            "more candidate prompts, predict each one's success rate p from its prompt hidden states (one no-grad "
+            "prefill; a prompt-only probe on the buffer's prompt block) and keep those with the highest p(1 - p). "
+            "Random choice until the probe is trusted.",
+        },
+    )
+    prompt_selection_oversample: float = field(
+        default=2.0,
+        metadata={"help": "With prompt_selection='value': candidate prompts per kept prompt (> 1)."},
+    )
+
     probe_init_path: str | None = field(
         default=None,
         metadata={
@@ -216,6 +247,7 @@ class POISEConfig(GRPOConfig):
             raise ValueError(f"probe_warmup_steps={self.probe_warmup_steps} must be >= 0.")
         self._check_layer_fields()
         self._check_domain_fields()
+        self._check_beyond_paper_fields()
 
     def _check_layer_fields(self) -> None:
         layer = self.probe_layer
@@ -269,3 +301,27 @@ class POISEConfig(GRPOConfig):
                     f"({2 * self.num_generations} examples)."
                 )
         self.probe_domain_buffer_sizes = {str(name): int(size) for name, size in sizes.items()}
+
+    def _check_beyond_paper_fields(self) -> None:
+        if self.probe_bootstrap not in ("rloo", "shrunk"):
+            raise ValueError(f"probe_bootstrap={self.probe_bootstrap!r}: choose 'rloo' (paper) or 'shrunk'.")
+        if self.prompt_selection not in (None, "value"):
+            raise ValueError(f"prompt_selection={self.prompt_selection!r}: choose None (paper) or 'value'.")
+        if self.prompt_selection is None:
+            return
+        if "prompt" not in self.probe_features:
+            raise ValueError(
+                "prompt_selection='value' predicts from the prompt hidden states: add 'prompt' to probe_features "
+                f"(got {self.probe_features})."
+            )
+        if not self.prompt_selection_oversample > 1:
+            raise ValueError(
+                f"prompt_selection_oversample={self.prompt_selection_oversample} must be > 1: it is the number of "
+                "candidate prompts drawn per kept prompt."
+            )
+        rows = self.per_device_train_batch_size * self.steps_per_generation
+        if rows % self.num_generations:
+            raise ValueError(
+                f"prompt_selection='value' keeps whole prompts on each process, so per_device_train_batch_size x "
+                f"steps_per_generation ({rows}) must be a multiple of num_generations ({self.num_generations})."
+            )

@@ -3,6 +3,7 @@
 import hashlib
 import inspect
 import json
+import math
 import os
 import textwrap
 import time
@@ -13,13 +14,23 @@ from typing import Any
 import torch
 import trl
 from accelerate.utils import broadcast, gather_object
+from datasets import IterableDataset
 from packaging.version import Version
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id
 
-from .baselines import RunningStd, baseline_diagnostics, leave_one_out_targets, poise_advantages
+from .baselines import (
+    RunningStd,
+    append_reward_column,
+    baseline_diagnostics,
+    leave_one_out_targets,
+    poise_advantages,
+    shrunk_rloo_fit,
+)
 from .config import POISEConfig
 from .features import (
     HIDDEN_BLOCKS,
@@ -36,6 +47,7 @@ from .probe import OnlineProbe, ProbeBuffer, ValueProbe, choose_layer, load_prob
 
 TESTED_TRL = ("1.16.0", "1.17.0")  # [low, high): the GRPOTrainer internals this subclass was tested against
 PROBE_FILE = "poise_probe.safetensors"
+BOOTSTRAP_FILE = "poise_bootstrap.safetensors"  # the shrunk bootstrap's (partner mean, reward) pairs per domain
 DEFAULT_DOMAIN = "default"  # the one probe's name when there is no `probe_domain_column`
 # Output keys of `_generate_and_score_completions` that TRL's own log-prob pass takes as model inputs besides the
 # token ids (pixel_values, image_grid_thw, num_images, token_type_ids, ...): POISE's feature pass forwards the same.
@@ -89,6 +101,16 @@ class POISETrainer(GRPOTrainer):
     `"default"`, unless `probe_domain_column` is set. With `probe_layer="auto"` every candidate layer is hooked in the
     same pass, buffered rows hold all of them, and the layer in use (`self.probe_layer`) is re-chosen from the buffer
     every `probe_layer_select_every` steps, after that step's baselines were computed.
+
+    Beyond the paper (README "Beyond the paper"): `probe_partner_reward` appends each rollout's own reward to its probe
+    input, h(φ_j, r_j), still used only as its partners' baseline; `probe_bootstrap="shrunk"` replaces the RLOO
+    bootstrap by a + w * RLOO fitted on earlier steps. `prompt_selection="value"` chooses the prompts to train on. Its
+    hook is the least invasive one TRL allows: the sampler keeps TRL's `RepeatSampler` and only draws
+    `prompt_selection_oversample` times more prompts per generation batch (`_get_train_sampler`,
+    `get_train_dataloader`), each process receives its own shard of whole candidate groups as usual, and
+    `_generate_and_score_completions` keeps the best whole groups of its shard before calling the parent, so
+    generation (vLLM included), rewards, shuffling and the batch sizes TRL expects downstream are unchanged. The
+    prediction costs one no-grad forward of the training model over the candidates' prompt tokens.
     """
 
     _tag_names = ["trl", "poise"]
@@ -153,6 +175,8 @@ class POISETrainer(GRPOTrainer):
         self._captured: tuple[torch.Tensor, torch.Tensor] | None = None
         self._gathered_rewards: torch.Tensor | None = None
         self._tool_mask: list | None = None  # this batch's tool/env mask from `_generate` (1 = the policy wrote it)
+        self.bootstrap_pairs: dict[str, ProbeBuffer] = {}  # per domain: (partner mean, reward) of earlier steps
+        self._init_prompt_selection()
 
     # ------------------------------------------------------------------------------------------------------ probes
     @property
@@ -258,6 +282,7 @@ class POISETrainer(GRPOTrainer):
 
     # -------------------------------------------------------------------------------------------------- advantages
     def _generate_and_score_completions(self, inputs):
+        inputs = self._select_prompts(inputs)
         mode = "train" if self.model.training else "eval"
         self._captured, self._capture_armed, self._tool_mask = None, self._trl_runs_old_logps_pass(), None
         output = super()._generate_and_score_completions(inputs)
@@ -280,6 +305,7 @@ class POISETrainer(GRPOTrainer):
         rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(1)
         rewards[torch.isnan(rewards_per_func).all(1) | ~torch.isfinite(rewards)] = torch.nan
         scorable = torch.isfinite(rewards)
+        features, feature_ok = self._partner_reward_features(features, rewards, feature_ok)
         # Environment-routed datasets may have no `prompt` column; the row then names the prompt.
         groups = self.accelerator.gather(prompt_group_ids([x.get("prompt", x) for x in inputs]).to(device))
         domain_rows = self._domain_rows(inputs, num_generations, device)
@@ -297,8 +323,9 @@ class POISETrainer(GRPOTrainer):
             predict = rows & feature_ok
             if online is not None and online.probe.is_fitted and predict.any():
                 values[predict], unclipped[predict] = online.predict(features[predict], return_unclipped=True)
+        fallback, bootstrap_metrics = self._shrunk_bootstrap(rewards, num_generations, scorable, domain_rows)
         advantages, baselines, receives = poise_advantages(
-            rewards, values, num_generations, feature_ok, has_completion, trusted
+            rewards, values, num_generations, feature_ok, has_completion, trusted, fallback
         )
         if self.args.scale_rewards == "batch":  # the std of earlier steps' rewards: independent of this batch
             advantages = advantages / self.reward_std.divisor()
@@ -318,11 +345,14 @@ class POISETrainer(GRPOTrainer):
             bootstrap=(~trusted).float().mean().item(),  # fraction of rows on the RLOO baseline
             feature_rows_dropped=float((has_completion & ~feature_ok).sum()),
             layer=float(self.probe_layer),  # the layer this step's probe baselines came from
+            **bootstrap_metrics,
         )
         if mode == "train":
             self.reward_std.update(rewards)
             targets = leave_one_out_targets(rewards, num_generations, scorable)  # the partners' mean reward
             metrics.update(self._update_probes(features, targets, feature_ok & scorable, groups, domain_rows))
+            self._update_bootstrap(rewards, num_generations, scorable, domain_rows)
+            metrics.update(self._selection_metrics(rewards, num_generations))
         metrics["buffer_size"] = float(sum(len(online.buffer) for online in self.probes.values()))
         if self.args.probe_domain_column is not None:
             for name, rows in domain_rows.items():
@@ -417,6 +447,7 @@ class POISETrainer(GRPOTrainer):
                 "probe_features": list(self.args.probe_features),
                 "reasoning_end_marker": self.args.reasoning_end_marker,
                 "hidden_size": self.hidden_size,
+                "probe_partner_reward": self.args.probe_partner_reward,
             },
             "probe_domain_column": self.args.probe_domain_column,
             "model_name": get_config_model_id(base.config),
@@ -448,11 +479,14 @@ class POISETrainer(GRPOTrainer):
         if "probe_layer_candidates" not in features and isinstance(features.get("probe_layer"), int):
             features["probe_layer_candidates"] = [features["probe_layer"]]  # one fixed-layer probe (save_probe_file)
             info.setdefault("layer", features["probe_layer"])
+        if features:
+            features.setdefault("probe_partner_reward", False)  # files written before the partner-aware probe
         if info.get("feature_config") != expected["feature_config"]:
             raise ValueError(
                 f"The probe in {path} was fitted on features {info.get('feature_config')}, but this run extracts "
                 f"{expected['feature_config']}. Resume with the same probe_layer/probe_layer_candidates/"
-                "probe_pool_tokens/probe_features/reasoning_end_marker and model, or start a fresh run."
+                "probe_pool_tokens/probe_features/reasoning_end_marker/probe_partner_reward and model, or start a "
+                "fresh run."
             )
         if info.get("probe_domain_column") != self.args.probe_domain_column:
             raise ValueError(
@@ -485,9 +519,227 @@ class POISETrainer(GRPOTrainer):
             folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             folder.mkdir(parents=True, exist_ok=True)
             self.save_probe(folder / PROBE_FILE)
+            self._save_bootstrap(folder / BOOTSTRAP_FILE)
         super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and (Path(checkpoint) / PROBE_FILE).exists():
             self._load_probe(Path(checkpoint) / PROBE_FILE)
+        if checkpoint is not None and (Path(checkpoint) / BOOTSTRAP_FILE).exists():
+            self._load_bootstrap(Path(checkpoint) / BOOTSTRAP_FILE)
+
+    # ----------------------------------------------------------------------------------------- beyond the paper
+    def _partner_reward_features(
+        self, features: torch.Tensor, rewards: torch.Tensor, feature_ok: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """With `probe_partner_reward`: [φ_j, r_j] and rows usable only with a finite reward as well (a row without
+        one falls back like a row without features: its partners get the bootstrap baseline)."""
+        if not self.args.probe_partner_reward:
+            return features, feature_ok
+        usable = feature_ok & torch.isfinite(rewards)
+        return append_reward_column(features, torch.where(usable, rewards, torch.zeros_like(rewards))), usable
+
+    def _bootstrap_line(self, domain: str) -> tuple[float, float]:
+        """(a, w) of the shrunk bootstrap from earlier steps' pairs; (0, 1), plain RLOO, before any history."""
+        pairs = self.bootstrap_pairs.get(domain)
+        if pairs is None or len(pairs) == 0:
+            return 0.0, 1.0
+        return shrunk_rloo_fit(pairs.features[:, 0], pairs.targets)
+
+    def _shrunk_bootstrap(
+        self, rewards: torch.Tensor, num_generations: int, scorable: torch.Tensor, domain_rows: dict
+    ) -> tuple[torch.Tensor | None, dict[str, float]]:
+        """The fallback baseline a + w * RLOO per domain (None with probe_bootstrap='rloo'), and its logged weight."""
+        if self.args.probe_bootstrap != "shrunk":
+            return None, {}
+        rloo = leave_one_out_targets(rewards, num_generations, scorable)
+        fallback, lines = rloo.clone(), []
+        for name, rows in domain_rows.items():
+            intercept, weight = self._bootstrap_line(name)
+            fallback[rows] = intercept + weight * rloo[rows]
+            lines.append((intercept, weight))
+        return fallback, {
+            "bootstrap_intercept": sum(a for a, _ in lines) / len(lines),
+            "bootstrap_weight": sum(w for _, w in lines) / len(lines),
+        }
+
+    def _update_bootstrap(
+        self, rewards: torch.Tensor, num_generations: int, scorable: torch.Tensor, domain_rows: dict
+    ) -> None:
+        """Buffer this step's (RLOO baseline, reward) pairs; they only shape the shrunk bootstrap of later steps."""
+        if self.args.probe_bootstrap != "shrunk":
+            return
+        rloo = leave_one_out_targets(rewards, num_generations, scorable)
+        usable = scorable & torch.isfinite(rloo)
+        for name, rows in domain_rows.items():
+            if name not in self.bootstrap_pairs:
+                capacity = (self.args.probe_domain_buffer_sizes or {}).get(name, self.args.probe_buffer_size)
+                self.bootstrap_pairs[name] = ProbeBuffer(capacity)
+            keep = rows & usable
+            self.bootstrap_pairs[name].add(rloo[keep].unsqueeze(1), rewards[keep])
+
+    def _save_bootstrap(self, path: Path) -> None:
+        """The shrunk bootstrap's pairs, so that a resumed run continues with the same (a, w)."""
+        names = [name for name, pairs in self.bootstrap_pairs.items() if len(pairs)]
+        tensors = {}
+        for i, name in enumerate(names):
+            tensors.update({f"{i}.{k}": v for k, v in self.bootstrap_pairs[name].state_dict().items()})
+        save_file(tensors, str(path), metadata={"domains": json.dumps(names)})
+
+    def _load_bootstrap(self, path: Path) -> None:
+        with safe_open(str(path), framework="pt") as f:
+            names = json.loads(f.metadata()["domains"])
+        tensors = load_file(str(path))
+        self.bootstrap_pairs = {}
+        for i, name in enumerate(names):
+            capacity = (self.args.probe_domain_buffer_sizes or {}).get(name, self.args.probe_buffer_size)
+            self.bootstrap_pairs[name] = ProbeBuffer(capacity)
+            self.bootstrap_pairs[name].add(tensors[f"{i}.features"], tensors[f"{i}.targets"])
+
+    # ----------------------------------------------------------------------------------------- prompt selection
+    def _init_prompt_selection(self) -> None:
+        self._selection: dict[str, float] = {}
+        if self.args.prompt_selection is None:
+            return
+        if self.environment_factories is not None or self._is_vlm:
+            raise ValueError(
+                "prompt_selection='value' predicts from a text-only prefill of the prompts, which environments and "
+                "vision-language models change: set prompt_selection=None for this run."
+            )
+        if isinstance(self.train_dataset, IterableDataset):
+            raise ValueError(
+                "prompt_selection='value' oversamples through TRL's RepeatSampler, which needs a map-style dataset: "
+                "load the dataset without streaming, or set prompt_selection=None."
+            )
+        generator = torch.Generator()
+        generator.manual_seed(self.args.seed + self.accelerator.process_index)
+        self._selection_generator = generator  # the random choice before the prompt probe is trusted
+
+    @property
+    def selection_candidates(self) -> int:
+        """Candidate prompts per process and generation batch: ceil(oversample x kept), raised until their rows fill
+        `steps_per_generation` whole per-step batches, as TRL's dataloader needs."""
+        rows = self.args.per_device_train_batch_size * self.args.steps_per_generation
+        candidates = math.ceil(self.args.prompt_selection_oversample * rows / self.num_generations - 1e-9)
+        while (candidates * self.num_generations) % self.args.steps_per_generation:
+            candidates += 1
+        return candidates
+
+    def get_train_dataloader(self):
+        """TRL's dataloader, with per-process batches of `selection_candidates` whole groups under prompt_selection."""
+        if self.args.prompt_selection is None:
+            return super().get_train_dataloader()
+        batch_size = self._train_batch_size
+        self._train_batch_size = self.selection_candidates * self.num_generations // self.args.steps_per_generation
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self._train_batch_size = batch_size
+
+    def _get_train_sampler(self, dataset=None):
+        """TRL's `RepeatSampler`, drawing `selection_candidates` prompts per process under prompt_selection."""
+        sampler = super()._get_train_sampler(dataset)
+        if self.args.prompt_selection is not None:
+            sampler.batch_size = self.selection_candidates * self.accelerator.num_processes
+        return sampler
+
+    def _prompt_probe(self) -> ValueProbe | None:
+        """The prompt-only probe: the buffer's prompt block (current layer) against its targets, whose mean per prompt
+        is the prompt's success rate. None before the value probe's bootstrap ends or with too few rows."""
+        buffers = [online.buffer for online in self.probes.values() if len(online.buffer)]
+        if self.probe_steps < self.args.probe_warmup_steps or sum(map(len, buffers)) < 2 * self.num_generations:
+            return None
+        start, stop = block_slices(self.args.probe_features, self.hidden_size)["prompt"]
+        device = self.accelerator.device
+        x = torch.cat([b.features[:, self._layer_index, start:stop] for b in buffers]).to(device)
+        y = torch.cat([b.targets for b in buffers]).to(device)
+        pca = [(0, stop - start, self.args.probe_pca_dims[0])] if self.args.probe_pca_dims[0] else None
+        return ValueProbe(alpha=self.args.probe_alpha, pca_dims=pca, clip="observed").fit(x, y)
+
+    def _prefill_prompts(self, prompts: list) -> tuple[torch.Tensor, int]:
+        """Pooled last-n prompt states at the probe layer from one no-grad pass over the prompt tokens only, and the
+        number of prompt tokens it processed."""
+        prompt_ids, _, _ = self._tokenize_prompts(prompts)
+        width = max(map(len, prompt_ids))
+        pad = self._tokenizer.pad_token_id
+        device = self.accelerator.device
+        ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompt_ids], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
+        spans = feature_spans(mask, ids[:, :0], mask[:, :0], self.args.probe_pool_tokens, None)
+        layer = find_decoder_layers(self.accelerator.unwrap_model(self.model))[self.probe_layer]
+        with (
+            torch.no_grad(),
+            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+            capture_layer(layer, spans) as capture,
+        ):
+            self._get_per_token_logps_and_entropies(
+                self.model, ids, mask, 1, batch_size=self.args.per_device_train_batch_size
+            )
+        return capture.pooled()[:, 0], int(mask.sum())
+
+    def _select_prompts(self, inputs: list[dict]) -> list[dict]:
+        """Keep the `per_device_train_batch_size x steps_per_generation / G` whole groups of this process's candidates
+        with the highest predicted p(1 - p) (uniformly random ones before the prompt probe is trusted)."""
+        if self.args.prompt_selection is None or not self.model.training:
+            return inputs
+        size = self.num_generations
+        keep = self.args.per_device_train_batch_size * self.args.steps_per_generation // size
+        groups = [inputs[i : i + size] for i in range(0, len(inputs), size)]
+        keys = [[json.dumps(x["prompt"], sort_keys=True, default=str) for x in group] for group in groups]
+        if len(inputs) % size or any(len(set(k)) != 1 for k in keys) or len(groups) < keep:
+            raise RuntimeError(
+                f"prompt_selection got {len(inputs)} rows that are not {keep} or more whole groups of {size} "
+                "identical prompts: the sampler no longer yields TRL's layout."
+            )
+        probe = self._prompt_probe()
+        spread, tokens = torch.full((len(groups),), math.nan), 0
+        if probe is None:
+            chosen = torch.randperm(len(groups), generator=self._selection_generator)[:keep]
+        else:
+            states, tokens = self._prefill_prompts([group[0]["prompt"] for group in groups])
+            value = probe.predict(states).double().cpu()
+            spread = value * (1 - value)
+            chosen = torch.topk(spread, keep).indices
+        chosen = chosen.sort().values
+        self._selection = {
+            "kept_fraction": keep / len(groups),
+            "random": float(probe is None),
+            "spread_kept": float(spread[chosen].sum()) if probe is not None else 0.0,
+            "spread_all": float(spread.sum()) if probe is not None else 0.0,
+            "groups_kept": float(keep),
+            "groups_all": float(len(groups)),
+            "prefill_tokens": float(tokens),
+        }
+        return [row for i in chosen.tolist() for row in groups[i]]
+
+    def _selection_metrics(self, rewards: torch.Tensor, num_generations: int) -> dict[str, float]:
+        """`selection/*` of this generation batch, over all processes: kept fraction, mean predicted p(1 - p) of kept
+        and of all candidates, prefill tokens, and the realized within-group reward variance and degenerate share."""
+        if self.args.prompt_selection is None or not self._selection:
+            return {}
+        s = self._selection
+        keys = ("spread_kept", "groups_kept", "spread_all", "groups_all", "prefill_tokens")
+        local = torch.tensor([s[k] for k in keys], dtype=torch.float64, device=self.accelerator.device)
+        total = dict(zip(keys, self.accelerator.gather(local).view(-1, len(keys)).sum(0).tolist(), strict=True))
+        grouped = rewards.view(-1, num_generations).double()
+        complete = torch.isfinite(grouped).all(1)
+        nan = math.nan
+        metrics = {
+            "selection/kept_fraction": s["kept_fraction"],
+            "selection/random": s["random"],
+            "selection/predicted_spread": nan if s["random"] else total["spread_kept"] / total["groups_kept"],
+            "selection/candidate_spread": nan if s["random"] else total["spread_all"] / total["groups_all"],
+            "selection/prefill_tokens": total["prefill_tokens"],
+            "selection/reward_variance": grouped[complete].var(1, unbiased=False).mean().item()
+            if complete.any()
+            else nan,
+            "selection/degenerate_fraction": (grouped[complete].amax(1) == grouped[complete].amin(1))
+            .double()
+            .mean()
+            .item()
+            if complete.any()
+            else nan,
+        }
+        self._selection = {}
+        return metrics

@@ -37,7 +37,8 @@ def digit_reward(completions: list[str], **kwargs) -> list[float]:
 
 
 def poise_args(tmp_path: Path, **overrides: Any):
-    """A 4-step CPU `POISEConfig` of 4 prompts x 2 rollouts with the paper probe, trusted after 1 step."""
+    """A 4-step CPU `POISEConfig` of 4 prompts x 2 rollouts with the paper's probe and RLOO bootstrap (no
+    partner-aware probe, no shrinkage), trusted after 1 step."""
     from poise_trl import POISEConfig
 
     base = dict(
@@ -49,6 +50,8 @@ def poise_args(tmp_path: Path, **overrides: Any):
         logging_steps=1,
         probe_warmup_steps=1,
         probe_preset="paper",
+        probe_partner_reward=False,
+        probe_bootstrap="rloo",
         seed=0,
     )
     return POISEConfig(**{**CPU_ARGS, **base, **overrides})

@@ -34,6 +34,7 @@ def test_reward_rises_and_probe_predicts_held_out_success(tmp_path):
         learning_rate=1e-4,
         max_completion_length=MAX_COMPLETION_LENGTH,
         logging_steps=1,
+        probe_partner_reward=False,  # the held-out check scores g(φ); h(φ, r) would see each rollout's own reward
         seed=0,
         **CPU_ARGS,
     )

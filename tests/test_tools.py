@@ -107,6 +107,7 @@ def _args(tmp_path, **overrides) -> POISEConfig:
         probe_pool_tokens=POOL,
         probe_preset="paper",
         probe_features=["prompt", "reasoning", "entropy", "length"],
+        probe_partner_reward=False,  # the recorded probe inputs are compared with φ alone
         seed=0,
     )
     return POISEConfig(**{**CPU_ARGS, **base, **overrides})

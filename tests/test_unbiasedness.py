@@ -17,7 +17,14 @@ import torch
 import torch.nn.functional as F
 from scipy.stats import chi2
 
-from poise_trl.baselines import RunningStd, cross_rollout_baselines, leave_one_out_targets
+from poise_trl.baselines import (
+    RunningStd,
+    append_reward_column,
+    cross_rollout_baselines,
+    leave_one_out_targets,
+    poise_advantages,
+    shrunk_rloo_fit,
+)
 from poise_trl.probe import ValueProbe
 
 C, A = 3, 4  # contexts, actions
@@ -185,6 +192,60 @@ def test_trainer_rule_with_action_dependent_feature_dropout_is_unbiased(bandit, 
     gated = torch.where(feature_ok, r - baselines, torch.zeros_like(r))
     z_gated, _, _ = bias_statistics(bandit.batch_gradients(x, a, gated), bandit.exact_gradient())
     assert z_gated.abs().max() > BIASED_Z
+
+
+# --------------------------------------------------------------------------------------------- beyond the paper
+def fit_partner_aware_probe(bandit: Bandit, seed: int = 2) -> ValueProbe:
+    """h(φ_j, r_j) fitted, as the trainer fits it, on EARLIER pairs: input [φ_j, r_j], target the partner's reward."""
+    g = torch.Generator().manual_seed(seed)
+    x, a, r = bandit.sample(4000, 1, 2, g)
+    phi = append_reward_column(bandit.features(x, a, g).reshape(-1, C * A + NOISE_COLUMNS), r.reshape(-1).float())
+    return ValueProbe(alpha=1.0, clip=(0.0, 1.0)).fit(phi, leave_one_out_targets(r.reshape(-1), 2).float())
+
+
+@pytest.mark.parametrize("group", [2, 3])
+def test_partner_aware_baseline_is_unbiased_and_its_self_version_is_not(bandit, group):
+    """b_i = mean over j != i of h(φ_j, r_j) uses the partners' own rewards, never r_i: unbiased. The same probe fed
+    the row's own (φ_i, r_i) is strongly biased, which shows the test can see a bias."""
+    probe = fit_partner_aware_probe(bandit)
+    g = torch.Generator().manual_seed(50 + group)
+    x, a, r = bandit.sample(REPS, 4, group, g)
+    phi = append_reward_column(bandit.features(x, a, g).reshape(-1, C * A + NOISE_COLUMNS), r.reshape(-1).float())
+    values = probe.predict(phi).double()
+    flipped = probe.predict(torch.cat([phi[:, :-1], 1 - phi[:, -1:]], dim=1)).double()
+    assert (values - flipped).abs().mean() > 0.05  # h really uses the reward column
+
+    baselines = cross_rollout_baselines(values, group).reshape(r.shape)
+    z, statistic, p_value = bias_statistics(bandit.batch_gradients(x, a, r - baselines), bandit.exact_gradient())
+    assert z.abs().max() < UNBIASED_Z, f"partner-aware z={z}"
+    assert p_value > 1e-4, f"partner-aware χ²={statistic:.1f}"
+
+    z_self, _, _ = bias_statistics(bandit.batch_gradients(x, a, r - values.reshape(r.shape)), bandit.exact_gradient())
+    assert z_self.abs().max() > BIASED_Z
+
+
+@pytest.mark.parametrize("group", [2, 3])
+def test_shrunk_bootstrap_from_earlier_steps_is_unbiased(bandit, group):
+    """The trainer's shrunk bootstrap: b_i = a + w * RLOO_i with (a, w) from earlier batches, through the trainer's
+    own `poise_advantages(..., fallback=...)`. Unbiased; refitting (a, w) on each batch's own pairs is not needed."""
+    g = torch.Generator().manual_seed(60 + group)
+    _, _, earlier = bandit.sample(500, 4, group, g)
+    earlier = earlier.reshape(-1)
+    intercept, weight = shrunk_rloo_fit(leave_one_out_targets(earlier, group), earlier)
+    assert abs(weight - 1) > 0.5  # a real shrinkage, not RLOO in disguise (this bandit: w ≈ 0.02)
+
+    x, a, r = bandit.sample(REPS, 4, group, g)
+    rewards = r.reshape(-1)
+    fallback = intercept + weight * leave_one_out_targets(rewards, group)
+    ones = torch.ones_like(rewards, dtype=torch.bool)
+    values = torch.full_like(rewards, float("nan"))
+    advantages, baselines, _ = poise_advantages(rewards, values, group, ones, ones, ~ones, fallback)
+    assert torch.equal(baselines, fallback)
+    z, statistic, p_value = bias_statistics(
+        bandit.batch_gradients(x, a, advantages.reshape(r.shape)), bandit.exact_gradient()
+    )
+    assert z.abs().max() < UNBIASED_Z, f"shrunk z={z}"
+    assert p_value > 1e-4, f"shrunk χ²={statistic:.1f}"
 
 
 # ------------------------------------------------------------------------------------------------- Proposition 1

@@ -96,6 +96,7 @@ def _args(tmp_path, **overrides) -> POISEConfig:
         logging_steps=1,
         probe_warmup_steps=1,
         probe_preset="paper",
+        probe_partner_reward=False,  # the recorded probe inputs are compared with φ alone
         seed=0,
     )
     return POISEConfig(**{**CPU_ARGS, **base, **overrides})

@@ -268,6 +268,7 @@ def add_probe_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--critic-lr", type=float, default=None, help="default: 1e-5 above 100M parameters, else 3e-4")
     add("--critic-batch-size", type=int, default=16)
     add("--seed", type=int, default=0, help="prompt choice, sampling, split, bootstrap and fits")
+    add("--splits", type=int, default=10, help="prompt splits of the beyond-the-paper tables; 0 skips them")
     add("--output-dir", default="runs/probe_bench", help="collection, results.json, results.md, figure1.png")
     add("--from-collection", default=None, help="refit from a saved collection.safetensors, without generation")
     add("--export", default=None, help="write the release-preset probe here, for POISEConfig(probe_init_path=...)")

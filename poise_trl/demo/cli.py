@@ -24,6 +24,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
         prompts_per_step=args.prompts_per_step,
         probe_warmup_steps=args.probe_warmup_steps,
         probe_preset=args.probe_preset,
+        paper_rules=args.paper_rules,
         eval_k=args.eval_k,
         logging_steps=args.logging_steps,
         cache_dir=args.cache_dir,
@@ -56,6 +57,9 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--prompts-per-step", type=int, default=32, help="prompts per optimisation step")
     parser.add_argument("--probe-warmup-steps", type=int, default=16, help="RLOO bootstrap steps before the probe")
     parser.add_argument("--probe-preset", choices=("release", "paper"), default="release", help="probe settings")
+    parser.add_argument(
+        "--paper-rules", action="store_true", help="the paper's probe input g(φ) and RLOO bootstrap (README: Beyond)"
+    )
     parser.add_argument("--logging-steps", type=int, default=10, help="steps per table row / plot point")
     parser.add_argument(
         "--cache-dir", default=None, help="warm-started model cache (default: $XDG_CACHE_HOME/poise-trl)"

@@ -116,6 +116,7 @@ def run_demo(
     prompts_per_step: int = 32,
     probe_warmup_steps: int = 16,
     probe_preset: str = "release",
+    paper_rules: bool = False,
     eval_k: int = 8,
     logging_steps: int = 10,
     cache_dir: str | Path | None = None,
@@ -167,6 +168,7 @@ def run_demo(
         logging_steps=logging_steps,
         probe_warmup_steps=probe_warmup_steps,
         probe_preset=probe_preset,
+        **(dict(probe_partner_reward=False, probe_bootstrap="rloo") if paper_rules else {}),
     )
     table = DemoTableCallback(write=write, show_progress=show_progress)
     trainer = POISETrainer(

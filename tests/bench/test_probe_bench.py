@@ -5,6 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from datasets import Dataset
@@ -256,3 +257,28 @@ def test_command_end_to_end_refit_without_generation_and_export_warm_starts_the_
     assert (
         info["feature_config"] == json.loads(probe_file.with_suffix(".safetensors.json").read_text())["feature_config"]
     )
+
+
+def test_beyond_the_paper_tables_on_a_collection_with_a_value_signal():
+    """Rewards follow a per-prompt success rate that the prompt block carries: the value-guided choice must keep
+    prompts of higher true p(1 - p) than random ones, and each VR row must be the split's own number."""
+    from poise_trl.bench.value.beyond import format_beyond, run_beyond, selection_trials
+    from poise_trl.bench.value.score import ValueBenchmark
+
+    collection = _synthetic(num_prompts=40, k=4)
+    g = torch.Generator().manual_seed(1)
+    p = torch.rand(40, generator=g)
+    collection.rewards = (torch.rand(160, generator=g) < p.repeat_interleave(4)).float()
+    collection.features[:, :, :8] += 3 * p.repeat_interleave(4).view(-1, 1, 1)  # prompt block: the success rate
+    out = run_beyond(collection, ["prompt", "reasoning", "entropy"], "paper", 0.25, 0, splits=2, trials=20)
+    rules = out["baseline_rules"]
+    assert rules["RLOO"]["per_split"] == [ValueBenchmark(collection, 0.25, s).variance_reduction(None) for s in (0, 1)]
+    assert 0 <= rules["shrunk weight w"]["median"] < 1
+    assert len(rules["partner-aware probe h(φ_j, r_j)"]["per_split"]) == 2
+
+    truth = np.linspace(0, 1, 21)
+    exact = selection_trials(truth, truth, batch_prompts=5, oversample=2.0, trials=50, seed=0)
+    assert exact["value: top-k"]["mean p(1-p)"] > exact["random"]["mean p(1-p)"]
+    assert exact["value: top-k"]["degenerate share"] == 0 < exact["random"]["degenerate share"]
+    lines = "\n".join(format_beyond(out))
+    assert "| shrunk RLOO |" in lines and "| value: top-k |" in lines

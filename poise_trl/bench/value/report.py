@@ -11,10 +11,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from poise_trl.baselines import leave_one_out_targets
+from poise_trl.baselines import append_reward_column, leave_one_out_targets
 from poise_trl.features import FEATURE_BLOCKS, pca_blocks
 from poise_trl.probe import ValueProbe
 
+from .beyond import format_beyond
 from .collect import Collection, Log, _config_default, _device, collect_from_args
 from .score import parse_mlps, run_benchmark
 
@@ -76,6 +77,8 @@ def format_report(results: dict[str, Any]) -> str:
                 f"{_ci(row['pearson_r_ci'])} | {_num(row['variance_reduction'], '{:+.3f}')} | "
                 f"{_num(row['fit_seconds'], '{:.2f}')} |"
             )
+    if results.get("beyond_paper"):
+        lines += format_beyond(results["beyond_paper"])
     return "\n".join(lines)
 
 
@@ -104,7 +107,8 @@ def plot_figure1(results: dict[str, Any], path: str | Path) -> Path:
 def export_probe(collection: Collection, features: Sequence[str], path: str | Path) -> Path:
     """Refit the release-preset probe on EVERY prompt's rollouts (all data helps a warm start) and write it as
     `POISETrainer.save_probe` does (one-probe set, `_probe_metadata()` fields, no buffer), so that
-    `POISEConfig(probe_init_path=path)` with the same layer, pooling, features and marker warm-starts from it."""
+    `POISEConfig(probe_init_path=path)` with the same layer, pooling, features and marker warm-starts from it. It is
+    partner-aware (the reward column appended) when `probe_partner_reward` defaults to True, as the trainer fits it."""
     from poise_trl.config import PROBE_PRESETS
     from poise_trl.probe import OnlineProbe, save_probe_set
     from poise_trl.trainer import DEFAULT_DOMAIN
@@ -115,6 +119,9 @@ def export_probe(collection: Collection, features: Sequence[str], path: str | Pa
     scored = torch.isfinite(collection.rewards)
     targets = leave_one_out_targets(collection.rewards, collection.k, scored)
     rows = scored & torch.isfinite(targets)
+    partner_reward = bool(_config_default("probe_partner_reward"))  # the probe POISEConfig's default would fit
+    if partner_reward:
+        x = append_reward_column(x, torch.nan_to_num(collection.rewards))
     alpha, dims = PROBE_PRESETS["release"]
     probe = ValueProbe(alpha=alpha, pca_dims=pca_blocks(blocks, meta["hidden_size"], dims), clip="observed")
     probe.fit(x[rows], targets[rows])
@@ -126,6 +133,7 @@ def export_probe(collection: Collection, features: Sequence[str], path: str | Pa
             "probe_features": blocks,
             "reasoning_end_marker": meta["reasoning_end_marker"],
             "hidden_size": meta["hidden_size"],
+            "probe_partner_reward": partner_reward,
         },
         "probe_domain_column": None,
         "model_name": meta["model_name"],
@@ -172,6 +180,7 @@ def run_probe_bench(args: argparse.Namespace, log: Log = print) -> int:
         mlps=parse_mlps(args.mlps),
         critic=critic,
         log=log,
+        splits=args.splits,
     )
     report = format_report(results)
     log("[4/4] report\n")
