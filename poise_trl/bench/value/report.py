@@ -15,7 +15,7 @@ from poise_trl.baselines import append_reward_column, leave_one_out_targets
 from poise_trl.features import FEATURE_BLOCKS, pca_blocks
 from poise_trl.probe import ValueProbe
 
-from .beyond import format_beyond
+from .beyond import format_beyond, run_beyond
 from .collect import Collection, Log, _config_default, _device, collect_from_args
 from .score import parse_mlps, run_benchmark
 
@@ -180,8 +180,15 @@ def run_probe_bench(args: argparse.Namespace, log: Log = print) -> int:
         mlps=parse_mlps(args.mlps),
         critic=critic,
         log=log,
-        splits=args.splits,
     )
+    results["beyond_paper"] = None
+    if args.splits > 0:
+        settings = results["settings"]
+        results["beyond_paper"] = run_beyond(
+            collection, settings["features"], settings["preset"], args.test_fraction, args.seed, args.splits,
+            args.vr_group_size,
+        )  # fmt: skip
+        log(f"      beyond-the-paper study over {args.splits} splits done")
     report = format_report(results)
     log("[4/4] report\n")
     log(report)

@@ -234,13 +234,11 @@ def run_benchmark(
     mlps: Sequence[tuple[int, int]] = (),
     critic: dict[str, Any] | None = None,
     log: Log = print,
-    splits: int = 0,
 ) -> dict[str, Any]:
     """Fit and score every estimator; returns the JSON-able results (sections of rows, settings, timings).
 
     `preset` is the probe used by the ablation, sweep and architecture sections; `critic` holds the keyword
     arguments of `ValueBenchmark.critic` (model path, device, epochs, lr, batch size), or None to skip it.
-    `splits` > 0 adds the "beyond the paper" study (`beyond.run_beyond`) over that many prompt splits.
     """
     from poise_trl.config import PROBE_PRESETS
 
@@ -324,15 +322,7 @@ def run_benchmark(
         arch.append(bench.score(f"MLP {depth}x{width}", values, s, depth=depth, width=width))
     sections["Probe architecture"] = arch
 
-    beyond = None
-    if splits > 0:
-        from .beyond import run_beyond
-
-        beyond = run_beyond(collection, blocks, preset, test_fraction, seed, splits, vr_group_size)
-        log(f"      beyond-the-paper study over {splits} splits done")
-
     return {
-        "beyond_paper": beyond,
         "collection": {
             "num_prompts": collection.num_prompts,
             "k": collection.k,
