@@ -231,3 +231,13 @@ def fmt_ci(interval: Sequence[float | None], digits: int = 3) -> str:
 def default_jobs() -> int:
     """Processes for independent runs: the cores this process may use."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# What every run counts (cumulative), the compute columns of the table.
+COUNTERS = (
+    "completions_generated",
+    "completions_trained",
+    "tokens_generated",
+    "prefill_tokens",
+    "forward_rows",
+)

@@ -1,0 +1,201 @@
+"""The trainers `poise-trl bench efficiency` races: TRL's and POISE's, with compute accounting, and DAPO-DS.
+
+Each is its library trainer plus two mixins that count what a run spends and trains on; DAPO's dynamic sampling is
+a benchmark-only `GRPOTrainer` subclass, not a library feature.
+"""
+
+import dataclasses
+from typing import Any
+
+import torch
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+from poise_trl.config import POISEConfig
+from poise_trl.trainer import POISETrainer
+
+from .common import COUNTERS, Contender
+
+
+class _Accounting:
+    """Counts compute as it is spent: completions and tokens per generation call, rows per teacher-forced pass.
+
+    `forward_rows` is the number of sequences sent through the policy in teacher-forced passes (the training pass,
+    TRL's old-log-prob pass, POISE's own feature pass); generation is counted as completions and tokens. It sits
+    innermost, so each of DAPO-DS's extra generation rounds is counted too. Prefill tokens are the prompt tokens each
+    generated completion is conditioned on (HF generate prefills every repeated prompt), plus what value-guided
+    selection spends (`poise/selection/prefill_tokens`, added from the log afterwards).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.bench_counts = dict.fromkeys(COUNTERS, 0)
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            counts = self.bench_counts
+            counts["completions_generated"] += int(self.accelerator.gather(output["completion_mask"]).size(0))
+            counts["tokens_generated"] += int(self.accelerator.gather(output["completion_mask"].sum()).sum())
+            counts["prefill_tokens"] += int(self.accelerator.gather(output["prompt_mask"].sum()).sum())
+        return output
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):
+        if self.model.training:
+            self.bench_counts["forward_rows"] += int(input_ids.size(0))
+        return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
+
+
+class _TrainedAccounting:
+    """Outermost: what is actually trained on, and `frac_zero_advantage_prompts`, the prompts whose completions all
+    got advantage 0 and so teach nothing.
+
+    For GRPO and RLOO that equals TRL's `frac_reward_zero_std` (degenerate groups); for POISE, degenerate groups
+    still get `r - b != 0` once the probe is trusted, which is the point of the method; DAPO-DS trains on none.
+    """
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        mode = "train" if self.model.training else "eval"
+        group = self.num_generations if mode == "train" else self.num_generations_eval
+        advantages = self.accelerator.gather(output["advantages"])  # rank-major: groups are consecutive
+        zero = (advantages.view(-1, group).abs() < 1e-8).all(1)
+        self._metrics[mode]["frac_zero_advantage_prompts"].append(zero.float().mean().item())
+        if mode == "train":
+            self.bench_counts["completions_trained"] += int(advantages.numel())
+        return output
+
+
+# Row tensors of `_generate_and_score_completions`' output and how DynamicSampling pads them to a common width.
+_LEFT_PADDED = {"prompt_ids": "pad", "prompt_mask": 0}
+_RIGHT_PADDED = {
+    "completion_ids": "pad",
+    "completion_mask": 0,
+    "old_per_token_logps": 0.0,
+    "sampling_per_token_logps": 0.0,
+    "ref_per_token_logps": 0.0,
+    "importance_sampling_ratio": 1.0,
+    "tool_mask": 1,
+}
+
+
+class DynamicSampling:
+    """DAPO's dynamic sampling (Yu et al., 2025, §3.2) on top of GRPOTrainer, for the benchmark only.
+
+    A group whose rewards all tie has zero advantage and teaches nothing. DAPO keeps generating until the step holds
+    B/G informative groups: the sampler's prompts first, then fresh batches of B/G prompts drawn from the training set
+    (seeded, its own order), keeping each batch's informative groups in order; at most `dapo_max_rounds` generation
+    batches per step (a step that hits the cap trains on what it has, topped up with tied groups, and logs
+    `dapo/capped`). Every completion generated is counted (`_Accounting`), the surplus of the last round included.
+
+    It overrides only `_generate_and_score_completions`, calling GRPOTrainer's once per round and concatenating the
+    kept rows (prompts left-padded, completions right-padded to the widest round), so TRL's shuffling, buffering and
+    loss run unchanged. A tie is read off the advantages: GRPO's `r - mean` is exactly 0 for every member of a tied
+    group and for no group with two different rewards. Single process (every benchmark run is one).
+    """
+
+    dapo_max_rounds: int = 8
+
+    def _generate_and_score_completions(self, inputs):
+        if not self.model.training:
+            return super()._generate_and_score_completions(inputs)
+        if self.accelerator.num_processes != 1:
+            raise RuntimeError("the benchmark's DynamicSampling runs in a single process")
+        group = self.num_generations
+        wanted = len(inputs) // group
+        kept: list[tuple[dict[str, Any], torch.Tensor]] = []  # (round output, its kept group indices)
+        tied: list[tuple[dict[str, Any], torch.Tensor]] = []
+        found, rounds, batch = 0, 0, inputs
+        while found < wanted and rounds < self.dapo_max_rounds:
+            output = super()._generate_and_score_completions(batch)
+            rounds += 1
+            informative = (output["advantages"].view(-1, group) != 0).any(1)
+            take = informative.nonzero().flatten()[: wanted - found]
+            kept.append((output, take))
+            tied.append((output, (~informative).nonzero().flatten()))
+            found += take.numel()
+            if found < wanted:
+                batch = [row for row in self._fresh_prompts(wanted) for _ in range(group)]
+        capped = found < wanted
+        for output, groups in tied:  # only when capped: fill the step with tied groups (advantage 0, no signal)
+            if found == wanted:
+                break
+            groups = groups[: wanted - found]
+            kept.append((output, groups))
+            found += groups.numel()
+        self._metrics["train"]["dapo/rounds"].append(float(rounds))
+        self._metrics["train"]["dapo/capped"].append(float(capped))
+        return self._concatenate(kept, group)
+
+    def _fresh_prompts(self, count: int) -> list[dict[str, Any]]:
+        """The next `count` training rows of the trainer's own seeded shuffle of the training set (cycled)."""
+        if not hasattr(self, "_fresh_order"):
+            self._fresh_generator = torch.Generator().manual_seed(self.args.seed + 1)
+            self._fresh_order: list[int] = []
+        rows = []
+        for _ in range(count):
+            if not self._fresh_order:
+                n = len(self.train_dataset)
+                self._fresh_order = torch.randperm(n, generator=self._fresh_generator).tolist()
+            rows.append(self.train_dataset[self._fresh_order.pop()])
+        return rows
+
+    def _concatenate(self, parts: list[tuple[dict[str, Any], torch.Tensor]], group: int) -> dict[str, Any]:
+        """The kept groups' rows of every round as one output dict, padded to common widths."""
+        pad_id = self.processing_class.pad_token_id if hasattr(self.processing_class, "pad_token_id") else 0
+        pieces: dict[str, list[torch.Tensor]] = {}
+        for output, groups in parts:
+            rows = (groups.unsqueeze(1) * group + torch.arange(group, device=groups.device)).flatten()
+            for key, value in output.items():
+                if key == "num_items_in_batch" or value is None:
+                    continue
+                if key not in _LEFT_PADDED and key not in _RIGHT_PADDED and key != "advantages":
+                    raise NotImplementedError(f"DynamicSampling cannot concatenate {key!r} (multimodal/tools)")
+                pieces.setdefault(key, []).append(value[rows.to(value.device)])
+        merged: dict[str, Any] = {}
+        for key, values in pieces.items():
+            if key == "advantages":
+                merged[key] = torch.cat(values)
+                continue
+            side, fill = ("left", _LEFT_PADDED[key]) if key in _LEFT_PADDED else ("right", _RIGHT_PADDED[key])
+            fill = pad_id if fill == "pad" else fill
+            width = max(v.size(1) for v in values)
+            padded = []
+            for v in values:
+                extra = v.new_full((v.size(0), width - v.size(1)), fill)
+                padded.append(torch.cat([extra, v] if side == "left" else [v, extra], dim=1))
+            merged[key] = torch.cat(padded)
+        merged["num_items_in_batch"] = (merged["completion_mask"] * merged.get("tool_mask", 1)).sum()
+        return merged
+
+
+class _BenchPOISETrainer(_TrainedAccounting, _Accounting, POISETrainer):
+    pass
+
+
+class _BenchGRPOTrainer(_TrainedAccounting, _Accounting, GRPOTrainer):
+    pass
+
+
+class _BenchRLOOTrainer(_TrainedAccounting, _Accounting, RLOOTrainer):
+    pass
+
+
+class _BenchDAPOTrainer(_TrainedAccounting, DynamicSampling, _Accounting, GRPOTrainer):
+    pass
+
+
+TRAINERS: dict[str, tuple[type, type]] = {
+    "poise": (_BenchPOISETrainer, POISEConfig),
+    "grpo": (_BenchGRPOTrainer, GRPOConfig),
+    "rloo": (_BenchRLOOTrainer, RLOOConfig),
+    "dapo_ds": (_BenchDAPOTrainer, GRPOConfig),
+}
+
+
+def unavailable_reason(contender: Contender) -> str | None:
+    """Why a contender cannot run with this library version (a config field it needs is missing), else None."""
+    fields = {f.name for f in dataclasses.fields(TRAINERS[contender.trainer][1])}
+    missing = sorted(set(contender.overrides) - fields)
+    if missing:
+        return f"{TRAINERS[contender.trainer][1].__name__} has no field {', '.join(missing)} (added by issue 12)"
+    return None
