@@ -57,6 +57,24 @@ def poise_args(tmp_path: Path, **overrides: Any):
     return POISEConfig(**{**CPU_ARGS, **base, **overrides})
 
 
+def short_args(tmp_path: Path, **overrides: Any):
+    """A 2-step CPU `POISEConfig` of 2 prompts x 2 rollouts with the library's default probe, trusted from the second
+    step: the drop-in scenarios check that POISE's advantages reach the loss, not how well it learns."""
+    from poise_trl import POISEConfig
+
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        max_completion_length=6,
+        learning_rate=1e-2,
+        logging_steps=1,
+        probe_warmup_steps=1,
+        seed=0,
+    )
+    return POISEConfig(**{**CPU_ARGS, **base, **overrides})
+
+
 def score_and_capture_features(trainer: Any, score: Callable[[list], dict], inputs: list) -> tuple[dict, Any]:
     """Run `score(inputs)`, the parent's `_generate_and_score_completions`, and return its output with the gathered
     features the step handed to `_update_probes`."""

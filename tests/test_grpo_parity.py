@@ -11,7 +11,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from poise_trl import POISEConfig, POISETrainer
 
-from .conftest import CPU_ARGS
+from .conftest import CPU_ARGS, short_args
 from .tiny_archs import (
     SpyTrainer,
     assert_poise_advantages_reach_the_loss,
@@ -31,21 +31,6 @@ def paths(tmp_path_factory) -> dict:
     out["qwen3_h8"] = save_causal_lm(root / "qwen3_h8", "qwen3", hidden_size=8)
     out["reward"] = save_reward_model(root / "reward")
     return out
-
-
-def _args(tmp_path, **overrides) -> POISEConfig:
-    """2 steps of 4 rollouts (2 prompts x 2), the default (release) probe preset, trusted from the second step."""
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
-        max_steps=2,
-        max_completion_length=6,
-        learning_rate=1e-2,
-        logging_steps=1,
-        probe_warmup_steps=1,
-        seed=0,
-    )
-    return POISEConfig(**{**CPU_ARGS, **base, **overrides})
 
 
 def _assert_trained(trainer: SpyTrainer, before: dict[str, torch.Tensor]) -> None:
@@ -84,7 +69,7 @@ def test_minimal_init_and_the_default_preset_on_hidden_size_8(paths, tmp_path):
 def test_training_on_each_architecture_and_dataset_format(paths, tmp_path, arch, conversational):
     """Standard and conversational prompt-only datasets; the MoE models with their router aux loss on."""
     model_init_kwargs = {"output_router_logits": True} if "moe" in arch or arch == "mixtral" else None
-    args = _args(tmp_path, model_init_kwargs=model_init_kwargs)
+    args = short_args(tmp_path, model_init_kwargs=model_init_kwargs)
     trainer = SpyTrainer(
         str(paths[arch]), code_reward, args=args, train_dataset=prompts(conversational=conversational)
     )
@@ -95,7 +80,7 @@ def test_training_on_each_architecture_and_dataset_format(paths, tmp_path, arch,
 
 def test_eval_datasets_dict_and_iterable(paths, tmp_path):
     """An iterable train dataset and a dict of eval datasets, one of them iterable: eval metrics per dataset."""
-    args = _args(tmp_path, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
+    args = short_args(tmp_path, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
     eval_sets = {"plain": prompts(4), "stream": prompts(4).to_iterable_dataset()}
     trainer = SpyTrainer(
         str(paths["llama"]),
@@ -112,7 +97,9 @@ def test_eval_datasets_dict_and_iterable(paths, tmp_path):
 
 def test_eval_with_one_generation_keeps_the_baseline_column_in_step(paths, tmp_path):
     """num_generations_eval=1 has nothing to pair: the eval rows get a NaN baseline, never a training row's."""
-    args = _args(tmp_path, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=3, num_generations_eval=1)
+    args = short_args(
+        tmp_path, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=3, num_generations_eval=1
+    )
     trainer = SpyTrainer(str(paths["qwen3"]), code_reward, args=args, train_dataset=prompts(), eval_dataset=prompts(3))
     trainer.train()
     baselines, logged_prompts = list(trainer._logs["extra"]["baseline"]), list(trainer._logs["prompt"])
@@ -131,7 +118,7 @@ def test_several_reward_functions_with_weights_and_none(paths, tmp_path):
     def one_unless_0_or_2(completions, prompts, **kwargs):
         return [None if p[0] in "02" else 1.0 for p in prompts]
 
-    args = _args(tmp_path, reward_weights=[2.0, 0.5])
+    args = short_args(tmp_path, reward_weights=[2.0, 0.5])
     funcs = [scored_unless_0_or_1, one_unless_0_or_2]
     trainer = SpyTrainer(str(paths["qwen3"]), funcs, args=args, train_dataset=prompts(4))  # 2 steps see all 4
     _train(trainer)
@@ -157,7 +144,7 @@ def test_reward_model_with_its_processing_class(paths, tmp_path):
     trainer = SpyTrainer(
         str(paths["qwen3_moe"]),
         [reward_model, code_reward],
-        args=_args(tmp_path),
+        args=short_args(tmp_path),
         train_dataset=prompts(conversational=True),
         reward_processing_classes=[reward_tokenizer, None],
     )
@@ -168,7 +155,7 @@ def test_reward_model_with_its_processing_class(paths, tmp_path):
 def test_kl_penalty_with_a_reference_model(paths, tmp_path):
     """beta > 0 reloads the reference model from the saved path; its pass is never captured. Three rollouts per
     prompt, as TRL's own tests use."""
-    args = _args(tmp_path, beta=0.1, num_generations=3, per_device_train_batch_size=3)
+    args = short_args(tmp_path, beta=0.1, num_generations=3, per_device_train_batch_size=3)
     trainer = SpyTrainer(str(paths["mixtral"]), code_reward, args=args, train_dataset=prompts())
     _train(trainer)
     assert trainer.ref_model is not None and any("kl" in h for h in trainer.state.log_history)
@@ -177,7 +164,10 @@ def test_kl_penalty_with_a_reference_model(paths, tmp_path):
 def test_multiple_iterations_reuse_trl_s_pass_and_poise_s_advantages(paths, tmp_path):
     """num_iterations=2: one generation serves two steps; POISE captures inside TRL's old-log-prob pass."""
     trainer = SpyTrainer(
-        str(paths["llama"]), code_reward, args=_args(tmp_path, num_iterations=2, max_steps=4), train_dataset=prompts()
+        str(paths["llama"]),
+        code_reward,
+        args=short_args(tmp_path, num_iterations=2, max_steps=4),
+        train_dataset=prompts(),
     )
     _train(trainer)
     assert trainer.feature_passes == 0 and len(trainer.scored) == 2 and len(trainer.loss_advantages) == 4
@@ -187,7 +177,7 @@ def test_multiple_iterations_reuse_trl_s_pass_and_poise_s_advantages(paths, tmp_
 def test_peft_lora(paths, tmp_path, arch):
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer = SpyTrainer(
-        str(paths[arch]), code_reward, args=_args(tmp_path), train_dataset=prompts(), peft_config=peft_config
+        str(paths[arch]), code_reward, args=short_args(tmp_path), train_dataset=prompts(), peft_config=peft_config
     )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     _train(trainer)

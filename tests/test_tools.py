@@ -15,7 +15,7 @@ from datasets import Dataset
 
 from poise_trl import POISEConfig
 
-from .conftest import CPU_ARGS
+from .conftest import short_args
 from .tiny_archs import SpyTrainer, assert_poise_advantages_reach_the_loss, causal_lm, char_tokenizer, code_reward
 
 POOL = 3
@@ -95,22 +95,16 @@ def _silence_experimental(monkeypatch):
 
 
 def _args(tmp_path, **overrides) -> POISEConfig:
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
-        max_steps=2,
+    return short_args(
+        tmp_path,
         max_completion_length=96,
-        learning_rate=1e-2,
-        logging_steps=1,
-        probe_warmup_steps=1,
         probe_layer=0,  # not the last block, whose output_hidden_states entry is after the final norm
         probe_pool_tokens=POOL,
         probe_preset="paper",
         probe_features=["prompt", "reasoning", "entropy", "length"],
         probe_partner_reward=False,  # the recorded probe inputs are compared with φ alone
-        seed=0,
+        **overrides,
     )
-    return POISEConfig(**{**CPU_ARGS, **base, **overrides})
 
 
 def _scripted_generate(trainer, first_turn: list[str]):

@@ -6,9 +6,7 @@ import pytest
 import torch
 from trl import GRPOConfig
 
-from poise_trl import POISEConfig
-
-from .conftest import CPU_ARGS
+from .conftest import short_args
 from .tiny_archs import SpyTrainer, assert_poise_advantages_reach_the_loss, code_reward, prompts, save_causal_lm
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
@@ -20,17 +18,7 @@ def model_path(tmp_path_factory):
 
 
 def _train(model_path, tmp_path, **overrides) -> SpyTrainer:
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
-        max_steps=2,
-        max_completion_length=6,
-        learning_rate=1e-2,
-        logging_steps=1,
-        probe_warmup_steps=1,
-        seed=0,
-    )
-    args = POISEConfig(**{**CPU_ARGS, **base, **overrides})
+    args = short_args(tmp_path, **overrides)
     trainer = SpyTrainer(str(model_path), code_reward, args=args, train_dataset=prompts())
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()

@@ -16,7 +16,7 @@ from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGen
 from poise_trl import POISEConfig
 from poise_trl.trainer import FORWARD_INPUT_KEYS
 
-from .conftest import CPU_ARGS
+from .conftest import short_args
 from .tiny_archs import SpyTrainer, assert_poise_advantages_reach_the_loss, char_tokenizer, code_reward
 
 # Renders an image part as LLaVA's `<image>` placeholder, which the processor expands to one token per patch.
@@ -87,19 +87,8 @@ def _image_prompts(n: int = 4) -> Dataset:
 
 
 def _args(tmp_path, **overrides) -> POISEConfig:
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
-        max_steps=2,
-        max_completion_length=6,
-        learning_rate=1e-2,
-        logging_steps=1,
-        probe_warmup_steps=1,
-        probe_preset="paper",
-        probe_partner_reward=False,  # the recorded probe inputs are compared with φ alone
-        seed=0,
-    )
-    return POISEConfig(**{**CPU_ARGS, **base, **overrides})
+    """The paper's probe input (φ without the reward column), which the recorded features are compared with."""
+    return short_args(tmp_path, probe_preset="paper", probe_partner_reward=False, **overrides)
 
 
 class BothPasses(SpyTrainer):
