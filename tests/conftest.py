@@ -36,27 +36,6 @@ def digit_reward(completions: list[str], **kwargs) -> list[float]:
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
-def poise_args(tmp_path: Path, **overrides: Any):
-    """A 4-step CPU `POISEConfig` of 4 prompts x 2 rollouts with the paper's probe and RLOO bootstrap (no
-    partner-aware probe, no shrinkage), trusted after 1 step."""
-    from poise_trl import POISEConfig
-
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=8,
-        max_steps=4,
-        max_completion_length=6,
-        learning_rate=1e-3,
-        logging_steps=1,
-        probe_warmup_steps=1,
-        probe_preset="paper",
-        probe_partner_reward=False,
-        probe_bootstrap="rloo",
-        seed=0,
-    )
-    return POISEConfig(**{**CPU_ARGS, **base, **overrides})
-
-
 def short_args(tmp_path: Path, **overrides: Any):
     """A 2-step CPU `POISEConfig` of 2 prompts x 2 rollouts with the library's default probe, trusted from the second
     step: the drop-in scenarios check that POISE's advantages reach the loss, not how well it learns."""
@@ -73,6 +52,20 @@ def short_args(tmp_path: Path, **overrides: Any):
         seed=0,
     )
     return POISEConfig(**{**CPU_ARGS, **base, **overrides})
+
+
+def poise_args(tmp_path: Path, **overrides: Any):
+    """A 4-step CPU `POISEConfig` of 4 prompts x 2 rollouts with the paper's probe and RLOO bootstrap (no
+    partner-aware probe, no shrinkage), trusted after 1 step."""
+    paper = dict(
+        per_device_train_batch_size=8,
+        max_steps=4,
+        learning_rate=1e-3,
+        probe_preset="paper",
+        probe_partner_reward=False,
+        probe_bootstrap="rloo",
+    )
+    return short_args(tmp_path, **{**paper, **overrides})
 
 
 def score_and_capture_features(trainer: Any, score: Callable[[list], dict], inputs: list) -> tuple[dict, Any]:
