@@ -171,6 +171,7 @@ class POISEEstimator:
         self.bootstrap_lines: dict[str, torch.Tensor] = {}  # per domain: [a, w] fitted on those pairs
         self.reward_std = RunningStd()
         self.steps = 0  # observed (training) steps
+        self.selection_draws = 0  # random prompt choices made: the stream resumes where a checkpoint left it
         self._last: tuple[torch.Tensor, torch.Tensor, AdvantageResult, dict] | None = None
 
     # ------------------------------------------------------------------------------------------------- structure
@@ -242,6 +243,7 @@ class POISEEstimator:
         is empty or masked. Rows without a finite reward or completion get advantage 0, never NaN."""
         g = num_generations or self.num_generations
         batch = self._prepare(features, rewards, has_completion, g, domains)
+        self._last = (features, rewards, None, batch)  # `observe` on the same tensors reuses this step's work
         rewards, scorable, usable = batch["rewards"], batch["scorable"], batch["usable"]
         values, unclipped = torch.full_like(rewards, torch.nan), torch.full_like(rewards, torch.nan)
         trusted = torch.zeros_like(scorable)
@@ -288,12 +290,16 @@ class POISEEstimator:
         result = AdvantageResult(
             advantages, baselines, receives, values, batch["targets"], torch.cat(stats), names, _host=None
         )
-        result.host_metrics = {"layer": float(self.layer)}
+        result.host_metrics = {
+            "layer": float(self.layer),
+            "buffer_size": float(sum(len(online.buffer) for online in self.probes.values())),
+        }
         if domains is not None:
             for name in batch["domain_rows"]:
                 online = self.probes.get(name)
                 result.host_metrics[f"domain/{name}/bootstrap"] = float(online is None or not online.trusted)
-        self._last = (features, rewards, result, batch)
+                result.host_metrics[f"domain/{name}/buffer_size"] = float(0 if online is None else len(online.buffer))
+        self._last = (*self._last[:2], result, batch)
         return result
 
     # ---------------------------------------------------------------------------------------------------- learn
@@ -405,6 +411,13 @@ class POISEEstimator:
         q = ((values - low) / (high - low).clamp(min=1e-12)).clamp(0, 1).double()
         return q * (1 - q)
 
+    def random_choice(self, candidates: int, keep: int, seed: int) -> torch.Tensor:
+        """`keep` of `candidates` indices, uniformly at random (the choice before the probe is trusted). Each draw is
+        seeded by (`seed`, draws so far), and the draw count is saved, so a resumed run draws what it would have."""
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + self.selection_draws)
+        self.selection_draws += 1
+        return torch.randperm(candidates, generator=generator)[:keep]
+
     # ----------------------------------------------------------------------------------------------- persistence
     def state_dict(self, include_buffer: bool = True) -> dict[str, Any]:
         """{"tensors": CPU tensors, "info": JSON-able dict}: everything `load_state_dict` needs, no pickle."""
@@ -425,27 +438,39 @@ class POISEEstimator:
             "probe_steps": self.steps,
             "layer": self.layer,
             "reward_std": self.reward_std.state_dict(),
+            "selection_draws": self.selection_draws,
         }
         return {"tensors": tensors, "info": info}
 
-    def load_state_dict(self, state: dict[str, Any], warm_start: bool = False, source: str = "the state") -> None:
+    def load_state_dict(
+        self,
+        state: dict[str, Any],
+        warm_start: bool = False,
+        source: str = "the state",
+        device: torch.device | str | None = None,
+    ) -> None:
         """Restore `state_dict()` exactly; with `warm_start`, only the probes, trusted at once and with fresh step
-        counters (a new run starting from a saved probe). Refuses a state of another feature configuration, and on
-        resume one whose refit settings or bootstrap differ from this estimator's."""
+        counters (a new run starting from a saved probe). Buffers go to `device` (where the features will come
+        from). Refuses a state of another feature configuration, and on resume one whose refit settings or
+        bootstrap differ from this estimator's."""
         tensors, info = state["tensors"], state["info"]
-        if info.get("feature_config") != self.feature_config:
+        saved_features = info.get("feature_config") or {}
+        if saved_features != self.feature_config:
+            changed = ", ".join(
+                f"{key}={self.feature_config.get(key)!r} (saved: {saved_features.get(key)!r})"
+                for key in sorted(set(saved_features) | set(self.feature_config))
+                if saved_features.get(key) != self.feature_config.get(key)
+            )
             raise ValueError(
-                f"The probe in {source} was fitted on features {info.get('feature_config')}, but this run extracts "
-                f"{self.feature_config}. Resume with the same probe_layer/probe_layer_candidates/probe_pool_tokens/"
-                "probe_features/reasoning_end_marker/probe_partner_reward/probe_domain_column and model, or start "
-                "a fresh run."
+                f"The probe in {source} was fitted on features {saved_features}, but this run extracts other "
+                f"features: this run sets {changed}. Resume with the settings and model the file was written with, "
+                "or start a fresh run."
             )
         if not warm_start and info.get("bootstrap") not in (None, self.bootstrap):
             raise ValueError(
                 f"{source} was written by a run with probe_bootstrap={info['bootstrap']!r}, but this run sets "
                 f"probe_bootstrap={self.bootstrap!r}. Resume with the setting the run was started with."
             )
-        device = next((ring._features.device for ring in self._rings() if ring._features is not None), None)
         probes = {}
         for i, domain in enumerate(info["domains"]):
             name, prefix = domain["name"], f"domain.{i}."
@@ -471,6 +496,7 @@ class POISEEstimator:
             return
         if "reward_std" in info:
             self.reward_std.load_state_dict(info["reward_std"])
+        self.selection_draws = int(info.get("selection_draws", 0))
         self.bootstrap_pairs, self.bootstrap_lines = {}, {}
         for i, name in enumerate(info.get("bootstrap_domains", [])):
             ring = ProbeBuffer(self.capacity(name))
@@ -479,20 +505,21 @@ class POISEEstimator:
             self.bootstrap_pairs[name] = ring
             self.bootstrap_lines[name] = shrunk_rloo_line(ring.features[:, 0], ring.targets)
 
-    def _rings(self) -> list[ProbeBuffer]:
-        return [online.buffer for online in self.probes.values()] + list(self.bootstrap_pairs.values())
-
     def save(self, path: str | os.PathLike, include_buffer: bool = True) -> None:
         """One safetensors file (the JSON in its header), written atomically."""
         state = self.state_dict(include_buffer)
         atomic_save(state["tensors"], path, metadata={"poise": json.dumps(state["info"], sort_keys=True)})
 
     def load(
-        self, path: str | os.PathLike, warm_start: bool = False, bootstrap_path: str | os.PathLike | None = None
+        self,
+        path: str | os.PathLike,
+        warm_start: bool = False,
+        bootstrap_path: str | os.PathLike | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         """Load a file written by `save`, or poise-trl 0.1's probe file (`path` + '.json' beside it) with, on
         resume, its `poise_bootstrap.safetensors` as `bootstrap_path`."""
-        self.load_state_dict(read_state(path, bootstrap_path), warm_start=warm_start, source=str(path))
+        self.load_state_dict(read_state(path, bootstrap_path), warm_start, str(path), device)
 
 
 def read_state(path: str | os.PathLike, bootstrap_path: str | os.PathLike | None = None) -> dict[str, Any]:
