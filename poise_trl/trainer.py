@@ -7,6 +7,7 @@ import os
 import textwrap
 import warnings
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,17 @@ def prompt_group_ids(prompts: list) -> torch.Tensor:
         text = json.dumps(prompt, sort_keys=True, default=lambda value: type(value).__name__).encode()
         ids.append(int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big", signed=True))
     return torch.tensor(ids, dtype=torch.long)
+
+
+def probe_settings(blocks: list[str], hidden_size: int, probe: ValueProbe) -> str:
+    """A probe's refit settings in POISEConfig's terms, for error messages."""
+    pca = probe.pca_dims
+    if isinstance(pca, list | tuple):
+        slices = block_slices(blocks, hidden_size)
+        ks = {int(start): int(k) for start, _, k in pca}
+        pca = [ks.get(slices[name][0], 0) if name in slices else 0 for name in HIDDEN_BLOCKS]
+    clip = None if probe.clip == "observed" else list(probe.clip) if probe.clip is not None else "no clipping"
+    return f"probe_alpha={probe.alpha}, probe_pca_dims={pca}, probe_clip_range={clip}"
 
 
 class POISETrainer(ValueGuidedSelection, GRPOTrainer):
@@ -179,7 +191,7 @@ class POISETrainer(ValueGuidedSelection, GRPOTrainer):
                 "probe_domain_column": args.probe_domain_column,
             },
             broadcast=(lambda t: broadcast(t, from_process=0)) if self.accelerator.num_processes > 1 else None,
-            describe=self._probe_settings,
+            describe=partial(probe_settings, list(args.probe_features), self.hidden_size),
         )
         if args.probe_init_path is not None:
             self.estimator.load(args.probe_init_path, warm_start=True, device=self.accelerator.device)
@@ -238,16 +250,6 @@ class POISETrainer(ValueGuidedSelection, GRPOTrainer):
     def probe_buffer(self) -> ProbeBuffer:
         """The buffer of a single-domain run: features are (N, len(probe_layers), D)."""
         return self._single_probe().buffer
-
-    def _probe_settings(self, probe: ValueProbe) -> str:
-        """A probe's refit settings in POISEConfig's terms, for error messages."""
-        pca = probe.pca_dims
-        if isinstance(pca, list | tuple):
-            slices = block_slices(self.args.probe_features, self.hidden_size)
-            ks = {int(start): int(k) for start, _, k in pca}
-            pca = [ks.get(slices[name][0], 0) if name in slices else 0 for name in HIDDEN_BLOCKS]
-        clip = None if probe.clip == "observed" else list(probe.clip) if probe.clip is not None else "no clipping"
-        return f"probe_alpha={probe.alpha}, probe_pca_dims={pca}, probe_clip_range={clip}"
 
     # ----------------------------------------------------------------------------------------------------- capture
     def _trl_runs_old_logps_pass(self) -> bool:

@@ -1,7 +1,6 @@
 """POISETrainer end to end on the tiny model: advantages, forward passes, PEFT, eval, checkpoints, model card."""
 
 import copy
-import json
 import os
 import subprocess
 import sys
@@ -337,7 +336,9 @@ def test_resume_refuses_changed_probe_settings_and_warm_start_refits_with_the_ru
         resume(probe_clip_range=[0.0, 0.5]).estimator.load(checkpoint / ESTIMATOR_FILE)
     resumed = resume()
     resumed.train(resume_from_checkpoint=str(checkpoint))
-    assert [float(s["divisor"]) for s in resumed.scored] == [float(first.reward_std.divisor())] and resumed.reward_std.count == 24
+    assert [float(s["divisor"]) for s in resumed.scored] == [
+        float(first.reward_std.divisor())
+    ] and resumed.reward_std.count == 24
 
     run = dict(probe_alpha=2.0, probe_pca_dims=[4, 0], probe_clip_range=[0.0, 0.5], max_steps=1)
     warm = POISETrainer(
