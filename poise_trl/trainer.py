@@ -193,6 +193,8 @@ class POISETrainer(ValueGuidedSelection, GRPOTrainer):
             broadcast=(lambda t: broadcast(t, from_process=0)) if self.accelerator.num_processes > 1 else None,
             describe=partial(probe_settings, list(args.probe_features), self.hidden_size),
         )
+        if args.probe_domain_column is None:
+            self._single_probe()  # the one probe exists from the start, as `value_probe` promises
         if args.probe_init_path is not None:
             self.estimator.load(args.probe_init_path, warm_start=True, device=self.accelerator.device)
         self.feature_passes = 0  # teacher-forced passes POISE ran itself (0 when TRL's own pass is reused)
