@@ -2,17 +2,36 @@
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from trl import GRPOConfig
 
-from .features import FEATURE_BLOCKS
+from .features import (
+    FEATURE_BLOCKS,
+    HIDDEN_BLOCKS,
+    block_slices,
+    layer_candidates,
+    pca_blocks,
+    resolve_layer_index,
+)
 
 # (alpha, [prompt PCA dims, reasoning PCA dims]); 0 dims means "no PCA on that block".
 PROBE_PRESETS: dict[str, tuple[float, list[int]]] = {
     "release": (100.0, [32, 64]),  # holi-lab/POISE release, Qwen3-4B
     "paper": (0.01, [0, 0]),  # paper §3 / Table 4
 }
+
+
+def _probe_settings(blocks: list[str], hidden_size: int, probe: Any) -> str:
+    """A `ValueProbe`'s refit settings in POISEConfig's terms, for the estimator's error messages."""
+    pca = probe.pca_dims
+    if isinstance(pca, list | tuple):
+        slices = block_slices(blocks, hidden_size)
+        ks = {int(start): int(k) for start, _, k in pca}
+        pca = [ks.get(slices[name][0], 0) if name in slices else 0 for name in HIDDEN_BLOCKS]
+    clip = None if probe.clip == "observed" else list(probe.clip) if probe.clip is not None else "no clipping"
+    return f"probe_alpha={probe.alpha}, probe_pca_dims={pca}, probe_clip_range={clip}"
 
 
 @dataclass
@@ -249,6 +268,48 @@ class POISEConfig(GRPOConfig):
         self._check_layer_fields()
         self._check_domain_fields()
         self._check_beyond_paper_fields()
+
+    def estimator_settings(self, num_layers: int, hidden_size: int) -> dict[str, Any]:
+        """`POISEEstimator` keyword arguments for a model with `num_layers` decoder layers of width `hidden_size`."""
+        default_layer = resolve_layer_index(None, num_layers)
+        auto = self.probe_layer == "auto"
+        # Layers hooked in every captured pass; buffered rows hold one feature vector per entry, in this order.
+        layers = (
+            layer_candidates(self.probe_layer_candidates, num_layers)
+            if auto
+            else [resolve_layer_index(self.probe_layer, num_layers)]
+        )
+        pca = pca_blocks(self.probe_features, hidden_size, self.probe_pca_dims, cap_at_width=self.pca_dims_from_preset)
+        return dict(
+            alpha=self.probe_alpha,
+            pca_dims=pca,
+            clip=None if self.probe_clip_range is None else tuple(self.probe_clip_range),
+            buffer_size=self.probe_buffer_size,
+            domain_buffer_sizes=self.probe_domain_buffer_sizes,
+            warmup_steps=self.probe_warmup_steps,
+            partner_reward=self.probe_partner_reward,
+            bootstrap=self.probe_bootstrap,
+            scale_rewards=self.scale_rewards,
+            layers=layers,
+            # auto mode starts at the candidate nearest the fixed default
+            layer_index=min(range(len(layers)), key=lambda i: abs(layers[i] - default_layer)),
+            layer_select_every=self.probe_layer_select_every if auto else None,
+            layer_switch_margin=self.probe_layer_switch_margin,
+            layer_folds=self.probe_layer_folds,
+            prompt_columns=block_slices(self.probe_features, hidden_size).get("prompt"),
+            prompt_pca_dims=self.probe_pca_dims[0],
+            feature_config={
+                "probe_layer": "auto" if auto else layers[0],
+                "probe_layer_candidates": list(layers),
+                "probe_pool_tokens": self.probe_pool_tokens,
+                "probe_features": list(self.probe_features),
+                "reasoning_end_marker": self.reasoning_end_marker,
+                "hidden_size": hidden_size,
+                "probe_partner_reward": self.probe_partner_reward,
+                "probe_domain_column": self.probe_domain_column,
+            },
+            describe=partial(_probe_settings, list(self.probe_features), hidden_size),
+        )
 
     def card_section(self, layer: int, layers: list[int], diagnostics: dict[str, float], step: int) -> str:
         """The model card's "POISE" section: what a reader needs to reproduce the run, and the last logged probe

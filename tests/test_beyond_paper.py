@@ -7,7 +7,8 @@ import torch
 
 from poise_trl import POISETrainer
 from poise_trl.baselines import leave_one_out_targets, shrunk_rloo_fit
-from poise_trl.estimator import POISEEstimator, read_state
+from poise_trl.estimator import POISEEstimator
+from poise_trl.files import read_state
 
 from .conftest import digit_dataset, digit_reward, poise_args
 

@@ -7,7 +7,7 @@ import torch
 from datasets import Dataset
 
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl.estimator import read_state
+from poise_trl.files import read_state
 from poise_trl.probe import OnlineProbe, ValueProbe
 from poise_trl.trainer import ESTIMATOR_FILE, prompt_group_ids
 
