@@ -287,8 +287,9 @@ class POISEEstimator:
         has_completion: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """Learn from a batch after its advantages were taken: buffers, probe refit, bootstrap line, reward std, and
-        the layer choice when due. `group_ids` (N,) name each row's prompt for K-fold layer selection. Returns
-        timing (`probe_fit_seconds`) and, when the layer was re-chosen, `layer_mae/<layer>`."""
+        the layer choice when due. `group_ids` (N,) name each row's prompt for K-fold layer selection (default: each
+        group of G rows is a prompt of its own). Returns `probe_fit_seconds` and, when the layer was re-chosen,
+        `layer_mae/<layer>`."""
         start = time.perf_counter()
         g = num_generations or self.num_generations
         last = self._last
@@ -297,11 +298,12 @@ class POISEEstimator:
         self._last = None
         targets, scorable = batch["targets"], batch["scorable"]
         examples = batch["usable"] & scorable & torch.isfinite(targets)
+        if group_ids is None:  # every group of G consecutive rows is its own prompt, distinct across steps
+            group_ids = (self.steps << 32) + torch.arange(targets.numel(), device=targets.device) // g
         for name, rows in batch["domain_rows"].items():
             if name not in self.probes:
                 self.probes[name] = self.new_probe(name)
-            groups = None if group_ids is None else group_ids.to(targets.device)
-            self.probes[name].add(batch["features"], targets, groups, keep=rows & examples)
+            self.probes[name].add(batch["features"], targets, group_ids.to(targets.device), keep=rows & examples)
             if self.bootstrap == "shrunk":
                 pairs = self.bootstrap_pairs.setdefault(name, ProbeBuffer(self.capacity(name)))
                 pairs.add(targets.unsqueeze(1), batch["rewards"], keep=rows & scorable & torch.isfinite(targets))
