@@ -148,8 +148,8 @@ class POISEConfig(GRPOConfig):
     probe_warmup_steps: int = field(
         default=16,
         metadata={
-            "help": "Generation steps of RLOO bootstrap (baseline = mean reward of the other rollouts of the same "
-            "prompt) before the probe's predictions are used.",
+            "help": "Generation steps of bootstrap (the `probe_bootstrap` baseline, built from the other rollouts' "
+            "rewards) before the probe's predictions are used.",
         },
     )
 
@@ -175,8 +175,9 @@ class POISEConfig(GRPOConfig):
         metadata={
             "help": "None: train on the sampler's prompts (paper). 'value': draw `prompt_selection_oversample` times "
             "more candidate prompts, predict each one's success rate p from its prompt hidden states (one no-grad "
-            "prefill; a prompt-only probe on the buffer's prompt block) and keep those with the highest p(1 - p). "
-            "Random choice until the probe is trusted.",
+            "prefill; a prompt-only probe on the buffer's prompt block) and keep those with the highest predicted "
+            "reward variance q(1 - q), q = p placed on the observed reward range (so ±1 or bonus-shifted rewards "
+            "work). Random choice until the probe is trusted (a warm start is trusted at once).",
         },
     )
     prompt_selection_oversample: float = field(
@@ -189,7 +190,7 @@ class POISEConfig(GRPOConfig):
         metadata={
             "help": "Probe file written by `POISETrainer.save_probe` to warm-start from. Its layer, pooling, features "
             "and hidden size must match this run. The loaded fit predicts as saved; every later refit uses this "
-            "run's probe_alpha, probe_pca_dims and probe_clip_range. The RLOO bootstrap is skipped; a file saved "
+            "run's probe_alpha, probe_pca_dims and probe_clip_range. The bootstrap phase is skipped; a file saved "
             "without its buffer is kept unrefitted until `probe_warmup_steps` steps of new examples are buffered.",
         },
     )
@@ -198,7 +199,7 @@ class POISEConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Dataset column naming each prompt's domain. Each domain gets its own probe, buffer and "
-            "bootstrap; rows of a domain with too little data use the RLOO baseline. None: one probe for all prompts.",
+            "bootstrap; rows of a domain with too little data use the bootstrap baseline (`probe_bootstrap`). None: one probe for all prompts.",
         },
     )
     probe_domain_buffer_sizes: dict[str, Any] | str | None = field(
@@ -398,8 +399,23 @@ class POISEConfig(GRPOConfig):
         self.probe_domain_buffer_sizes = {str(name): int(size) for name, size in sizes.items()}
 
     def _check_beyond_paper_fields(self) -> None:
+        if not isinstance(self.probe_partner_reward, bool):  # a string such as "no" would count as True
+            raise ValueError(
+                f"probe_partner_reward={self.probe_partner_reward!r}: give True (partner-aware probe) or False "
+                "(the paper's g(φ))."
+            )
         if self.probe_bootstrap not in ("rloo", "shrunk"):
             raise ValueError(f"probe_bootstrap={self.probe_bootstrap!r}: choose 'rloo' (paper) or 'shrunk'.")
+        if not (isinstance(self.prompt_selection_oversample, int | float) and 1 < self.prompt_selection_oversample):
+            raise ValueError(
+                f"prompt_selection_oversample={self.prompt_selection_oversample!r} must be a number > 1: it is the "
+                "number of candidate prompts drawn per kept prompt."
+            )
+        if not math.isfinite(self.prompt_selection_oversample):
+            raise ValueError(
+                f"prompt_selection_oversample={self.prompt_selection_oversample}: give a finite number of candidate "
+                "prompts per kept prompt (2.0 draws twice as many as are kept)."
+            )
         if self.prompt_selection not in (None, "value"):
             raise ValueError(f"prompt_selection={self.prompt_selection!r}: choose None (paper) or 'value'.")
         if self.prompt_selection is None:
@@ -408,11 +424,6 @@ class POISEConfig(GRPOConfig):
             raise ValueError(
                 "prompt_selection='value' predicts from the prompt hidden states: add 'prompt' to probe_features "
                 f"(got {self.probe_features})."
-            )
-        if not self.prompt_selection_oversample > 1:
-            raise ValueError(
-                f"prompt_selection_oversample={self.prompt_selection_oversample} must be > 1: it is the number of "
-                "candidate prompts drawn per kept prompt."
             )
         rows = self.per_device_train_batch_size * self.steps_per_generation
         if rows % self.num_generations:

@@ -366,7 +366,7 @@ class OnlineProbe:
     Args:
         probe: the unfitted probe (its alpha, PCA and clip settings are reused for every refit).
         capacity: buffer size in rows.
-        warmup_steps: steps of data before the probe is trusted (RLOO bootstrap until then).
+        warmup_steps: steps of data before the probe is trusted (the bootstrap baseline until then).
     """
 
     def __init__(self, probe: ValueProbe, capacity: int, warmup_steps: int = 0):
