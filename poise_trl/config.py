@@ -199,7 +199,8 @@ class POISEConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Dataset column naming each prompt's domain. Each domain gets its own probe, buffer and "
-            "bootstrap; rows of a domain with too little data use the bootstrap baseline (`probe_bootstrap`). None: one probe for all prompts.",
+            "bootstrap; rows of a domain with too little data use the bootstrap baseline (`probe_bootstrap`). "
+            "None: one probe for all prompts.",
         },
     )
     probe_domain_buffer_sizes: dict[str, Any] | str | None = field(

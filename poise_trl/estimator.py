@@ -372,7 +372,8 @@ class POISEEstimator:
         x = torch.cat([b.features[:, self.layer_index, start:stop] for b in buffers]).to(device)
         y = torch.cat([b.targets for b in buffers]).to(device)
         pca = [(0, stop - start, self.prompt_pca_dims)] if self.prompt_pca_dims else None
-        probe = ValueProbe(alpha=self.probe_template.alpha, pca_dims=pca, clip="observed").fit(x, y)
+        probe = ValueProbe(alpha=self.probe_template.alpha, pca_dims=pca, clip="observed")
+        probe.fit(x, y, check_finite=False)  # buffered rows are finite
         return probe.predict(prompt_features)
 
     def selection_scores(self, prompt_features: torch.Tensor) -> torch.Tensor | None:
@@ -387,12 +388,12 @@ class POISEEstimator:
         q = ((values - low) / (high - low).clamp(min=1e-12)).clamp(0, 1).double()
         return q * (1 - q)
 
-    def random_choice(self, candidates: int, keep: int, seed: int) -> torch.Tensor:
+    def random_choice(self, candidates: int, keep: int, seed: int) -> list[int]:
         """`keep` of `candidates` indices, uniformly at random (the choice before the probe is trusted). Each draw is
         seeded by (`seed`, draws so far), and the draw count is saved, so a resumed run draws what it would have."""
         generator = torch.Generator().manual_seed(seed * 1_000_003 + self.selection_draws)
         self.selection_draws += 1
-        return torch.randperm(candidates, generator=generator)[:keep]
+        return torch.randperm(candidates, generator=generator)[:keep].tolist()
 
     # ----------------------------------------------------------------------------------------------- persistence
     def state_dict(self, include_buffer: bool = True) -> dict[str, Any]:
