@@ -1,4 +1,5 @@
-"""`POISETrainer`: `GRPOTrainer` with POISE's cross-rollout internal-state baseline. The only TRL-aware module."""
+"""`POISETrainer`: `GRPOTrainer` with POISE's cross-rollout internal-state baseline. TRL glue around `POISEEstimator`:
+with its prompt-selection mixin (selection.py), the only module that knows TRL internals."""
 
 import inspect
 import os
