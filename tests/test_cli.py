@@ -76,9 +76,9 @@ def test_plot_on_a_missing_folder(tmp_path, capsys):
 
 
 def test_probe_bench_k_1_fails_before_any_model_loads(tmp_path, capsys, monkeypatch):
-    from poise_trl.bench.value import collect
+    from poise_trl.bench.value import report  # the handler, which holds its own reference to the collection step
 
-    monkeypatch.setattr(collect, "collect_from_args", lambda *a: pytest.fail("loaded the model before checking --k"))
+    monkeypatch.setattr(report, "collect_from_args", lambda *a: pytest.fail("loaded the model before checking --k"))
     assert cli.main(["probe-bench", "--k", "1", "--output-dir", str(tmp_path)]) == 2
     assert "--k 1: leave-one-out targets need at least 2 rollouts" in _one_error_line(capsys, "poise-trl probe-bench")
 
