@@ -57,6 +57,10 @@ class ScriptArguments:
     max_train_samples: int | None = field(
         default=None, metadata={"help": "Keep only the first N training rows, for smoke runs."}
     )
+    show_traceback: bool = field(
+        default=False,
+        metadata={"help": "On a rejected setting, show the full traceback instead of one line on stderr."},
+    )
 
 
 def trainer_choice(argv: list[str]) -> str:
@@ -116,6 +120,8 @@ def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: Mo
         quantization_config=get_quantization_config(model_args),
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    if trainer.state.global_step == 0:
+        raise ValueError(zero_steps_reason(len(dataset), training_args))
 
     trainer.save_model(training_args.output_dir)
     dataset_id = dataset_hub_id(script_args.dataset_name)
@@ -128,5 +134,31 @@ def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: Mo
     return trainer
 
 
+def zero_steps_reason(rows: int, args: GRPOConfig) -> str:
+    """Why a run trained nothing, and what to change; TRL itself finishes such a run without a word."""
+    prompts = args.generation_batch_size // args.num_generations
+    if rows < prompts:
+        return (
+            f"trained 0 optimizer steps: the training set ({rows} rows) is too small for one generation batch of "
+            f"{prompts} prompts ({args.generation_batch_size} completions / num_generations={args.num_generations}). "
+            "Train on more rows, or lower generation_batch_size (or per_device_train_batch_size x "
+            "steps_per_generation)."
+        )
+    return f"trained 0 optimizer steps (max_steps={args.max_steps}, num_train_epochs={args.num_train_epochs})."
+
+
+def run(argv: list[str] | None = None) -> int:
+    """The command line: train, or print a rejected setting in one line and return 2 (raise with --show_traceback)."""
+    script_args, training_args, model_args = parse_args(argv)
+    try:
+        main(script_args, training_args, model_args)
+    except ValueError as error:
+        if script_args.show_traceback:
+            raise
+        print(f"train_poise.py: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    main(*parse_args())
+    sys.exit(run())

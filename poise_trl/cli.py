@@ -3,13 +3,19 @@
 Each tool's `cli` module holds its parsers: a function `add_<name>_parser(subparsers)` registers one and stores its
 handler as `func` (called with the parsed namespace, returning an exit code). Those modules import only argparse and
 light defaults; the handlers import the tool (torch, TRL, the trainer) when they run, so `--help` stays fast.
+
+Every parser here is a `CommandParser`, so the rules below hold for all subcommands without each repeating them:
+- a user error (a bad option, a missing folder, an unreachable Hub, a value a handler rejects) prints one line to
+  stderr, `poise-trl COMMAND: error: ...`, and exits with status 2; `--debug` shows the traceback instead;
+- every option's `--help` line shows its default once: appended as `(default: X)` unless the help already says it.
 """
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from . import __version__
 from .bench.cli import add_bench_parser, add_probe_bench_parser
 from .demo.cli import add_demo_parser, add_plot_parser
 from .rlvr.cli import add_eval_parser
@@ -22,20 +28,91 @@ PARSER_BUILDERS: tuple[Callable[[Any], argparse.ArgumentParser], ...] = (
     add_bench_parser,
 )
 
+USAGE_ERROR = 2  # argparse's exit status for a bad command line; used for every user error
+# What handlers raise for input they reject, with a message that says what to change: bad values (ValueError), missing
+# files and unreachable Hubs (OSError: FileNotFoundError, ConnectionError), optional extras not installed
+# (ImportError). Anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, OSError, ImportError)
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+
+def _shown(default: Any) -> str:
+    return " ".join(map(str, default)) if isinstance(default, list | tuple) else str(default)
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends `(default: X)` to an option's help unless the help already states its default, so it shows once.
+
+    Flags that are off unless given, required arguments and options without a default (None) show nothing extra:
+    their help says what happens when they are left out.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if "default:" in help_text.lower() or action.required or action.nargs == 0:
+            return help_text
+        if action.default is None or action.default is argparse.SUPPRESS:
+            return help_text
+        return f"{help_text} (default: {_shown(action.default).replace('%', '%%')})"
+
+
+class RawDescriptionDefaultsHelpFormatter(DefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The same, keeping a description's own line breaks (the benchmarks' tables)."""
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The parser of `poise-trl` and of each subcommand (argparse builds subparsers with the parent's class).
+
+    It picks the defaults-once formatter (keeping raw descriptions raw), adds `--debug`, records its `prog` so a
+    handler's error names the subcommand, and reports command-line errors in one line.
+    """
+
+    def __init__(self, *args: Any, formatter_class: type = argparse.HelpFormatter, **kwargs: Any) -> None:
+        raw = issubclass(formatter_class, argparse.RawDescriptionHelpFormatter)
+        formatter = RawDescriptionDefaultsHelpFormatter if raw else DefaultsHelpFormatter
+        super().__init__(*args, formatter_class=formatter, **kwargs)
+        # SUPPRESS: a subcommand's parse must not reset a `--debug` given before the subcommand name.
+        self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                          help="on an error, show the full traceback instead of one line")  # fmt: skip
+        self.set_defaults(command_prog=self.prog)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def build_parser() -> CommandParser:
+    parser = CommandParser(
         prog="poise-trl", description="POISE for TRL: value baselines from the policy's own internal states."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_parser in PARSER_BUILDERS:
         add_parser(subparsers)
     return parser
 
 
+def iter_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """`parser` and every subcommand's parser below it, depth first."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in dict.fromkeys(action.choices.values()):
+                yield from iter_parsers(subparser)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except USER_ERRORS as error:
+        if getattr(args, "debug", False):
+            raise
+        message = str(error) or type(error).__name__
+    except SystemExit as exit_request:  # `raise SystemExit("message")`: a handler's own user error
+        if not isinstance(exit_request.code, str) or getattr(args, "debug", False):
+            raise
+        message = exit_request.code
+    print(f"{args.command_prog}: error: {' '.join(message.split())}", file=sys.stderr)
+    return USAGE_ERROR
 
 
 if __name__ == "__main__":

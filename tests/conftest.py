@@ -84,3 +84,14 @@ def score_and_capture_features(trainer: Any, score: Callable[[list], dict], inpu
     finally:
         del trainer.estimator.observe
     return output, captured[0]
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory) -> Path:
+    """An `$XDG_CACHE_HOME` holding the demo's warm-started model as `make demo` leaves it, built once per session;
+    tests set the variable to it, so user-facing code that reuses the demo's cache finds the model there."""
+    from poise_trl.demo.model import prepare_demo_model
+
+    xdg_cache_home = tmp_path_factory.mktemp("xdg_cache")
+    prepare_demo_model(xdg_cache_home / "poise-trl")
+    return xdg_cache_home

@@ -52,8 +52,8 @@ per prompt means more distinct prompts and a lower-variance gradient):
     GRPO  G=2        B/2 prompts   trl.GRPOTrainer
     POISE (paper)    B/2 prompts   POISETrainer, the paper's algorithm (paper probe preset, RLOO bootstrap)
     POISE (default)  B/2 prompts   POISETrainer with the library's defaults
-    POISE +partner / +shrunk / +selection: POISE (paper) with one issue-12 option each; skipped, with a message,
-                                   while POISEConfig lacks the field
+    POISE +partner / +shrunk / +selection   POISE (paper) plus one beyond-the-paper option each: the partner-aware
+                                   probe, the shrunk bootstrap, value-guided prompt selection
 
 Shared by all: the model and its warm start (per seed), the data-order seed, learning rate, clip range (0.2/0.28),
 max completion length, temperature 1, no KL, one generation per optimizer step, and the held-out evaluator (its own
@@ -137,7 +137,7 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS),
-                        help="one lacking a config field in this library version is reported, not run")  # fmt: skip
+                        help="which of the contenders above to run")  # fmt: skip
     parser.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS), help="one run per contender")
     parser.add_argument("--jobs", type=int, default=None,
                         help="(contender, seed) runs in parallel processes, each with --cpu-threads threads; results "
@@ -149,11 +149,17 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--eval-every", type=int, default=10, help="held-out avg@k every N steps")
     parser.add_argument("--eval-k", type=int, default=8, help="k of the held-out avg@k")
     parser.add_argument("--eval-seed", type=int, default=0, help="sampling seed of every held-out evaluation")
-    parser.add_argument("--learning-rate", type=float, default=None, help=f"default {DEMO_LEARNING_RATE} (demo), "
-                        f"{PAPER_LEARNING_RATE} (--model)")  # fmt: skip
+    parser.add_argument("--learning-rate", type=float, default=None,
+                        help=f"all contenders (default: {DEMO_LEARNING_RATE:g} for the demo task, "
+                        f"{PAPER_LEARNING_RATE:g} with --model)")  # fmt: skip
     parser.add_argument("--epsilon", type=float, default=0.2, help="lower clip range, all contenders")
     parser.add_argument("--epsilon-high", type=float, default=0.28, help="upper clip range, all contenders")
-    parser.add_argument("--max-completion-length", type=int, default=None, help="default: demo 12, --model 2048")
+    parser.add_argument(
+        "--max-completion-length",
+        type=int,
+        default=None,
+        help="longest completion (default: 12 for the demo task, 2048 with --model)",
+    )
     parser.add_argument("--grpo-scale-rewards", choices=["group", "batch", "none"], default="group",
                         help="GRPO and DAPO-DS")  # fmt: skip
     parser.add_argument("--dapo-max-rounds", type=int, default=DAPO_MAX_ROUNDS,
@@ -161,19 +167,29 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                         help="all contenders (default: on with --model, off for the tiny demo model)")  # fmt: skip
     parser.add_argument("--output-dir", default="runs/bench/efficiency", help="JSON, PNG and run folders")
-    parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads per run on CPU (0: torch's default)")
+    parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads per run on CPU; 0 lets torch choose")
     demo = parser.add_argument_group("offline demo task (used when --model is not given)")
     demo.add_argument("--warmup-steps", type=int, default=BENCH_WARMUP_STEPS, help="supervised warm-start steps")
-    demo.add_argument("--min-digits", type=int, default=2)
-    demo.add_argument("--max-digits", type=int, default=BENCH_MAX_DIGITS)
+    demo.add_argument("--min-digits", type=int, default=2, help="fewest digits to sort")
+    demo.add_argument("--max-digits", type=int, default=BENCH_MAX_DIGITS, help="most digits to sort (<= 9)")
     demo.add_argument("--num-eval", type=int, default=140, help="held-out prompts")
-    demo.add_argument("--cache-dir", default=None, help="warm-started models; default OUTPUT_DIR/models")
+    demo.add_argument("--cache-dir", default=None, help="warm-started models (default: OUTPUT_DIR/models)")
     real = parser.add_argument_group("real model and dataset (a GPU in practice)")
-    real.add_argument("--model", default=None, help="Hub id or local path; every contender starts from it")
-    real.add_argument("--train-dataset", default=None, help="poise_trl.rlvr.data registry key, Hub id or local file")
-    real.add_argument("--train-limit", type=int, default=None, help="first N training rows")
-    real.add_argument("--eval-dataset", default=None, help="held-out benchmark (registry key, Hub id or file)")
-    real.add_argument("--eval-limit", type=int, default=None, help="first N held-out problems")
+    real.add_argument(
+        "--model",
+        default=None,
+        help="Hub id or local path; every contender starts from it (default: the demo task's tiny model)",
+    )
+    real.add_argument(
+        "--train-dataset",
+        default=None,
+        help="poise_trl.rlvr.data registry key, Hub id or local file; required with --model",
+    )
+    real.add_argument("--train-limit", type=int, default=None, help="first N training rows (default: all)")
+    real.add_argument(
+        "--eval-dataset", default=None, help="held-out benchmark (registry key, Hub id or file); required with --model"
+    )
+    real.add_argument("--eval-limit", type=int, default=None, help="first N held-out problems (default: all)")
     real.add_argument("--eval-batch-size", type=int, default=8, help="prompts per generate call in evaluation")
     parser.set_defaults(func=_run_efficiency)
     return parser
@@ -197,22 +213,26 @@ def add_overhead_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--memory-cycles", type=int, default=3, help="cycles per memory run")
     parser.add_argument("--skip-memory", action="store_true", help="no memory runs")
     parser.add_argument("--skip-probe-fit", action="store_true", help="no probe-fit timing")
-    parser.add_argument("--probe-fit-repeats", type=int, default=3)
+    parser.add_argument(
+        "--probe-fit-repeats", type=int, default=3, help="timed fits per preset; the median is reported"
+    )
     parser.add_argument("--probe-fit-rows", type=int, default=PROBE_FIT_ROWS, help="probe-fit examples (buffer size)")
     parser.add_argument("--probe-fit-hidden", type=int, default=QWEN3_4B_HIDDEN, help="d: features are 2d + 3")
-    parser.add_argument("--learning-rate", type=float, default=1e-5)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--learning-rate", type=float, default=1e-5, help="both trainers")
+    parser.add_argument("--seed", type=int, default=0, help="model init, sampling and data order")
     parser.add_argument("--per-device-batch-size", type=int, default=None,
-                        help="micro-batch; accumulation keeps the step's completions (--model: e.g. 4)")  # fmt: skip
+                        help="micro-batch; accumulation keeps the step's completions (default: all of them; "
+                        "--model: e.g. 4)")  # fmt: skip
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                         help="both trainers (default: on with --model, off for the tiny demo model)")  # fmt: skip
     parser.add_argument("--thread-timeout", type=float, default=3600, help="seconds a trainer waits for its turn")
-    parser.add_argument("--output-dir", default="runs/bench/overhead")
-    parser.add_argument("--cache-dir", default=None, help="warm-started demo model; default OUTPUT_DIR/models")
-    parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads on CPU (0: torch's default)")
+    parser.add_argument("--output-dir", default="runs/bench/overhead", help="overhead.json, run folders, memory logs")
+    parser.add_argument("--cache-dir", default=None, help="warm-started demo model (default: OUTPUT_DIR/models)")
+    parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads on CPU; 0 lets torch choose")
     parser.add_argument("--model", default=None, help="Hub id or local path (default: the demo's tiny model)")
-    parser.add_argument("--train-dataset", default=None, help="prompts for --model (registry key, Hub id, file)")
-    parser.add_argument("--train-limit", type=int, default=None)
+    parser.add_argument("--train-dataset", default=None,
+                        help="prompts for --model (registry key, Hub id, file); required with --model")  # fmt: skip
+    parser.add_argument("--train-limit", type=int, default=None, help="first N prompts (default: all)")
     parser.set_defaults(func=_run_overhead)
     return parser
 
@@ -239,13 +259,18 @@ def add_probe_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"'{SORT_DATASET}' (the demo task), a poise_trl.rlvr.data registry name, Hub id "
         f"or local .jsonl/.parquet (default: {SORT_DATASET} for the demo, else {DEFAULT_MATH_DATASET})",
     )
-    add("--split", default=None, help="dataset split (Hub ids)")
+    add("--split", default=None, help="dataset split of a Hub id (default: the registry's split, else train)")
     add("--reward-fn", default=None, help="MODULE:FUNCTION, a TRL reward (default: the task's or math_answer_reward)")
     add("--num-prompts", type=int, default=320, help="distinct prompts to sample")
     add("--k", type=int, default=8, help="rollouts per prompt (the paper's avg@8)")
     add("--temperature", type=float, default=1.0, help="sampling temperature (POISE training samples at 1.0)")
-    add("--top-p", type=float, default=1.0)
-    add("--max-new-tokens", type=int, default=None, help="default: the demo task's length, else 8192")
+    add("--top-p", type=float, default=1.0, help="nucleus sampling mass (POISE training samples at 1.0)")
+    add(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="longest completion (default: the demo task's length, else 8192)",
+    )
     add("--backend", choices=("auto", "hf", "vllm"), default="auto", help="auto: vLLM if installed, else HF generate")
     add("--vllm-gpu-memory-utilization", type=float, default=0.5, help="vLLM's share; the HF model needs the rest")
     add("--device", default="auto", help="auto: cuda if available, else cpu")
@@ -257,7 +282,7 @@ def add_probe_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--pool-tokens", type=int, default=None, help="pooling window n (default: POISEConfig's, 10)")
     add("--features", nargs="+", default=None, metavar="BLOCK",
         help="any of prompt, reasoning, entropy, length (default: POISEConfig's)")  # fmt: skip
-    add("--reasoning-end-marker", default=None, help="default: POISEConfig's </think>; 'none' for no marker")
+    add("--reasoning-end-marker", default=None, help="'none' for no marker (default: POISEConfig's, </think>)")
     add("--preset", choices=("release", "paper"), default=None, help="probe for the sweeps (default: POISEConfig's)")
     add("--test-fraction", type=float, default=0.25, help="share of prompts held out")
     add("--bootstrap", type=int, default=1000, help="bootstrap resamples of held-out prompts for the CIs")
@@ -265,13 +290,26 @@ def add_probe_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--mlps", default=DEFAULT_MLPS, help="MLP probes, DEPTHxWIDTH comma-separated ('' for none)")
     add("--no-critic", action="store_true", help="skip the critic baseline")
     add("--critic-epochs", type=int, default=10, help="max epochs (early stopping on 10%% of train prompts)")
-    add("--critic-lr", type=float, default=None, help="default: 1e-5 above 100M parameters, else 3e-4")
-    add("--critic-batch-size", type=int, default=16)
+    add(
+        "--critic-lr",
+        type=float,
+        default=None,
+        help="critic learning rate (default: 1e-5 above 100M parameters, else 3e-4)",
+    )
+    add("--critic-batch-size", type=int, default=16, help="critic training batch, in rollouts")
     add("--seed", type=int, default=0, help="prompt choice, sampling, split, bootstrap and fits")
     add("--splits", type=int, default=10, help="prompt splits of the beyond-the-paper tables; 0 skips them")
     add("--output-dir", default="runs/probe_bench", help="collection, results.json, results.md, figure1.png")
-    add("--from-collection", default=None, help="refit from a saved collection.safetensors, without generation")
-    add("--export", default=None, help="write the release-preset probe here, for POISEConfig(probe_init_path=...)")
+    add(
+        "--from-collection",
+        default=None,
+        help="refit from a saved collection.safetensors, without generation (default: collect anew)",
+    )
+    add(
+        "--export",
+        default=None,
+        help="write the release-preset probe here, for POISEConfig(probe_init_path=...) (default: no export)",
+    )
     add("--cache-dir", default=None, help="demo model cache (default: $XDG_CACHE_HOME/poise-trl)")
     parser.set_defaults(func=_run_probe_bench)
     return parser

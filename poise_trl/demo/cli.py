@@ -40,7 +40,6 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Warm-start a tiny Qwen3 on sorting 2-8 digits, measure held-out avg@k, train it with "
         "POISETrainer while printing the probe's diagnostics, measure again, and write a training-dynamics plot "
         "and summary.json.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--output-dir", default="runs/demo", help="where the plot, summary and final model go")
     parser.add_argument("--steps", type=int, default=200, help="POISE training steps")
@@ -58,7 +57,10 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--probe-warmup-steps", type=int, default=16, help="RLOO bootstrap steps before the probe")
     parser.add_argument("--probe-preset", choices=("release", "paper"), default="release", help="probe settings")
     parser.add_argument(
-        "--paper-rules", action="store_true", help="the paper's probe input g(φ) and RLOO bootstrap (README: Beyond)"
+        "--paper-rules",
+        action="store_true",
+        help="the paper's probe input g(φ) and RLOO bootstrap instead of the library's partner-aware probe and shrunk "
+        "bootstrap",
     )
     parser.add_argument("--logging-steps", type=int, default=10, help="steps per table row / plot point")
     parser.add_argument(
@@ -86,8 +88,8 @@ def add_plot_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Read RUN_DIR/trainer_state.json (or the newest checkpoint-*/trainer_state.json) and write the "
         "paper's training-dynamics panels as a PNG.",
     )
-    parser.add_argument("run_dir", help="a trainer output_dir")
+    parser.add_argument("run_dir", help="a trainer's output_dir (or a folder with its checkpoint-* folders)")
     parser.add_argument("--output", default=None, help="PNG path (default: RUN_DIR/training_dynamics.png)")
-    parser.add_argument("--title", default=None, help="figure title")
+    parser.add_argument("--title", default=None, help="figure title (default: none)")
     parser.set_defaults(func=run_plot_command)
     return parser

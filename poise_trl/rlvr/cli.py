@@ -25,7 +25,6 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         "eval",
         help="avg@k on the paper's math benchmarks",
         description=EVAL_DESCRIPTION,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("model", help="model id on the Hub or a local model directory")
     parser.add_argument(
@@ -35,16 +34,18 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"registry names ({', '.join(BENCHMARKS)}), Hub dataset ids, local .jsonl/.parquet files, or NAME=PATH",
     )
     parser.add_argument("--k", type=int, default=32, help="completions sampled per problem")
-    parser.add_argument("--temperature", type=float, default=0.6)
-    parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--max-new-tokens", type=int, default=8192)
+    parser.add_argument("--temperature", type=float, default=0.6, help="sampling temperature, as in the paper")
+    parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass, as in the paper")
+    parser.add_argument("--max-new-tokens", type=int, default=8192, help="longest completion, as in the paper")
     parser.add_argument(
         "--backend", choices=("auto", "hf", "vllm"), default="auto", help="auto: vLLM if installed, else HF"
     )
-    parser.add_argument("--device", default=None, help="HF backend only; default: cuda if available, else cpu")
+    parser.add_argument("--device", default=None, help="HF backend only (default: cuda if available, else cpu)")
     parser.add_argument("--batch-size", type=int, default=1, help="HF backend only: prompts per generate call")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark (smoke runs)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument(
+        "--limit", type=int, default=None, help="first N problems of each benchmark, for smoke runs (default: all)"
+    )
     parser.add_argument("--output", default="eval_results.json", help="where to write the JSON results")
     parser.set_defaults(func=_run_eval)
     return parser

@@ -168,6 +168,18 @@ def dataset_hub_id(name_or_path: str) -> str | None:
     return None if Path(name_or_path).suffix in LOCAL_FORMATS else name_or_path
 
 
+def _load_from_hub(hub_id: str, config: str | None, split: str) -> "Dataset":
+    """`datasets.load_dataset`, with what to do instead when the Hub cannot be reached (offline, no network)."""
+    from datasets import load_dataset
+
+    try:
+        return load_dataset(hub_id, config, split=split)
+    except ConnectionError as error:
+        raise ConnectionError(
+            f"{error}. Offline, pass a local .jsonl/.json/.parquet file with the same columns instead of {hub_id!r}"
+        ) from error
+
+
 def load_math_dataset(
     name_or_path: str,
     split: str | None = None,
@@ -182,22 +194,22 @@ def load_math_dataset(
     `split` (default "train"); local files are read whole. Both detect the columns from `PROBLEM_COLUMNS` and
     `ANSWER_COLUMNS` unless given. `limit` keeps the first rows only, for smoke runs.
     """
-    from datasets import load_dataset
-
     spec = benchmark_spec(name_or_path)
     path = Path(name_or_path)
     if spec is not None:
         if spec.hub_id is None:
             raise ValueError(f"{name_or_path}: {spec.note}")
-        dataset = load_dataset(spec.hub_id, config or spec.config, split=split or spec.split)
+        dataset = _load_from_hub(spec.hub_id, config or spec.config, split or spec.split)
         problem_column = problem_column or spec.problem
         answer_column = answer_column or spec.answer
     elif path.suffix in LOCAL_FORMATS:
         if not path.is_file():
             raise FileNotFoundError(f"no dataset file at {path}")
+        from datasets import load_dataset
+
         dataset = load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
     else:
-        dataset = load_dataset(name_or_path, config, split=split or "train")
+        dataset = _load_from_hub(name_or_path, config, split or "train")
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset))))
     return to_prompt_answer(dataset, problem_column, answer_column)

@@ -139,6 +139,14 @@ def score_benchmark(
     }
 
 
+def require_model_source(name_or_path: str) -> None:
+    """Fail before any loading when a model given as a path does not exist: transformers would instead report a
+    malformed Hub repo id. A Hub id is `name` or `namespace/name`; anything else is read as a path."""
+    looks_like_path = name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1
+    if looks_like_path and not Path(name_or_path).expanduser().is_dir():
+        raise FileNotFoundError(f"no model directory at {name_or_path}: pass a saved model's folder or a Hub model id")
+
+
 def evaluate(
     model_name_or_path: str,
     benchmarks: Sequence[str] = DEFAULT_BENCHMARKS,
@@ -161,6 +169,7 @@ def evaluate(
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
+    require_model_source(model_name_or_path)
     backend = resolve_backend(backend)
     sources = [resolve_benchmark(b) for b in benchmarks]
     names = [name for name, _ in sources]

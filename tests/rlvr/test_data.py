@@ -184,3 +184,12 @@ def test_dataset_hub_id_links_registry_keys_and_hub_ids_but_not_local_files():
     assert dataset_hub_id("aime24") == "HuggingFaceH4/aime_2024"
     assert dataset_hub_id("someone/math-set") == "someone/math-set"
     assert dataset_hub_id("data/train.jsonl") is None
+
+
+def test_an_unreachable_hub_says_to_pass_a_local_file_instead(monkeypatch):
+    def offline(path, config=None, split=None):
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(ConnectionError, match=r"HuggingFaceH4/aime_2024.*Offline, pass a local \.jsonl"):
+        load_math_dataset("AIME24")

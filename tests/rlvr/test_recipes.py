@@ -17,7 +17,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 from trl import GRPOConfig
 from trl.scripts.vllm_serve import make_parser as make_vllm_serve_parser
 
-from poise_trl import POISEConfig
+from poise_trl import PROBE_PRESETS, POISEConfig
 from poise_trl.rlvr.data import DAPO_PROMPT_PREFIX, DAPO_PROMPT_SUFFIX, dataset_hub_id
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,6 +60,45 @@ def parse_recipe(name: str, *overrides: str):
 
 def test_every_recipe_has_expectations():
     assert {path.name for path in CONFIGS.glob("*.yaml")} == set(RECIPES)
+
+
+# What `algorithm: paper` in a recipe's header promises: the paper's estimator (§3), nothing beyond it.
+PAPER_ALGORITHM = {"probe_partner_reward": False, "probe_bootstrap": "rloo", "prompt_selection": None}
+HEADER = "# recipe: "
+
+
+def recipe_header(name: str) -> dict:
+    """A recipe's first line, `# recipe: {algorithm: ..., field: value, ...}`: its promises, machine-readable."""
+    first = (CONFIGS / name).read_text().splitlines()[0]
+    assert first.startswith(HEADER), f"{name} must start with a `{HEADER}{{...}}` line"
+    header = yaml.safe_load(first.removeprefix(HEADER))
+    assert isinstance(header, dict) and "algorithm" in header
+    return header
+
+
+@pytest.mark.parametrize("name", sorted(path.name for path in CONFIGS.glob("*.yaml")))
+def test_recipe_runs_what_its_header_promises(name):
+    header = recipe_header(name)
+    algorithm = header.pop("algorithm")
+    parsed = parse_recipe(name)
+    for key, promised in header.items():
+        owner = next(part for part in parsed if hasattr(part, key))
+        assert getattr(owner, key) == promised, f"{name}: {key}={getattr(owner, key)!r}, header says {promised!r}"
+    script_args, args, _ = parsed
+    comments = " ".join(line for line in (CONFIGS / name).read_text().splitlines() if line.startswith("#"))
+    if script_args.trainer == "grpo":
+        assert algorithm == "dapo-baseline"
+        return
+    # A POISE recipe runs the paper's algorithm, or says in its name and header that it runs the library's defaults.
+    assert algorithm == "paper" or (algorithm == "library-defaults" and "defaults" in name)
+    library_defaults = {key: POISEConfig.__dataclass_fields__[key].default for key in PAPER_ALGORITHM}
+    expected = PAPER_ALGORITHM if algorithm == "paper" else library_defaults
+    assert {key: getattr(args, key) for key in PAPER_ALGORITHM} == expected
+    if algorithm == "paper":
+        assert [args.probe_alpha, args.probe_pca_dims] == [PROBE_PRESETS["paper"][0], PROBE_PRESETS["paper"][1]]
+        assert args.probe_layer != "auto"
+    if "RLOO bootstrap" in comments or "RLOO baseline" in comments:
+        assert args.probe_bootstrap == "rloo", f"{name}'s comments describe an RLOO bootstrap it does not run"
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -239,3 +278,28 @@ def test_recipe_trains_end_to_end_on_tiny_model(tiny_model_path, tmp_path):
     card = (output_dir / "README.md").read_text()
     assert "POISE" in card and "2605.07579" in card
     assert str(tmp_path) not in card  # a local dataset file is not linked as a Hub dataset
+
+
+@pytest.mark.parametrize("trainer", ["poise", "grpo"])
+def test_too_small_a_training_set_fails_with_the_reason(trainer, tiny_model_path, tmp_path, capsys):
+    """2 rows against the recipe's 1024 prompts per generation: TRL alone would train 0 steps and save the model.
+
+    The message is POISETrainer's refusal for POISE and the script's own check for the GRPO baseline; both say
+    "too small"."""
+    recipe = "poise_qwen3_4b_dapo.yaml" if trainer == "poise" else "grpo_baseline_qwen3_4b_dapo.yaml"
+    output_dir = tmp_path / "out"
+    argv = ["--config", str(CONFIGS / recipe), "--use_cpu", "true", "--bf16", "false", "--report_to", "none"]
+    argv += ["--model_name_or_path", str(tiny_model_path), "--output_dir", str(output_dir)]
+    argv += ["--dataset_name", str(_write_dapo_jsonl(tmp_path / "dapo_en.jsonl", rows=2))]
+    argv += ["--gradient_checkpointing", "false", "--disable_tqdm", "true", "--max_completion_length", "4"]
+    argv += ["--probe_layer", "2"] if trainer == "poise" else []
+
+    assert train_poise.run(argv) == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if "error" in line.lower()]  # beside datasets' progress bars
+    assert len(errors) == 1 and errors[0].startswith("train_poise.py: error: "), captured.err
+    assert "too small" in errors[0].lower() and "Traceback" not in captured.err
+    assert "Model and model card saved" not in captured.out
+    assert not (output_dir / "model.safetensors").exists()
+    with pytest.raises(ValueError, match="(?i)too small"):
+        train_poise.run([*argv, "--show_traceback", "true"])

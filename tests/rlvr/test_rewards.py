@@ -119,3 +119,9 @@ def test_last_boxed(text, expected):
 
 def test_extract_final_answer_returns_none_without_an_answer():
     assert extract_final_answer("Let me think. 42 is close.") is None
+
+
+def test_a_dataset_without_an_answer_column_is_told_to_use_the_loader():
+    """open-r1/DAPO-Math-17k-Processed as loaded raw: its final answer is `solution`, which TRL passes by name."""
+    with pytest.raises(ValueError, match=r"column named `answer`.*'solution'.*load_math_dataset"):
+        math_answer_reward(["Answer: 9"], prompts=["How many divisors does 36 have?"], solution=["9"])

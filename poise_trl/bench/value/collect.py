@@ -378,7 +378,10 @@ def load_reward_fn(spec: str) -> RewardFn:
         raise ValueError(
             f"--reward-fn {spec!r}: write MODULE:FUNCTION, e.g. poise_trl.rlvr.rewards:math_answer_reward."
         )
-    return getattr(importlib.import_module(module), attr)
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"--reward-fn {spec!r}: {error}") from error
 
 
 def load_prompts(dataset: str, num_prompts: int, seed: int, split: str | None) -> tuple[list[Prompt], dict[str, list]]:

@@ -150,6 +150,8 @@ def run_probe_bench(args: argparse.Namespace, log: Log = print) -> int:
     unknown = sorted(set(args.features or ()) - set(FEATURE_BLOCKS))
     if unknown:
         raise ValueError(f"--features {unknown} unknown: choose from {list(FEATURE_BLOCKS)}")
+    if args.k < 2 and not args.from_collection:  # checked before the model loads and samples
+        raise ValueError(f"--k {args.k}: leave-one-out targets need at least 2 rollouts per prompt; use --k 2 or more")
     start = time.perf_counter()
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)

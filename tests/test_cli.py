@@ -1,0 +1,124 @@
+"""`poise-trl` as a user meets it: every `--help` line explains its option and shows the default once, `--version`
+works, and a user error is one line on stderr with exit status 2 (the traceback only with `--debug`)."""
+
+import argparse
+import importlib.metadata
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from poise_trl import cli
+from poise_trl.bench.value.collect import load_reward_fn
+
+ROOT = Path(__file__).resolve().parents[1]
+NOT_OPTIONS = (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)
+
+
+def _options() -> list[tuple[argparse.ArgumentParser, argparse.Action]]:
+    return [
+        (parser, action)
+        for parser in cli.iter_parsers(cli.build_parser())
+        for action in parser._actions
+        if not isinstance(action, NOT_OPTIONS)
+    ]
+
+
+def test_the_walk_reaches_every_subcommand():
+    progs = {parser.prog for parser in cli.iter_parsers(cli.build_parser())}
+    expected = {"demo", "plot", "eval", "probe-bench", "bench", "bench efficiency", "bench overhead"}
+    assert progs == {"poise-trl"} | {f"poise-trl {name}" for name in expected}
+    assert len(_options()) > 100
+
+
+@pytest.mark.parametrize("parser,action", _options(), ids=[f"{p.prog}:{a.dest}" for p, a in _options()])
+def test_every_option_has_help_and_shows_its_default_once(parser, action):
+    assert action.help, f"{parser.prog} {action.option_strings or action.dest}: no help text"
+    shown = parser._get_formatter()._expand_help(action)
+    mentions = shown.lower().count("default:")
+    name = f"{parser.prog} {'/'.join(action.option_strings) or action.dest}"
+    assert mentions <= 1, f"{name} shows its default {mentions} times: {shown!r}"
+    takes_value = action.nargs != 0 and not action.required
+    if takes_value and action.default is not None:
+        assert mentions == 1, f"{name} hides its default {action.default!r}: {shown!r}"
+        assert f"(default: {cli._shown(action.default)})" in shown or "(default:" in action.help, shown
+
+
+@pytest.mark.parametrize("parser", list(cli.iter_parsers(cli.build_parser())), ids=lambda p: p.prog)
+def test_help_pages_have_no_placeholder_defaults_or_internal_wording(parser):
+    text = parser.format_help()
+    assert "(default: None)" not in text
+    for internal in ("issue-", "issue ", "README: "):
+        assert internal not in text, f"{parser.prog} --help says {internal!r}"
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"poise-trl {importlib.metadata.version('poise-trl')}\n"
+
+
+def _one_error_line(capsys, prog: str) -> str:
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith(f"{prog}: error: ")
+    assert "Traceback" not in captured.err + captured.out
+    return lines[0]
+
+
+def test_plot_on_a_missing_folder(tmp_path, capsys):
+    assert cli.main(["plot", str(tmp_path / "missing")]) == cli.USAGE_ERROR == 2
+    assert "No trainer_state.json in" in _one_error_line(capsys, "poise-trl plot")
+
+
+def test_probe_bench_k_1_fails_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    from poise_trl.bench.value import report  # the handler, which holds its own reference to the collection step
+
+    monkeypatch.setattr(report, "collect_from_args", lambda *a: pytest.fail("loaded the model before checking --k"))
+    assert cli.main(["probe-bench", "--k", "1", "--output-dir", str(tmp_path)]) == 2
+    assert "--k 1: leave-one-out targets need at least 2 rollouts" in _one_error_line(capsys, "poise-trl probe-bench")
+
+
+def test_bad_values_are_one_line_too(tmp_path, capsys):
+    """Errors found by the handlers (ValueError, FileNotFoundError, a `SystemExit("...")`) and by argparse."""
+    assert cli.main(["demo", "--max-digits", "12", "--cache-dir", str(tmp_path), "--output-dir", str(tmp_path)]) == 2
+    assert "must lie within [1, 9] digits" in _one_error_line(capsys, "poise-trl demo")
+    missing = tmp_path / "none.safetensors"
+    assert cli.main(["probe-bench", "--from-collection", str(missing), "--output-dir", str(tmp_path)]) == 2
+    assert str(missing) in _one_error_line(capsys, "poise-trl probe-bench")
+    with pytest.raises(ValueError, match="--reward-fn 'no_such_module:f': No module named"):
+        load_reward_fn("no_such_module:f")
+    assert cli.main(["bench", "efficiency", "--model", "m", "--output-dir", str(tmp_path)]) == 2
+    assert "--model needs --train-dataset" in _one_error_line(capsys, "poise-trl bench efficiency")
+    fixture = str(ROOT / "tests" / "fixtures" / "amc23.jsonl")
+    assert cli.main(["eval", str(tmp_path / "no_model"), "--benchmarks", fixture]) == 2
+    assert "no model directory at" in _one_error_line(capsys, "poise-trl eval")
+    for argv in (["probe-bench", "--k", "x"], ["bench"], []):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        assert exit_info.value.code == 2
+        _one_error_line(capsys, " ".join(["poise-trl", *argv[:1]]))
+
+
+@pytest.mark.parametrize("position", ["before", "after"])
+def test_debug_shows_the_traceback(tmp_path, position):
+    argv = ["plot", str(tmp_path / "missing")]
+    argv = ["--debug", *argv] if position == "before" else [*argv, "--debug"]
+    with pytest.raises(FileNotFoundError, match="No trainer_state.json"):
+        cli.main(argv)
+
+
+def test_eval_offline_on_a_hub_benchmark_in_a_real_process(tiny_model_path):
+    """The whole path a user runs: console output of a fresh process with the Hub unreachable."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "poise_trl.cli", "eval", str(tiny_model_path), "--benchmarks", "AIME24"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("poise-trl eval: error: "), done.stderr
+    assert "HuggingFaceH4/aime_2024" in errors[0] and "local .jsonl" in errors[0]
