@@ -332,7 +332,7 @@ class POISETrainer(ValueGuidedSelection, GRPOTrainer):
         needed = self._get_train_sampler(dataset).batch_size
         if len(dataset) < needed:
             raise ValueError(
-                f"The training set has {len(dataset)} prompts, but one generation batch needs {needed} distinct "
+                f"The training set is too small: it has {len(dataset)} prompts, but one generation batch needs {needed} distinct "
                 f"prompts (generation_batch_size {self.args.generation_batch_size} / num_generations "
                 f"{self.num_generations}"
                 + (", times prompt_selection_oversample" if self.args.prompt_selection else "")
