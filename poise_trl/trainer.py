@@ -333,8 +333,8 @@ class POISETrainer(ValueGuidedSelection, GRPOTrainer):
         if len(dataset) < needed:
             raise ValueError(
                 f"The training set is too small: it has {len(dataset)} prompts, but one generation batch needs "
-                f"{needed} distinct prompts (generation_batch_size {self.args.generation_batch_size} / num_generations "
-                f"{self.num_generations}"
+                f"{needed} distinct prompts (generation_batch_size {self.args.generation_batch_size} / num_generations"
+                f" {self.num_generations}"
                 + (", times prompt_selection_oversample" if self.args.prompt_selection else "")
                 + "), so training would run 0 steps. Lower per_device_train_batch_size, steps_per_generation or "
                 "gradient_accumulation_steps, raise num_generations, or add data."
