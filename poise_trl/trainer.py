@@ -7,6 +7,7 @@ import math
 import os
 import textwrap
 import time
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,12 @@ from datasets import IterableDataset
 from packaging.version import Version
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch.utils.data import Sampler
+from transformers import TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import get_config_model_id
+from trl.trainer.utils import RepeatSampler, get_config_model_id
 
 from .baselines import (
     RunningStd,
@@ -78,6 +81,33 @@ def prompt_group_ids(prompts: list) -> torch.Tensor:
         text = json.dumps(prompt, sort_keys=True, default=lambda value: type(value).__name__).encode()
         ids.append(int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big", signed=True))
     return torch.tensor(ids, dtype=torch.long)
+
+
+class ResumableSampler(Sampler):
+    """TRL's `RepeatSampler`, made to resume where an uninterrupted run would be.
+
+    - The sampler draws epoch e's permutation as the (e+1)-th from one generator seeded once, so the fresh sampler of
+      a resumed run would shuffle epoch e like epoch 0: a resume in any epoch after the first would train on other
+      prompts. Each pass rewinds the generator to epoch e first (transformers' `set_epoch` does not reach the
+      sampler on every path).
+    - A finished run (global step >= max steps) yields nothing: transformers would otherwise run one extra step when
+      resumed from its final checkpoint in mid-epoch."""
+
+    def __init__(self, sampler: RepeatSampler, state: Callable[[], TrainerState]):
+        self.sampler, self.state = sampler, state
+
+    def __iter__(self) -> Iterator[int]:
+        state = self.state()
+        if state.max_steps > 0 and state.global_step >= state.max_steps:
+            return iter(())
+        if self.sampler.shuffle and self.sampler.seed is not None:
+            self.sampler.generator.manual_seed(self.sampler.seed)
+            for _ in range(int(state.epoch)):
+                torch.randperm(self.sampler.num_samples, generator=self.sampler.generator)
+        return iter(self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
 
 
 class POISETrainer(GRPOTrainer):
@@ -638,11 +668,12 @@ class POISETrainer(GRPOTrainer):
             self._train_batch_size = batch_size
 
     def _get_train_sampler(self, dataset=None):
-        """TRL's `RepeatSampler`, drawing `selection_candidates` prompts per process under prompt_selection."""
+        """TRL's `RepeatSampler`, drawing `selection_candidates` prompts per process under prompt_selection, and
+        resuming exactly where an uninterrupted run would be (`ResumableSampler`)."""
         sampler = super()._get_train_sampler(dataset)
         if self.args.prompt_selection is not None:
             sampler.batch_size = self.selection_candidates * self.accelerator.num_processes
-        return sampler
+        return ResumableSampler(sampler, lambda: self.state)
 
     def _prompt_probe(self) -> ValueProbe | None:
         """The prompt-only probe: the buffer's prompt block (current layer) against its targets, whose mean per prompt
