@@ -19,7 +19,6 @@ from datasets import IterableDataset
 from packaging.version import Version
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch.utils.data import Sampler
 from transformers import TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
@@ -83,31 +82,29 @@ def prompt_group_ids(prompts: list) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-class ResumableSampler(Sampler):
-    """TRL's `RepeatSampler`, made to resume where an uninterrupted run would be.
+class ResumableSampler(RepeatSampler):
+    """TRL's `RepeatSampler` as TRL built it, made to resume where an uninterrupted run would be.
 
-    - The sampler draws epoch e's permutation as the (e+1)-th from one generator seeded once, so the fresh sampler of
-      a resumed run would shuffle epoch e like epoch 0: a resume in any epoch after the first would train on other
-      prompts. Each pass rewinds the generator to epoch e first (transformers' `set_epoch` does not reach the
+    - TRL's sampler draws epoch e's permutation as the (e+1)-th from one generator seeded once, so the fresh sampler
+      of a resumed run would shuffle epoch e like epoch 0: a resume in any epoch after the first would train on
+      other prompts. Each pass rewinds the generator to epoch e first (transformers' `set_epoch` does not reach the
       sampler on every path).
     - A finished run (global step >= max steps) yields nothing: transformers would otherwise run one extra step when
       resumed from its final checkpoint in mid-epoch."""
 
     def __init__(self, sampler: RepeatSampler, state: Callable[[], TrainerState]):
-        self.sampler, self.state = sampler, state
+        vars(self).update(vars(sampler))  # everything TRL set, unchanged
+        self.state = state
 
     def __iter__(self) -> Iterator[int]:
         state = self.state()
         if state.max_steps > 0 and state.global_step >= state.max_steps:
             return iter(())
-        if self.sampler.shuffle and self.sampler.seed is not None:
-            self.sampler.generator.manual_seed(self.sampler.seed)
+        if self.shuffle and self.seed is not None:
+            self.generator.manual_seed(self.seed)
             for _ in range(int(state.epoch)):
-                torch.randperm(self.sampler.num_samples, generator=self.sampler.generator)
-        return iter(self.sampler)
-
-    def __len__(self) -> int:
-        return len(self.sampler)
+                torch.randperm(self.num_samples, generator=self.generator)
+        return super().__iter__()
 
 
 class POISETrainer(GRPOTrainer):

@@ -33,7 +33,7 @@ def test_resumable_sampler_shuffles_each_epoch_as_trls_sampler_does_uninterrupte
         assert list(ResumableSampler(_repeat_sampler(), lambda state=state: state)) == passes[epoch]
     finished = TrainerState(epoch=1.25, global_step=10, max_steps=10)
     sampler = ResumableSampler(_repeat_sampler(), lambda: finished)
-    assert list(sampler) == [] and len(sampler) == len(passes[0])
+    assert list(sampler) == [] and len(sampler) == len(passes[0]) and isinstance(sampler, RepeatSampler)
 
 
 def _trainer(model: Path, out: Path) -> POISETrainer:
