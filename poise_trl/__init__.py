@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .baselines import baseline_diagnostics, cross_rollout_baselines, leave_one_out_targets, poise_advantages
     from .config import PROBE_PRESETS, POISEConfig
+    from .estimator import AdvantageResult, POISEEstimator
     from .features import (
         assemble_features,
         capture_layer,
@@ -29,6 +30,7 @@ _LAZY = {
         ("baseline_diagnostics", "cross_rollout_baselines", "leave_one_out_targets", "poise_advantages"), ".baselines"
     ),
     **dict.fromkeys(("POISEConfig", "PROBE_PRESETS"), ".config"),
+    **dict.fromkeys(("AdvantageResult", "POISEEstimator"), ".estimator"),
     **dict.fromkeys(
         (
             "assemble_features",
@@ -53,6 +55,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AdvantageResult",
+    "POISEEstimator",
     "OnlineProbe",
     "POISEConfig",
     "POISETrainer",

@@ -48,10 +48,77 @@ def leave_one_out_targets(
     return _mean_of_others(rewards, num_generations, valid)
 
 
-def _pearson(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a - a.mean(), b - b.mean()
-    denominator = (a.norm() * b.norm()).item()
-    return float("nan") if denominator == 0 else (a @ b).item() / denominator
+DIAGNOSTICS = (
+    "reward_mean",
+    "value_mean",
+    "baseline_mean",
+    "mae",
+    "group_mae",
+    "pearson_r",
+    "brier_skill",
+    "variance_reduction",
+    "sign_accuracy",
+    "clip_fraction",
+)
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over `mask` in float64, NaN over an empty mask; no data-dependent shapes, so no device sync."""
+    return torch.where(mask, values.double(), 0.0).sum() / mask.sum()
+
+
+def diagnostic_tensors(
+    rewards: torch.Tensor,
+    baselines: torch.Tensor,
+    values: torch.Tensor,
+    num_generations: int,
+    valid: torch.Tensor | None = None,
+    unclipped_values: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`baseline_diagnostics` as one float64 tensor in `DIAGNOSTICS` order, computed on the device without a sync."""
+    valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()
+    valid = valid & torch.isfinite(rewards) & torch.isfinite(baselines)
+    nan = torch.tensor(float("nan"), dtype=torch.float64, device=rewards.device)
+    r, b = torch.where(valid, rewards.double(), 0.0), torch.where(valid, baselines.double(), 0.0)
+    count = valid.sum()
+    predicted = torch.isfinite(values)
+    clip_fraction = nan
+    if unclipped_values is not None:
+        clip_fraction = _masked_mean((values != unclipped_values).double(), predicted)
+    reward_mean, baseline_mean = r.sum() / count, b.sum() / count
+    advantages = torch.where(valid, r - b, 0.0)
+    mae = advantages.abs().sum() / count
+    rc, bc = torch.where(valid, r - reward_mean, 0.0), torch.where(valid, b - baseline_mean, 0.0)
+    var_r = rc.pow(2).sum() / count
+    denominator = rc.norm() * bc.norm()
+    pearson = torch.where((denominator > 0) & (count > 1), (rc * bc).sum() / denominator, nan)
+    advantage_var = torch.where(valid, advantages - advantages.sum() / count, 0.0).pow(2).sum() / count
+    spread = var_r > 0
+    brier = torch.where(spread, 1 - advantages.pow(2).sum() / count / var_r, nan)
+    variance_reduction = torch.where(spread, 1 - advantage_var / var_r, nan)
+
+    full = valid.view(-1, num_generations).all(1) & predicted.view(-1, num_generations).all(1)
+    group_r = torch.where(full[:, None], rewards.view(-1, num_generations).double(), 0.0)
+    group_v = torch.where(full[:, None], values.view(-1, num_generations).double(), 0.0)
+    group_mae = _masked_mean((group_v.mean(1) - group_r.mean(1)).abs(), full)
+    i, j = torch.triu_indices(num_generations, num_generations, offset=1, device=rewards.device)
+    reward_sign = torch.sign(group_r[:, i] - group_r[:, j])
+    value_sign = torch.sign(group_v[:, i] - group_v[:, j])
+    decided = (reward_sign != 0) & full[:, None]
+    sign_accuracy = _masked_mean((reward_sign == value_sign).double(), decided)
+    out = [
+        reward_mean,
+        _masked_mean(values, predicted),
+        baseline_mean,
+        mae,
+        group_mae,
+        pearson,
+        brier,
+        variance_reduction,
+        sign_accuracy,
+        clip_fraction,
+    ]
+    return torch.stack([v.double() for v in out])
 
 
 def baseline_diagnostics(
@@ -68,44 +135,10 @@ def baseline_diagnostics(
     |mean value - mean reward| per prompt), pearson_r (b vs r), brier_skill (1 - MSE(b, r)/Var(r)),
     variance_reduction (1 - Var(A)/Var(R)), sign_accuracy (within groups whose rewards differ, the fraction of
     pairs the values order like the rewards), clip_fraction (predictions the reward-range clip changed).
-    Undefined quantities (e.g. zero variance) are NaN, which TRL's
-    logger drops.
+    Undefined quantities (e.g. zero variance) are NaN, which TRL's logger drops.
     """
-    valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()
-    valid = valid & torch.isfinite(rewards) & torch.isfinite(baselines)
-    r, b = rewards[valid].double(), baselines[valid].double()
-    nan = float("nan")
-    out = {"reward_mean": nan, "value_mean": nan, "baseline_mean": nan, "mae": nan, "group_mae": nan}
-    out.update({"pearson_r": nan, "brier_skill": nan, "variance_reduction": nan, "sign_accuracy": nan})
-    out["clip_fraction"] = nan
-    predicted = torch.isfinite(values)
-    if predicted.any():
-        out["value_mean"] = values[predicted].double().mean().item()
-        if unclipped_values is not None:
-            out["clip_fraction"] = (values[predicted] != unclipped_values[predicted]).double().mean().item()
-    if r.numel() == 0:
-        return out
-    advantages = r - b
-    var_r = r.var(unbiased=False).item()
-    out.update(reward_mean=r.mean().item(), baseline_mean=b.mean().item(), mae=advantages.abs().mean().item())
-    out["pearson_r"] = _pearson(b, r) if r.numel() > 1 else nan
-    if var_r > 0:
-        out["brier_skill"] = 1 - advantages.pow(2).mean().item() / var_r
-        out["variance_reduction"] = 1 - advantages.var(unbiased=False).item() / var_r
-
-    grouped_valid = valid.view(-1, num_generations)
-    full = grouped_valid.all(1) & torch.isfinite(values).view(-1, num_generations).all(1)
-    if full.any():
-        group_r = rewards.view(-1, num_generations)[full].double()
-        group_v = values.view(-1, num_generations)[full].double()
-        out["group_mae"] = (group_v.mean(1) - group_r.mean(1)).abs().mean().item()
-        i, j = torch.triu_indices(num_generations, num_generations, offset=1)
-        reward_sign = torch.sign(group_r[:, i] - group_r[:, j])
-        value_sign = torch.sign(group_v[:, i] - group_v[:, j])
-        decided = reward_sign != 0
-        if decided.any():
-            out["sign_accuracy"] = (reward_sign[decided] == value_sign[decided]).double().mean().item()
-    return out
+    stats = diagnostic_tensors(rewards, baselines, values, num_generations, valid, unclipped_values)
+    return dict(zip(DIAGNOSTICS, stats.tolist(), strict=True))
 
 
 def poise_advantages(
@@ -139,42 +172,56 @@ class RunningStd:
 
     `scale_rewards="batch"` divides step t's advantages by the std of the rewards of steps < t: a constant given the
     past, so, unlike the current batch's std, which contains each rollout's own reward, it cannot bias the gradient.
-    Plain Python floats, so every rank computes the same value and a checkpoint restores it exactly.
+    The state [count, mean, m2] is one float64 tensor on the rewards' device, so updates never wait for the device.
     """
 
     def __init__(self) -> None:
-        self.count, self.mean, self.m2 = 0, 0.0, 0.0
+        self.state = torch.zeros(3, dtype=torch.float64)
 
     def update(self, values: torch.Tensor) -> None:
         """Add the finite entries of `values`."""
-        values = values[torch.isfinite(values)].double()
-        n = values.numel()
-        if n == 0:
-            return
-        mean = values.mean().item()
-        m2 = (values - mean).pow(2).sum().item()
-        total = self.count + n
-        delta = mean - self.mean
-        self.mean += delta * n / total
-        self.m2 += m2 + delta * delta * self.count * n / total
-        self.count = total
+        finite = torch.isfinite(values)
+        state = self.state.to(values.device)
+        n = finite.sum().double()
+        mean = torch.where(finite, values.double(), 0.0).sum() / n.clamp(min=1)
+        m2 = torch.where(finite, values.double() - mean, 0.0).pow(2).sum()
+        count, running_mean, running_m2 = state
+        total = count + n
+        delta = mean - running_mean
+        merged = torch.stack(
+            [
+                total,
+                running_mean + delta * n / total.clamp(min=1),
+                running_m2 + m2 + delta * delta * count * n / total.clamp(min=1),
+            ]
+        )
+        self.state = torch.where(n > 0, merged, state)
+
+    @property
+    def count(self) -> int:
+        return int(self.state[0])
 
     @property
     def std(self) -> float:
         """Sample (n - 1) std, as TRL's batch std; NaN before two values."""
-        return math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else float("nan")
+        count, _, m2 = self.state.tolist()
+        return math.sqrt(m2 / (count - 1)) if count > 1 else float("nan")
 
-    def divisor(self, eps: float = 1e-4) -> float:
+    def divisor(self, eps: float = 1e-4) -> torch.Tensor:
         """`std + eps` (TRL's batch scale), or 1 while the values seen so far have no spread above `eps` (at the
-        first step, for instance), so that a missing scale never multiplies the advantages by 1/eps."""
-        std = self.std
-        return std + eps if std > eps else 1.0
+        first step, for instance), so that a missing scale never multiplies the advantages by 1/eps. A 0-d tensor."""
+        count, _, m2 = self.state
+        std = (m2 / (count - 1).clamp(min=1)).sqrt()
+        return torch.where((count > 1) & (std > eps), std + eps, torch.ones_like(std))
 
     def state_dict(self) -> dict[str, float]:
-        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+        count, mean, m2 = self.state.tolist()
+        return {"count": int(count), "mean": mean, "m2": m2}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
-        self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])
+        self.state = torch.tensor(
+            [float(state["count"]), float(state["mean"]), float(state["m2"])], dtype=torch.float64
+        )
 
 
 def append_reward_column(features: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
@@ -189,19 +236,27 @@ def append_reward_column(features: torch.Tensor, rewards: torch.Tensor) -> torch
     return torch.cat([features, column.expand(*features.shape[:-1], 1)], dim=-1)
 
 
-def shrunk_rloo_fit(partner_means: torch.Tensor, rewards: torch.Tensor) -> tuple[float, float]:
-    """(a, w) of the least-squares line r_i ≈ a + w * m_i over the finite pairs (m_i = mean reward of i's partners).
+def shrunk_rloo_line(partner_means: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+    """[a, w] of the least-squares line r_i ≈ a + w * m_i over the finite pairs (m_i = mean reward of i's partners),
+    as a float64 tensor on the inputs' device, computed without a device sync.
 
     The shrunk bootstrap uses a + w * m_i as baseline: with (a, w) fitted on earlier steps only it is a fixed
     function of the partners' rewards, hence unbiased. With no pairs: a=0, w=1 (plain RLOO); when every m_i is the
     same: w=0 and a = the mean reward.
     """
     keep = torch.isfinite(partner_means) & torch.isfinite(rewards)
-    m, r = partner_means[keep].double(), rewards[keep].double()
-    if m.numel() == 0:
-        return 0.0, 1.0
-    variance = (m - m.mean()).pow(2).mean()
-    if variance <= 1e-12:
-        return r.mean().item(), 0.0
-    weight = ((m - m.mean()) * (r - r.mean())).mean() / variance
-    return (r.mean() - weight * m.mean()).item(), weight.item()
+    n = keep.sum().double()
+    m_mean = torch.where(keep, partner_means.double(), 0.0).sum() / n.clamp(min=1)
+    r_mean = torch.where(keep, rewards.double(), 0.0).sum() / n.clamp(min=1)
+    dm = torch.where(keep, partner_means.double() - m_mean, 0.0)
+    dr = torch.where(keep, rewards.double() - r_mean, 0.0)
+    variance = dm.pow(2).sum() / n.clamp(min=1)
+    weight = torch.where(variance > 1e-12, (dm * dr).sum() / n.clamp(min=1) / variance.clamp(min=1e-300), 0.0)
+    line = torch.stack([r_mean - weight * m_mean, weight])
+    return torch.where(n > 0, line, torch.tensor([0.0, 1.0], dtype=torch.float64, device=line.device))
+
+
+def shrunk_rloo_fit(partner_means: torch.Tensor, rewards: torch.Tensor) -> tuple[float, float]:
+    """`shrunk_rloo_line` as Python floats (a, w)."""
+    intercept, weight = shrunk_rloo_line(partner_means, rewards).tolist()
+    return intercept, weight

@@ -1,5 +1,6 @@
 """`POISEConfig`: `GRPOConfig` plus the probe's fields, with the paper's defaults."""
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,6 +249,39 @@ class POISEConfig(GRPOConfig):
         self._check_layer_fields()
         self._check_domain_fields()
         self._check_beyond_paper_fields()
+
+    def card_section(self, layer: int, layers: list[int], diagnostics: dict[str, float], step: int) -> str:
+        """The model card's "POISE" section: what a reader needs to reproduce the run, and the last logged probe
+        diagnostics (`layer`: the layer in use; `layers`: the candidates)."""
+
+        def shown(key: str) -> str:
+            value = diagnostics.get(key, math.nan)
+            return "not logged" if value is None or math.isnan(value) else f"{value:.4f}"
+
+        selection = str(self.prompt_selection)
+        if self.prompt_selection is not None:
+            selection += f" (oversample {self.prompt_selection_oversample})"
+        lines = [
+            "## POISE",
+            "",
+            "Advantages `A_i = r_i - b_i`, where `b_i` is the mean of the other rollouts' value-probe predictions "
+            "from the policy's own hidden states (cross-rollout baseline, arXiv 2605.07579).",
+            "",
+            f"- Rollouts per prompt (G): {self.num_generations}",
+            f"- Probe preset: {self.probe_preset} (probe_alpha={self.probe_alpha}, probe_pca_dims="
+            f"{self.probe_pca_dims}, probe_clip_range={self.probe_clip_range}, probe_buffer_size="
+            f"{self.probe_buffer_size}, probe_warmup_steps={self.probe_warmup_steps})",
+            f"- Probe layer: {'default' if self.probe_layer is None else self.probe_layer} (in use: {layer}; "
+            f"candidates: {layers})",
+            f"- Features: {list(self.probe_features)}, pooled over the last {self.probe_pool_tokens} tokens",
+            f"- Partner-aware probe (probe_partner_reward): {self.probe_partner_reward}",
+            f"- Bootstrap (probe_bootstrap): {self.probe_bootstrap}",
+            f"- Prompt selection: {selection}",
+            f"- Last logged probe diagnostics (step {step}): variance reduction {shown('variance_reduction')}, "
+            f"Pearson r {shown('pearson_r')}, MAE {shown('mae')}",
+            "",
+        ]
+        return "\n".join(lines)
 
     def _check_layer_fields(self) -> None:
         layer = self.probe_layer

@@ -30,13 +30,14 @@ def _principal_axes(block: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _solve_spd(gram: torch.Tensor, alpha: float, rhs: torch.Tensor) -> torch.Tensor:
-    """(gram + alpha I)^-1 rhs for a Gram matrix: a Cholesky solve (half the cost of LU; the matrix is positive
-    definite for alpha > 0), with LU as the fallback should rounding make the factorisation fail."""
+    """(gram + alpha I)^-1 rhs for a Gram matrix by Cholesky (the matrix is positive definite for alpha > 0).
+
+    The factorisation's status is never read on the host (that would stall the device every refit): should rounding
+    make it fail, the solution is NaN, so the probe predicts NaN and its rows fall back to the bootstrap baseline."""
     gram.diagonal().add_(alpha)  # in place: the Gram matrix is a temporary of the caller
     factor, info = torch.linalg.cholesky_ex(gram)
-    if int(info) != 0:
-        return torch.linalg.solve(gram, rhs)
-    return torch.cholesky_solve(rhs.unsqueeze(1), factor).squeeze(1)
+    solution = torch.cholesky_solve(rhs.unsqueeze(1), factor).squeeze(1)
+    return torch.where(info == 0, solution, torch.full_like(solution, float("nan")))
 
 
 class ValueProbe:
@@ -66,6 +67,7 @@ class ValueProbe:
         self.pca_dims = pca_dims
         self.clip = clip
         self._state: dict[str, torch.Tensor] = {}
+        self._pca_blocks: list[tuple[int, int]] = []  # the fitted PCA blocks' columns, on the host: no device sync
 
     @property
     def is_fitted(self) -> bool:
@@ -89,20 +91,20 @@ class ValueProbe:
         s = self._state
         z = (x.to(torch.float64) - s["mean"]) / s["scale"]
         parts, cursor = [], 0
-        for i, start in enumerate(s["pca_start"].tolist()):
-            stop = int(s["pca_stop"][i])
+        for i, (start, stop) in enumerate(self._pca_blocks):
             parts += [z[:, cursor:start], z[:, start:stop] @ s[f"pca_components_{i}"].T]
             cursor = stop
         parts.append(z[:, cursor:])
         return torch.cat(parts, dim=1)
 
-    def fit(self, x: torch.Tensor, y: torch.Tensor) -> "ValueProbe":
-        """Fit on (N, D) features and (N,) targets; rows must be finite (the trainer filters them)."""
+    def fit(self, x: torch.Tensor, y: torch.Tensor, check_finite: bool = True) -> "ValueProbe":
+        """Fit on (N, D) features and (N,) targets; rows must be finite. `check_finite=False` skips the check, which
+        reads a flag on the host, for callers that filtered the rows already (the estimator's buffer)."""
         if x.ndim != 2 or y.shape != (x.size(0),):
             raise ValueError(f"fit expects X (N, D) and y (N,), got {tuple(x.shape)} and {tuple(y.shape)}.")
         if x.size(0) < 2:
             raise ValueError(f"fit needs at least 2 examples, got {x.size(0)}.")
-        if not (torch.isfinite(x).all() and torch.isfinite(y).all()):
+        if check_finite and not (torch.isfinite(x).all() and torch.isfinite(y).all()):
             raise ValueError("fit got non-finite features or targets; drop those rows first.")
         x64, y64 = x.to(torch.float64), y.to(torch.float64)
         n, d = x64.shape
@@ -114,6 +116,7 @@ class ValueProbe:
         blocks = self._blocks(d)
         self._state["pca_start"] = torch.tensor([b[0] for b in blocks], dtype=torch.long)
         self._state["pca_stop"] = torch.tensor([b[1] for b in blocks], dtype=torch.long)
+        self._pca_blocks = [(start, stop) for start, stop, _ in blocks]
         z = (x64 - mean) / scale
         for i, (start, stop, k) in enumerate(blocks):
             block = z[:, start:stop]
@@ -130,8 +133,11 @@ class ValueProbe:
             coef = centered.T @ _solve_spd(centered @ centered.T, self.alpha, yc)
         self._state["coef"] = coef
         self._state["intercept"] = (target_mean - design_mean @ coef).reshape(1)
-        low, high = (y64.min(), y64.max()) if self.clip == "observed" else (self.clip or (-torch.inf, torch.inf))
-        self._state["clip"] = torch.tensor([float(low), float(high)], dtype=torch.float64, device=x.device)
+        if self.clip == "observed":
+            self._state["clip"] = torch.stack([y64.min(), y64.max()])
+        else:
+            low, high = self.clip or (-torch.inf, torch.inf)
+            self._state["clip"] = torch.tensor([float(low), float(high)], dtype=torch.float64, device=x.device)
         return self
 
     def predict(self, x: torch.Tensor, return_unclipped: bool = False) -> torch.Tensor:
@@ -176,6 +182,8 @@ class ValueProbe:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self._state = {k: v.to(torch.float64) if v.is_floating_point() else v for k, v in state.items()}
+        starts, stops = state.get("pca_start", torch.zeros(0)).tolist(), state.get("pca_stop", torch.zeros(0)).tolist()
+        self._pca_blocks = [(int(a), int(b)) for a, b in zip(starts, stops, strict=True)]
 
 
 class ProbeBuffer:
@@ -184,46 +192,120 @@ class ProbeBuffer:
     Features are (N, ...) with any fixed trailing shape: (N, D) for one feature vector per row, (N, C, D) for the
     trainer's rows, which hold one feature vector per candidate layer. `groups` (optional, int64) names the prompt
     each row came from, so cross-validation can keep a prompt's rows in one fold.
+
+    Storage is a ring preallocated on the device of the first rows added (the accelerator in training): `add` never
+    copies the buffer and never waits for the device, even when a mask decides which rows enter. Its write position
+    and fill level then live on the device; `counts()` returns them and `set_counts` hands the host's copy back (the
+    estimator fetches them in its one transfer per step); reading the rows syncs by itself when nobody did.
     """
 
     def __init__(self, capacity: int):
         if capacity < 1:
             raise ValueError(f"capacity={capacity} must be >= 1.")
         self.capacity = capacity
-        self.features: torch.Tensor | None = None
-        self.targets: torch.Tensor | None = None
-        self.groups: torch.Tensor | None = None
+        self._features: torch.Tensor | None = None  # (capacity + 1, ...): the last row takes the rows not kept
+        self._targets: torch.Tensor | None = None
+        self._groups: torch.Tensor | None = None
+        self._position: torch.Tensor | None = None  # device [next write index, filled rows]
+        self._host: tuple[int, int] | None = (0, 0)  # the same on the host; None while only the device knows
 
     def __len__(self) -> int:
-        return 0 if self.targets is None else self.targets.numel()
+        return self._host_counts()[1]
 
-    def add(self, features: torch.Tensor, targets: torch.Tensor, groups: torch.Tensor | None = None) -> None:
-        """Append rows in order, keeping the newest `capacity`. Features are stored in float32 on the CPU."""
-        features, targets = features.detach().float().cpu(), targets.detach().float().cpu()
-        groups = None if groups is None else groups.detach().long().cpu()
-        if self.targets is not None and (groups is None) != (self.groups is None):
+    def _host_counts(self) -> tuple[int, int]:
+        if self._host is None:
+            self.set_counts(*self._position.tolist())
+        return self._host
+
+    def counts(self) -> torch.Tensor:
+        """Device [next write index, filled rows], for a caller that batches its host transfers."""
+        return torch.zeros(2, dtype=torch.long) if self._position is None else self._position
+
+    def set_counts(self, position: int, filled: int) -> None:
+        self._host = (int(position), int(filled))
+
+    def _allocate(self, features: torch.Tensor, with_groups: bool) -> None:
+        device = features.device
+        self._features = torch.zeros(self.capacity + 1, *features.shape[1:], device=device)
+        self._targets = torch.zeros(self.capacity + 1, device=device)
+        self._groups = torch.zeros(self.capacity + 1, dtype=torch.long, device=device) if with_groups else None
+        self._position = torch.zeros(2, dtype=torch.long, device=device)
+
+    def add(
+        self,
+        features: torch.Tensor,
+        targets: torch.Tensor,
+        groups: torch.Tensor | None = None,
+        keep: torch.Tensor | None = None,
+    ) -> None:
+        """Append the rows (those where `keep` is True) in order, keeping the newest `capacity`; stored in float32."""
+        if self._features is None:
+            self._allocate(features, groups is not None)
+        elif (groups is None) != (self._groups is None):
             raise ValueError("Give group ids with every batch added to a buffer, or with none.")
-        if self.features is not None:
-            if features.shape[1:] != self.features.shape[1:]:
-                raise ValueError(
-                    f"Feature width changed from {tuple(self.features.shape[1:])} to {tuple(features.shape[1:])}: "
-                    "the feature configuration (layers, features, model) must stay fixed for one buffer."
-                )
-            features, targets = torch.cat([self.features, features]), torch.cat([self.targets, targets])
-            groups = None if groups is None else torch.cat([self.groups, groups])
-        self.features, self.targets = features[-self.capacity :], targets[-self.capacity :]
-        self.groups = None if groups is None else groups[-self.capacity :]
+        elif features.shape[1:] != self._features.shape[1:]:
+            raise ValueError(
+                f"Feature width changed from {tuple(self._features.shape[1:])} to {tuple(features.shape[1:])}: "
+                "the feature configuration (layers, features, model) must stay fixed for one buffer."
+            )
+        device = self._features.device
+        features, targets = features.detach().to(device, torch.float32), targets.detach().to(device, torch.float32)
+        known = keep is None and self._host is not None
+        keep = torch.ones(targets.shape, dtype=torch.bool, device=device) if keep is None else keep.to(device)
+        rank = keep.long().cumsum(0)  # 1-based rank of each kept row
+        total = rank[-1] if rank.numel() else torch.zeros((), dtype=torch.long, device=device)
+        write = keep & (total - rank < self.capacity)  # of more than `capacity` new rows, only the newest
+        index = torch.where(write, (self._position[0] + rank - 1) % self.capacity, self.capacity)
+        self._features.index_copy_(0, index, features)
+        self._targets.index_copy_(0, index, targets)
+        if groups is not None:
+            self._groups.index_copy_(0, index, groups.detach().to(device, torch.long))
+        self._position = torch.stack(
+            [(self._position[0] + total) % self.capacity, (self._position[1] + total).clamp(max=self.capacity)]
+        )
+        if known:
+            position, filled = self._host
+            n = targets.numel()
+            self._host = ((position + n) % self.capacity, min(filled + n, self.capacity))
+        else:
+            self._host = None
+
+    def _ordered(self, ring: torch.Tensor | None) -> torch.Tensor | None:
+        """The filled rows, oldest first: the same order whatever the ring's history, so fits are reproducible."""
+        if ring is None:
+            return None
+        position, filled = self._host_counts()
+        if filled < self.capacity:
+            return ring[:filled]
+        return torch.cat([ring[position : self.capacity], ring[:position]])
+
+    @property
+    def features(self) -> torch.Tensor | None:
+        return self._ordered(self._features)
+
+    @property
+    def targets(self) -> torch.Tensor | None:
+        return self._ordered(self._targets)
+
+    @property
+    def groups(self) -> torch.Tensor | None:
+        return self._ordered(self._groups)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        if self.features is None:
+        """The rows oldest first, on the CPU (the layout of every earlier release)."""
+        if self._features is None or len(self) == 0:
             return {}
-        state = {"features": self.features.contiguous(), "targets": self.targets.contiguous()}
-        if self.groups is not None:
-            state["groups"] = self.groups.contiguous()
-        return state
+        state = {"features": self.features, "targets": self.targets}
+        if self._groups is not None:
+            state["groups"] = self.groups
+        return {k: v.detach().cpu().contiguous() for k, v in state.items()}
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.features, self.targets, self.groups = state.get("features"), state.get("targets"), state.get("groups")
+    def load_state_dict(self, state: dict[str, torch.Tensor], device: torch.device | str | None = None) -> None:
+        self._features = self._targets = self._groups = self._position = None
+        self._host = (0, 0)
+        if state.get("targets") is not None and state["targets"].numel():
+            moved = {k: v if device is None else v.to(device) for k, v in state.items()}
+            self.add(moved["features"], moved["targets"], moved.get("groups"))
 
 
 def grouped_kfold_errors(
@@ -294,14 +376,21 @@ class OnlineProbe:
     def can_fit(self) -> bool:
         return len(self.buffer) >= 2 and self.steps >= self.refit_from_step
 
-    def add(self, features: torch.Tensor, targets: torch.Tensor, groups: torch.Tensor | None = None) -> None:
-        """Append one step's rows (possibly none) and count the step."""
-        self.buffer.add(features, targets, groups)
+    def add(
+        self,
+        features: torch.Tensor,
+        targets: torch.Tensor,
+        groups: torch.Tensor | None = None,
+        keep: torch.Tensor | None = None,
+    ) -> None:
+        """Append one step's rows (those where `keep` is True; possibly none) and count the step."""
+        self.buffer.add(features, targets, groups, keep)
         self.steps += 1
 
     def fit(self, layer: int = 0, device: torch.device | str | None = None) -> "OnlineProbe":
-        """Refit on the whole buffer, on feature slice `layer`."""
-        self.probe.fit(self.buffer.features[:, layer].to(device), self.buffer.targets.to(device))
+        """Refit on the whole buffer (finite rows only ever enter it), on feature slice `layer`."""
+        features, targets = self.buffer.features, self.buffer.targets
+        self.probe.fit(features[:, layer].to(device), targets.to(device), check_finite=False)
         self.layer = layer
         return self
 
@@ -334,15 +423,16 @@ class OnlineProbe:
             "refit_from_step": self.refit_from_step,
         }
 
-    def load_state(self, state: dict[str, torch.Tensor], info: dict[str, Any]) -> None:
+    def load_state(
+        self, state: dict[str, torch.Tensor], info: dict[str, Any], device: torch.device | str | None = None
+    ) -> None:
         """Restore the fit, buffer and counters from `state_dict`/`info`. This object's probe settings (alpha, PCA,
         clip) are kept, and govern every later refit; the loaded fit predicts as saved. This object's capacity is
         kept too: the newest buffered rows survive."""
         self.probe.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("probe.")})
         buffer = {k[7:]: v for k, v in state.items() if k.startswith("buffer.")}
         self.buffer = ProbeBuffer(self.buffer.capacity)
-        if buffer.get("targets") is not None and buffer["targets"].numel():
-            self.buffer.add(buffer["features"], buffer["targets"], buffer.get("groups"))
+        self.buffer.load_state_dict(buffer, device)
         self.steps, self.layer = int(info["steps"]), int(info["layer"])
         self.warm_started, self.refit_from_step = bool(info["warm_started"]), int(info["refit_from_step"])
 

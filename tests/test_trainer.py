@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl.trainer import PROBE_FILE
+from poise_trl.estimator import read_state
+from poise_trl.trainer import ESTIMATOR_FILE
 
 from .conftest import CPU_ARGS, digit_reward, poise_args
 from .conftest import digit_dataset as _dataset
@@ -182,7 +183,7 @@ def test_resume_restores_probe_buffer_and_next_baselines_bit_for_bit(tiny_model_
     uninterrupted.records = []
     uninterrupted.train()
     checkpoint = tmp_path / "out" / "checkpoint-3"
-    info = json.loads((checkpoint / (PROBE_FILE + ".json")).read_text())
+    info = read_state(checkpoint / ESTIMATOR_FILE)["info"]
     assert info["feature_config"]["probe_layer"] == uninterrupted.probe_layer == 2 and info["probe_steps"] == 3
 
     resumed = RecordingTrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
@@ -331,18 +332,18 @@ def test_resume_refuses_changed_probe_settings_and_warm_start_refits_with_the_ru
     with pytest.raises(ValueError, match=r"refits with probe_alpha=0.5, .* but this run sets probe_alpha=2.0"):
         resume(probe_alpha=2.0).train(resume_from_checkpoint=str(checkpoint))
     with pytest.raises(ValueError, match=r"probe_pca_dims=\[0, 0\], .* this run sets .*probe_pca_dims=\[4, 0\]"):
-        resume(probe_pca_dims=[4, 0])._load_probe(checkpoint / PROBE_FILE)  # what resuming calls
+        resume(probe_pca_dims=[4, 0]).estimator.load(checkpoint / ESTIMATOR_FILE)  # what resuming calls
     with pytest.raises(ValueError, match=r"probe_clip_range=None, .* this run sets .*probe_clip_range=\[0.0, 0.5\]"):
-        resume(probe_clip_range=[0.0, 0.5])._load_probe(checkpoint / PROBE_FILE)
+        resume(probe_clip_range=[0.0, 0.5]).estimator.load(checkpoint / ESTIMATOR_FILE)
     resumed = resume()
     resumed.train(resume_from_checkpoint=str(checkpoint))
-    assert [s["divisor"] for s in resumed.scored] == [first.reward_std.divisor()] and resumed.reward_std.count == 24
+    assert [float(s["divisor"]) for s in resumed.scored] == [float(first.reward_std.divisor())] and resumed.reward_std.count == 24
 
     run = dict(probe_alpha=2.0, probe_pca_dims=[4, 0], probe_clip_range=[0.0, 0.5], max_steps=1)
     warm = POISETrainer(
         str(small_model_path),
         digit_reward,
-        args=poise_args(tmp_path, probe_init_path=str(checkpoint / PROBE_FILE), **run),
+        args=poise_args(tmp_path, probe_init_path=str(checkpoint / ESTIMATOR_FILE), **run),
         train_dataset=_dataset(),
     )
     assert torch.equal(warm.value_probe.state_dict()["coef"], first.value_probe.state_dict()["coef"])
@@ -365,7 +366,7 @@ def test_the_probe_is_in_the_checkpoint_before_it_is_pushed(small_model_path, tm
     pushed = []
     trainer._push_from_checkpoint = lambda folder: pushed.append(sorted(os.listdir(folder)))
     trainer.train()
-    assert len(pushed) == 1 and {PROBE_FILE, PROBE_FILE + ".json", "trainer_state.json"} <= set(pushed[0])
+    assert len(pushed) == 1 and {ESTIMATOR_FILE, "trainer_state.json"} <= set(pushed[0])
 
 
 def test_vllm_importance_sampling_pass_is_reused_for_capture(tiny_model_path, tmp_path):
@@ -388,9 +389,10 @@ def test_warm_start_accepts_a_single_probe_file(tiny_model_path, tmp_path):
     x, y = torch.randn(16, 2 * 128 + 3, generator=g), torch.rand(16, generator=g)
     probe, buffer = ValueProbe(alpha=0.01).fit(x, y), ProbeBuffer(32)
     buffer.add(x, y)
-    metadata = trainer._probe_metadata()  # keep only what such a file has: the single layer, no domains
-    metadata = {k: metadata[k] for k in ("feature_config", "model_name", "probe_steps")}
-    metadata["feature_config"].pop("probe_layer_candidates")
+    features = dict(trainer.estimator.feature_config)  # keep only what such a file has: the single layer, no domains
+    for key in ("probe_layer_candidates", "probe_domain_column"):
+        features.pop(key)
+    metadata = {"feature_config": features, "model_name": "tiny", "probe_steps": 0}
     save_probe_file(tmp_path / "single.safetensors", probe, buffer, metadata)
     args = poise_args(tmp_path, probe_init_path=str(tmp_path / "single.safetensors"))
     warm = POISETrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())

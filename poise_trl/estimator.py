@@ -1,0 +1,552 @@
+"""`POISEEstimator`: everything POISE learns across steps, as one pure-torch object any training loop can call.
+
+The contract (the one TRL's `POISETrainer`, verl, OpenRLHF or a hand-written loop relies on):
+
+    estimator = POISEEstimator(num_generations=2)          # G rollouts per prompt, consecutive in the batch
+    result = estimator.advantages(features, rewards)       # features (N, D) or (N, C, D), rewards (N,)
+    loss = policy_loss(..., result.advantages)             # A_i = r_i - b_i, b_i from rollout i's partners only
+    estimator.observe(features, rewards, group_ids)        # the ONLY learning method: buffers, refit, bootstrap
+    print(result.metrics())                                # diagnostics (paper App. C), fetched in one transfer
+    estimator.save("poise.safetensors")                    # one file, no pickle, written atomically
+
+- `advantages` uses only what earlier `observe` calls taught it, so a rollout's baseline never depends on its own
+  reward or features and the policy gradient stays unbiased. Before the probe is trusted (`warmup_steps` observed
+  steps) the baseline is the bootstrap: RLOO, the partners' mean reward m_i, or the shrunk a + w * m_i.
+- `observe` appends the step's leave-one-out examples (features of j, mean reward of j's partners) to the sliding
+  buffer of each domain, refits the ridge probe, the shrunk bootstrap's line, the running reward std and (with
+  several candidate layers) the layer choice. It costs exactly one device->host transfer.
+- `prompt_values` predicts a prompt's success rate from its prompt block (value-guided prompt selection).
+- `state_dict`/`load_state_dict` round-trip bit for bit; `save`/`load` also read the two-file layout of poise-trl 0.1
+  (`poise_probe.safetensors` + `.json`, `poise_bootstrap.safetensors`).
+
+Features may hold one vector per candidate layer, (N, C, D); `layer_index` says which slice the probes use. Rows are
+grouped as G consecutive rollouts of one prompt. `domains` (one name per row) gives each domain its own probe.
+"""
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from .baselines import (
+    DIAGNOSTICS,
+    RunningStd,
+    append_reward_column,
+    cross_rollout_baselines,
+    diagnostic_tensors,
+    leave_one_out_targets,
+    poise_advantages,
+    shrunk_rloo_line,
+)
+from .probe import OnlineProbe, ProbeBuffer, ValueProbe, choose_layer, load_probe_set
+
+FORMAT = "poise-estimator/1"
+DEFAULT_DOMAIN = "default"
+
+
+def atomic_save(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file through a temporary file in the same folder and `os.replace`: a reader (or a resume
+    after a crash) sees the old file or the complete new one, never a torn one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    try:
+        save_file(tensors, temporary, metadata=metadata)
+        with open(temporary, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+@dataclass
+class AdvantageResult:
+    """One batch's advantages (N,), baselines (N,, NaN where a row got none), the rows that received a baseline, the
+    probe values and the leave-one-out targets; `metrics()` brings the diagnostics to the host in one transfer."""
+
+    advantages: torch.Tensor
+    baselines: torch.Tensor
+    receives: torch.Tensor
+    values: torch.Tensor
+    targets: torch.Tensor
+    stats: torch.Tensor  # float64, in `names` order
+    names: list[str]
+    host_metrics: dict[str, float] = field(default_factory=dict)  # filled by the estimator (layer, buffer size)
+    _host: list[float] | None = None
+
+    def payload(self) -> torch.Tensor:
+        """Everything a logger needs from the device: diagnostics, advantages and logged baselines."""
+        logged = torch.where(self.receives, self.baselines, torch.nan)
+        return torch.cat([self.stats, self.advantages.double(), logged.double()])
+
+    def fetch(self, values: list[float] | None = None) -> list[float]:
+        if self._host is None:
+            self._host = self.payload().tolist() if values is None else values
+        return self._host
+
+    def metrics(self) -> dict[str, float]:
+        """`poise/*` diagnostics of this batch as floats (NaN where undefined)."""
+        return {**dict(zip(self.names, self.fetch()[: len(self.names)], strict=True)), **self.host_metrics}
+
+    def logged_rows(self) -> tuple[list[float], list[float]]:
+        """(advantages, baselines with NaN where a row got none) as host lists, from the same transfer."""
+        host, n = self.fetch()[len(self.names) :], self.advantages.numel()
+        return host[:n], host[n:]
+
+
+class POISEEstimator:
+    """POISE's value baseline, learned online (paper Algorithm 1). See the module docstring for the contract.
+
+    Args:
+        num_generations: G, rollouts per prompt (>= 2).
+        alpha, pca_dims, clip: the ridge probe's settings (`ValueProbe`); clip None means the observed reward range.
+        buffer_size: rows in each domain's sliding buffer; `domain_buffer_sizes` overrides it per domain.
+        warmup_steps: observed steps before a domain's probe is trusted.
+        partner_reward: the probe input of rollout j is [φ_j, r_j] (beyond the paper) instead of φ_j.
+        bootstrap: "rloo" (paper) or "shrunk" (a + w * RLOO fitted on earlier steps).
+        scale_rewards: "none" (paper) or "batch" (divide by the std of earlier steps' rewards).
+        layers: the candidate layer ids whose features the (N, C, D) rows hold, in order; `layer_index` is the
+            slice in use. `layer_select_every` (None: fixed) re-chooses it by prompt-grouped K-fold error.
+        prompt_columns: (start, stop) feature columns of the prompt block, for `prompt_values`; `prompt_pca_dims`
+            its PCA size (0: none).
+        feature_config: how the caller extracts features; a saved state loads only into the same configuration.
+        broadcast: makes every process agree (e.g. accelerate's `broadcast` from rank 0); None in one process.
+        describe: text for a probe's refit settings in error messages (the trainer passes POISEConfig's terms).
+    """
+
+    def __init__(
+        self,
+        num_generations: int = 2,
+        *,
+        alpha: float = 100.0,
+        pca_dims: int | Sequence[tuple[int, int, int]] | None = None,
+        clip: tuple[float, float] | None = None,
+        buffer_size: int = 4096,
+        domain_buffer_sizes: dict[str, int] | None = None,
+        warmup_steps: int = 16,
+        partner_reward: bool = True,
+        bootstrap: str = "shrunk",
+        scale_rewards: str = "none",
+        layers: Sequence[int] = (0,),
+        layer_index: int = 0,
+        layer_select_every: int | None = None,
+        layer_switch_margin: float = 0.05,
+        layer_folds: int = 5,
+        prompt_columns: tuple[int, int] | None = None,
+        prompt_pca_dims: int = 0,
+        feature_config: dict[str, Any] | None = None,
+        broadcast: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        describe: Callable[[ValueProbe], str] | None = None,
+    ):
+        if num_generations < 2:
+            raise ValueError(f"num_generations={num_generations}: the cross-rollout baseline needs G >= 2.")
+        if bootstrap not in ("rloo", "shrunk") or scale_rewards not in ("none", "batch"):
+            raise ValueError(f"bootstrap={bootstrap!r} / scale_rewards={scale_rewards!r}: see POISEConfig's help.")
+        self.num_generations = num_generations
+        self.probe_template = ValueProbe(alpha=alpha, pca_dims=pca_dims, clip="observed" if clip is None else clip)
+        self.buffer_size, self.domain_buffer_sizes = buffer_size, dict(domain_buffer_sizes or {})
+        self.warmup_steps, self.partner_reward, self.bootstrap = warmup_steps, partner_reward, bootstrap
+        self.scale_rewards = scale_rewards
+        self.layers, self.layer_index = list(layers), layer_index
+        self.layer_select_every, self.layer_switch_margin, self.layer_folds = (
+            layer_select_every,
+            layer_switch_margin,
+            layer_folds,
+        )
+        self.prompt_columns, self.prompt_pca_dims = prompt_columns, prompt_pca_dims
+        self.feature_config = dict(feature_config or {})
+        self.broadcast, self.describe = broadcast, describe or (lambda probe: json.dumps(probe.config()))
+        self.probes: dict[str, OnlineProbe] = {}
+        self.bootstrap_pairs: dict[str, ProbeBuffer] = {}  # per domain: (partner mean, reward) of earlier steps
+        self.bootstrap_lines: dict[str, torch.Tensor] = {}  # per domain: [a, w] fitted on those pairs
+        self.reward_std = RunningStd()
+        self.steps = 0  # observed (training) steps
+        self.selection_draws = 0  # random prompt choices made: the stream resumes where a checkpoint left it
+        self._last: tuple[torch.Tensor, torch.Tensor, AdvantageResult, dict] | None = None
+
+    # ------------------------------------------------------------------------------------------------- structure
+    @property
+    def layer(self) -> int:
+        """The layer id the probes use now (fixed, or the latest automatic choice)."""
+        return self.layers[self.layer_index]
+
+    def capacity(self, domain: str) -> int:
+        return self.domain_buffer_sizes.get(domain, self.buffer_size)
+
+    def new_probe(self, domain: str) -> OnlineProbe:
+        return OnlineProbe(self.probe_template.clone(), self.capacity(domain), self.warmup_steps)
+
+    def _domain_rows(self, domains: Sequence[str] | None, n: int, device) -> dict[str, torch.Tensor]:
+        if domains is None:
+            return {DEFAULT_DOMAIN: torch.ones(n, dtype=torch.bool, device=device)}
+        names = [str(d) for d in domains]
+        if len(names) != n:
+            raise ValueError(f"Got {len(names)} domain names for {n} rows.")
+        return {
+            name: torch.tensor([d == name for d in names], dtype=torch.bool, device=device)
+            for name in dict.fromkeys(names)
+        }
+
+    def _prepare(self, features, rewards, has_completion, num_generations, domains) -> dict[str, Any]:
+        """Per-batch quantities both `advantages` and `observe` need: computed once per step."""
+        if features.ndim == 2:
+            features = features.unsqueeze(1)
+        if rewards.shape != features.shape[:1]:
+            raise ValueError(f"Got {rewards.shape[0]} rewards for {features.shape[0]} feature rows.")
+        device = rewards.device
+        rewards = torch.where(torch.isfinite(rewards), rewards, torch.nan)
+        has_completion = (
+            torch.ones_like(rewards, dtype=torch.bool) if has_completion is None else has_completion.to(device)
+        )
+        features = features.to(device)
+        feature_ok = has_completion & torch.isfinite(features).flatten(1).all(1)
+        scorable = torch.isfinite(rewards)
+        if self.partner_reward:
+            usable = feature_ok & scorable
+            features = append_reward_column(features, torch.where(usable, rewards, torch.zeros_like(rewards)))
+        else:
+            usable = feature_ok
+        return {
+            "features": features,
+            "rewards": rewards,
+            "has_completion": has_completion,
+            "feature_ok": feature_ok,
+            "usable": usable,
+            "scorable": scorable,
+            "targets": leave_one_out_targets(rewards, num_generations, scorable),
+            "domain_rows": self._domain_rows(domains, rewards.numel(), device),
+        }
+
+    # -------------------------------------------------------------------------------------------------- estimate
+    def advantages(
+        self,
+        features: torch.Tensor,
+        rewards: torch.Tensor,
+        num_generations: int | None = None,
+        domains: Sequence[str] | None = None,
+        has_completion: torch.Tensor | None = None,
+    ) -> AdvantageResult:
+        """A_i = r_i - b_i for one global batch of consecutive groups, from earlier steps' probes only.
+
+        features: (N, D) or (N, C, D); rewards: (N,), NaN where unscorable; num_generations: G of this batch (the
+        constructor's by default); domains: one name per row; has_completion: (N,) False for rows whose completion
+        is empty or masked. Rows without a finite reward or completion get advantage 0, never NaN."""
+        g = num_generations or self.num_generations
+        batch = self._prepare(features, rewards, has_completion, g, domains)
+        self._last = (features, rewards, None, batch)  # `observe` on the same tensors reuses this step's work
+        rewards, scorable, usable = batch["rewards"], batch["scorable"], batch["usable"]
+        values, unclipped = torch.full_like(rewards, torch.nan), torch.full_like(rewards, torch.nan)
+        trusted = torch.zeros_like(scorable)
+        fallback = batch["targets"].clone() if self.bootstrap == "shrunk" else None
+        lines = []
+        for name, rows in batch["domain_rows"].items():
+            online = self.probes.get(name)
+            if online is not None and online.trusted:
+                trusted = trusted | rows
+            if online is not None and online.probe.is_fitted:
+                clipped, raw = online.predict(batch["features"], return_unclipped=True)
+                values = torch.where(rows & usable, clipped, values)
+                unclipped = torch.where(rows & usable, raw, unclipped)
+            if fallback is not None:
+                line = self.bootstrap_lines.get(name)
+                line = torch.tensor([0.0, 1.0], dtype=torch.float64) if line is None else line
+                line = line.to(rewards.device)
+                fallback = torch.where(rows, (line[0] + line[1] * batch["targets"]).to(rewards.dtype), fallback)
+                lines.append(line)
+        advantages, baselines, receives = poise_advantages(
+            rewards, values, g, usable, batch["has_completion"], trusted, fallback
+        )
+        if self.scale_rewards == "batch":  # the std of earlier steps' rewards: independent of this batch
+            advantages = advantages / self.reward_std.divisor().to(advantages.device).to(advantages.dtype)
+        from_probe = trusted & ~torch.isnan(cross_rollout_baselines(values, g, usable))
+        stats = [diagnostic_tensors(rewards, baselines, values, g, receives, unclipped)]
+        names = list(DIAGNOSTICS)
+        # rows whose baseline really is the bootstrap's (untrusted domain, or no partner with usable features)
+        fallback_share = (receives & ~from_probe).double().sum() / receives.sum().clamp(min=1)
+        extra = {
+            "bootstrap": fallback_share,
+            "feature_rows_dropped": (batch["has_completion"] & ~batch["feature_ok"]).double().sum(),
+            "unscorable_rows": (~scorable).double().sum(),
+        }
+        if lines:
+            mean_line = torch.stack(lines).mean(0)
+            extra.update(bootstrap_intercept=mean_line[0], bootstrap_weight=mean_line[1])
+        stats.append(torch.stack([v.double().reshape(()) for v in extra.values()]))
+        names += list(extra)
+        if domains is not None:
+            for name, rows in batch["domain_rows"].items():
+                stats.append(diagnostic_tensors(rewards, baselines, values, g, receives & rows, unclipped))
+                names += [f"domain/{name}/{key}" for key in DIAGNOSTICS]
+        result = AdvantageResult(
+            advantages, baselines, receives, values, batch["targets"], torch.cat(stats), names, _host=None
+        )
+        result.host_metrics = {
+            "layer": float(self.layer),
+            "buffer_size": float(sum(len(online.buffer) for online in self.probes.values())),
+        }
+        if domains is not None:
+            for name in batch["domain_rows"]:
+                online = self.probes.get(name)
+                result.host_metrics[f"domain/{name}/bootstrap"] = float(online is None or not online.trusted)
+                result.host_metrics[f"domain/{name}/buffer_size"] = float(0 if online is None else len(online.buffer))
+        self._last = (*self._last[:2], result, batch)
+        return result
+
+    # ---------------------------------------------------------------------------------------------------- learn
+    def observe(
+        self,
+        features: torch.Tensor,
+        rewards: torch.Tensor,
+        group_ids: torch.Tensor | None = None,
+        num_generations: int | None = None,
+        domains: Sequence[str] | None = None,
+        has_completion: torch.Tensor | None = None,
+    ) -> dict[str, float]:
+        """Learn from a batch after its advantages were taken: buffers, probe refit, bootstrap line, reward std, and
+        the layer choice when due. `group_ids` (N,) name each row's prompt for K-fold layer selection. Returns
+        timing (`probe_fit_seconds`) and, when the layer was re-chosen, `layer_mae/<layer>`."""
+        start = time.perf_counter()
+        g = num_generations or self.num_generations
+        last = self._last
+        reuse = last is not None and last[0] is features and last[1] is rewards
+        batch = last[3] if reuse else self._prepare(features, rewards, has_completion, g, domains)
+        self._last = None
+        targets, scorable = batch["targets"], batch["scorable"]
+        examples = batch["usable"] & scorable & torch.isfinite(targets)
+        for name, rows in batch["domain_rows"].items():
+            if name not in self.probes:
+                self.probes[name] = self.new_probe(name)
+            groups = None if group_ids is None else group_ids.to(targets.device)
+            self.probes[name].add(batch["features"], targets, groups, keep=rows & examples)
+            if self.bootstrap == "shrunk":
+                pairs = self.bootstrap_pairs.setdefault(name, ProbeBuffer(self.capacity(name)))
+                pairs.add(targets.unsqueeze(1), batch["rewards"], keep=rows & scorable & torch.isfinite(targets))
+        self.reward_std.update(batch["rewards"])
+        self.steps += 1
+        # The step's one device->host transfer: the buffers' fill levels and the pending result's diagnostics.
+        rings = [online.buffer for online in self.probes.values()] + list(self.bootstrap_pairs.values())
+        counts = torch.cat([ring.counts().to(targets.device) for ring in rings]).double()
+        pending = last[2].payload() if reuse and last[2]._host is None else torch.zeros(0, dtype=torch.float64)
+        host = torch.cat([counts, pending.to(counts.device)]).tolist()
+        for i, ring in enumerate(rings):
+            ring.set_counts(host[2 * i], host[2 * i + 1])
+        if pending.numel():
+            last[2].fetch(host[2 * len(rings) :])
+        metrics: dict[str, float] = {}
+        if self.layer_select_every and self.steps % self.layer_select_every == 0:
+            metrics.update(self._select_layer(targets.device))
+        refitted = False
+        for name, online in self.probes.items():
+            if online.can_fit and (name in batch["domain_rows"] or online.layer != self.layer_index):
+                online.fit(self.layer_index, targets.device)
+                refitted = True
+                if self.broadcast is not None:  # identical inputs, but broadcast so ranks agree to the bit
+                    for key, tensor in sorted(online.probe.state_dict().items()):
+                        online.probe._state[key] = self.broadcast(tensor.to(targets.device))
+        for name, pairs in self.bootstrap_pairs.items():
+            if len(pairs):
+                self.bootstrap_lines[name] = shrunk_rloo_line(pairs.features[:, 0], pairs.targets)
+        metrics["probe_fit_seconds"] = time.perf_counter() - start if refitted or metrics else 0.0
+        if reuse:
+            last[2].host_metrics["buffer_size"] = float(sum(len(o.buffer) for o in self.probes.values()))
+            for name in batch["domain_rows"]:
+                if domains is not None:
+                    last[2].host_metrics[f"domain/{name}/buffer_size"] = float(len(self.probes[name].buffer))
+        return metrics
+
+    def _select_layer(self, device) -> dict[str, float]:
+        """Choose the candidate layer with the lowest prompt-grouped K-fold MAE over every domain's buffer, switching
+        only when the best beats the current one by `layer_switch_margin` (relative)."""
+        errors = [online.layer_errors(self.layer_folds, device) for online in self.probes.values()]
+        errors = [e for e in errors if e is not None]
+        if not errors:  # too few prompts buffered to cross-validate yet
+            return {}
+        mae = torch.cat(errors, dim=1).mean(1)
+        choice = choose_layer(mae, self.layer_index, self.layer_switch_margin)
+        if self.broadcast is not None:  # every rank must hook and fit the same layer
+            choice = int(self.broadcast(torch.tensor([choice], device=device)).item())
+        self.layer_index = choice
+        return {f"layer_mae/{layer}": value for layer, value in zip(self.layers, mae.tolist(), strict=True)}
+
+    # ------------------------------------------------------------------------------------------ prompt selection
+    @property
+    def trusted(self) -> bool:
+        """Whether any domain's probe is trusted (past its bootstrap, or warm-started)."""
+        return any(online.trusted for online in self.probes.values())
+
+    def prompt_values(self, prompt_features: torch.Tensor) -> torch.Tensor | None:
+        """Predicted success value of each candidate prompt from its (M, width) prompt-block features (current layer):
+        a prompt-only ridge probe on the buffers' prompt block against their targets, whose mean per prompt is the
+        prompt's expected reward. None until a probe is trusted and at least two groups are buffered."""
+        buffers = [online.buffer for online in self.probes.values() if len(online.buffer)]
+        if self.prompt_columns is None or not self.trusted or sum(map(len, buffers)) < 2 * self.num_generations:
+            return None
+        start, stop = self.prompt_columns
+        device = prompt_features.device
+        x = torch.cat([b.features[:, self.layer_index, start:stop] for b in buffers]).to(device)
+        y = torch.cat([b.targets for b in buffers]).to(device)
+        pca = [(0, stop - start, self.prompt_pca_dims)] if self.prompt_pca_dims else None
+        probe = ValueProbe(alpha=self.probe_template.alpha, pca_dims=pca, clip="observed").fit(x, y)
+        return probe.predict(prompt_features)
+
+    def selection_scores(self, prompt_features: torch.Tensor) -> torch.Tensor | None:
+        """q(1 - q) per candidate prompt, q = the predicted value mapped from the observed reward range [low, high]
+        to [0, 1]: the expected within-group reward variance of a two-valued reward, whatever its two values
+        (±1 rewards, a format bonus). None while `prompt_values` is."""
+        values = self.prompt_values(prompt_features)
+        if values is None:
+            return None
+        targets = torch.cat([o.buffer.targets for o in self.probes.values() if len(o.buffer)]).to(values.device)
+        low, high = targets.min(), targets.max()
+        q = ((values - low) / (high - low).clamp(min=1e-12)).clamp(0, 1).double()
+        return q * (1 - q)
+
+    def random_choice(self, candidates: int, keep: int, seed: int) -> torch.Tensor:
+        """`keep` of `candidates` indices, uniformly at random (the choice before the probe is trusted). Each draw is
+        seeded by (`seed`, draws so far), and the draw count is saved, so a resumed run draws what it would have."""
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + self.selection_draws)
+        self.selection_draws += 1
+        return torch.randperm(candidates, generator=generator)[:keep]
+
+    # ----------------------------------------------------------------------------------------------- persistence
+    def state_dict(self, include_buffer: bool = True) -> dict[str, Any]:
+        """{"tensors": CPU tensors, "info": JSON-able dict}: everything `load_state_dict` needs, no pickle."""
+        tensors, domains = {}, []
+        for i, (name, online) in enumerate(self.probes.items()):
+            tensors.update({f"domain.{i}.{k}": v for k, v in online.state_dict(include_buffer).items()})
+            domains.append({"name": name, **online.info(include_buffer)})
+        pairs = [name for name, ring in self.bootstrap_pairs.items() if len(ring)]
+        for i, name in enumerate(pairs):
+            tensors.update({f"bootstrap.{i}.{k}": v for k, v in self.bootstrap_pairs[name].state_dict().items()})
+        info = {
+            "format": FORMAT,
+            "num_generations": self.num_generations,
+            "feature_config": self.feature_config,
+            "bootstrap": self.bootstrap,
+            "domains": domains,
+            "bootstrap_domains": pairs,
+            "probe_steps": self.steps,
+            "layer": self.layer,
+            "reward_std": self.reward_std.state_dict(),
+            "selection_draws": self.selection_draws,
+        }
+        return {"tensors": tensors, "info": info}
+
+    def load_state_dict(
+        self,
+        state: dict[str, Any],
+        warm_start: bool = False,
+        source: str = "the state",
+        device: torch.device | str | None = None,
+    ) -> None:
+        """Restore `state_dict()` exactly; with `warm_start`, only the probes, trusted at once and with fresh step
+        counters (a new run starting from a saved probe). Buffers go to `device` (where the features will come
+        from). Refuses a state of another feature configuration, and on resume one whose refit settings or
+        bootstrap differ from this estimator's."""
+        tensors, info = state["tensors"], state["info"]
+        saved_features = info.get("feature_config") or {}
+        if saved_features != self.feature_config:
+            changed = ", ".join(
+                f"{key}={self.feature_config.get(key)!r} (saved: {saved_features.get(key)!r})"
+                for key in sorted(set(saved_features) | set(self.feature_config))
+                if saved_features.get(key) != self.feature_config.get(key)
+            )
+            raise ValueError(
+                f"The probe in {source} was fitted on features {saved_features}, but this run extracts other "
+                f"features: this run sets {changed}. Resume with the settings and model the file was written with, "
+                "or start a fresh run."
+            )
+        if not warm_start and info.get("bootstrap") not in (None, self.bootstrap):
+            raise ValueError(
+                f"{source} was written by a run with probe_bootstrap={info['bootstrap']!r}, but this run sets "
+                f"probe_bootstrap={self.bootstrap!r}. Resume with the setting the run was started with."
+            )
+        probes = {}
+        for i, domain in enumerate(info["domains"]):
+            name, prefix = domain["name"], f"domain.{i}."
+            online = self.new_probe(name)  # this run's settings and capacity (the newest rows survive)
+            saved = ValueProbe.from_config(domain["probe"])
+            if not warm_start and saved.config() != online.probe.config():
+                raise ValueError(
+                    f"The probe in {source} (domain {name!r}) refits with {self.describe(saved)}, but this run sets "
+                    f"{self.describe(online.probe)}. Resume with the settings (or probe_preset) the run was started "
+                    "with; to change them, start a new run with probe_init_path pointing at this file."
+                )
+            online.load_state(
+                {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}, domain, device
+            )
+            if warm_start:  # trusted at once; without a buffer, keep the loaded fit until warmup steps of new rows
+                online.steps, online.warm_started = 0, True
+                online.refit_from_step = self.warmup_steps if len(online.buffer) == 0 else 0
+            probes[name] = online
+        self.probes = probes
+        self.layer_index = self.layers.index(int(info["layer"]))
+        self.steps = 0 if warm_start else int(info.get("probe_steps", 0))
+        if warm_start:
+            return
+        if "reward_std" in info:
+            self.reward_std.load_state_dict(info["reward_std"])
+        self.selection_draws = int(info.get("selection_draws", 0))
+        self.bootstrap_pairs, self.bootstrap_lines = {}, {}
+        for i, name in enumerate(info.get("bootstrap_domains", [])):
+            ring = ProbeBuffer(self.capacity(name))
+            prefix = f"bootstrap.{i}."
+            ring.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}, device)
+            self.bootstrap_pairs[name] = ring
+            self.bootstrap_lines[name] = shrunk_rloo_line(ring.features[:, 0], ring.targets)
+
+    def save(self, path: str | os.PathLike, include_buffer: bool = True) -> None:
+        """One safetensors file (the JSON in its header), written atomically."""
+        state = self.state_dict(include_buffer)
+        atomic_save(state["tensors"], path, metadata={"poise": json.dumps(state["info"], sort_keys=True)})
+
+    def load(
+        self,
+        path: str | os.PathLike,
+        warm_start: bool = False,
+        bootstrap_path: str | os.PathLike | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        """Load a file written by `save`, or poise-trl 0.1's probe file (`path` + '.json' beside it) with, on
+        resume, its `poise_bootstrap.safetensors` as `bootstrap_path`."""
+        self.load_state_dict(read_state(path, bootstrap_path), warm_start, str(path), device)
+
+
+def read_state(path: str | os.PathLike, bootstrap_path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """A saved estimator state as {"tensors", "info"}: the one-file format, or poise-trl 0.1's two files."""
+    path = Path(path)
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+    if "poise" in metadata:
+        return {"tensors": load_file(str(path)), "info": json.loads(metadata["poise"])}
+    states, info = load_probe_set(path, single_name=DEFAULT_DOMAIN)
+    features = dict(info.get("feature_config") or {})
+    if "probe_layer_candidates" not in features and isinstance(features.get("probe_layer"), int):
+        features["probe_layer_candidates"] = [features["probe_layer"]]  # one fixed-layer probe (save_probe_file)
+        info.setdefault("layer", features["probe_layer"])
+    if features:
+        features.setdefault("probe_partner_reward", False)  # files written before the partner-aware probe
+        features["probe_domain_column"] = info.get("probe_domain_column")
+    tensors, domains = {}, []
+    for i, (name, (domain_tensors, domain)) in enumerate(states.items()):
+        tensors.update({f"domain.{i}.{k}": v for k, v in domain_tensors.items()})
+        domains.append({**domain, "name": name})
+    converted = {**info, "feature_config": features or None, "domains": domains, "bootstrap": None}
+    converted["bootstrap_domains"] = []
+    if bootstrap_path is not None and Path(bootstrap_path).exists():
+        with safe_open(str(bootstrap_path), framework="pt") as f:
+            names = json.loads(f.metadata()["domains"])
+        pairs = load_file(str(bootstrap_path))
+        converted["bootstrap_domains"] = names
+        tensors.update({f"bootstrap.{k}": v for k, v in pairs.items()})
+    return {"tensors": tensors, "info": converted}

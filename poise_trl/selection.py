@@ -1,0 +1,183 @@
+"""Value-guided prompt selection (beyond the paper) and exact resumes: the part of `POISETrainer` that touches TRL's
+sampler.
+
+Kept beside trainer.py (and mixed into `POISETrainer` only) so that the trainer stays TRL glue of one screenful per
+concern; like trainer.py it knows TRL internals, and nothing else in the package imports it. The hook is the least
+invasive one TRL allows: TRL's `RepeatSampler` draws `prompt_selection_oversample` times more prompts per generation
+batch, each process receives its own shard of whole candidate groups as usual, and `_select_prompts` keeps the best
+whole groups of its shard before TRL generates, so generation (vLLM included), rewards, shuffling and the batch
+sizes TRL expects downstream are unchanged. The prediction costs one no-grad forward of the training model over the
+candidates' prompt tokens. `ResumableSampler` makes a resumed run see the prompts an uninterrupted run would.
+"""
+
+import json
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+from datasets import IterableDataset
+from transformers import TrainerState
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import RepeatSampler, pad
+
+from .features import capture_layer, feature_spans, find_decoder_layers
+
+
+class ResumableSampler(RepeatSampler):
+    """TRL's `RepeatSampler` as TRL built it, made to resume where an uninterrupted run would be.
+
+    - TRL's sampler draws epoch e's permutation as the (e+1)-th from one generator seeded once, so the fresh sampler
+      of a resumed run would shuffle epoch e like epoch 0: a resume in any epoch after the first would train on
+      other prompts. Each pass rewinds the generator to epoch e first (transformers' `set_epoch` does not reach the
+      sampler on every path).
+    - A finished run (global step >= max steps) yields nothing: transformers would otherwise run one extra step when
+      resumed from its final checkpoint in mid-epoch."""
+
+    def __init__(self, sampler: RepeatSampler, state: Callable[[], TrainerState]):
+        vars(self).update(vars(sampler))  # everything TRL set, unchanged
+        self.state = state
+
+    def __iter__(self) -> Iterator[int]:
+        state = self.state()
+        if state.max_steps > 0 and state.global_step >= state.max_steps:
+            return iter(())
+        if self.shuffle and self.seed is not None:
+            self.generator.manual_seed(self.seed)
+            for _ in range(int(state.epoch)):
+                torch.randperm(self.num_samples, generator=self.generator)
+        return super().__iter__()
+
+
+class ValueGuidedSelection:
+    """Mixin for `POISETrainer` (which provides `estimator`, `args` and TRL's methods)."""
+
+    def _check_prompt_selection(self) -> None:
+        if self.args.prompt_selection is None:
+            return
+        if self.environment_factories is not None or self._is_vlm:
+            raise ValueError(
+                "prompt_selection='value' predicts from a text-only prefill of the prompts, which environments and "
+                "vision-language models change: set prompt_selection=None for this run."
+            )
+        if isinstance(self.train_dataset, IterableDataset):
+            raise ValueError(
+                "prompt_selection='value' oversamples through TRL's RepeatSampler, which needs a map-style dataset: "
+                "load the dataset without streaming, or set prompt_selection=None."
+            )
+
+    @property
+    def selection_candidates(self) -> int:
+        """Candidate prompts per process and generation batch: ceil(oversample x kept), raised until their rows fill
+        `steps_per_generation` whole per-step batches, as TRL's dataloader needs."""
+        rows = self.args.per_device_train_batch_size * self.args.steps_per_generation
+        candidates = math.ceil(self.args.prompt_selection_oversample * rows / self.num_generations - 1e-9)
+        while (candidates * self.num_generations) % self.args.steps_per_generation:
+            candidates += 1
+        return candidates
+
+    def get_train_dataloader(self):
+        """TRL's dataloader, with per-process batches of `selection_candidates` whole groups under prompt_selection
+        (TRL's map-style path, `_get_dataloader`, with that batch size; selection refuses iterable datasets)."""
+        if self.args.prompt_selection is None:
+            return super().get_train_dataloader()
+        return self._get_dataloader(
+            dataset=self.train_dataset,
+            description="Training",
+            batch_size=self.selection_candidates * self.num_generations,
+            sampler_fn=self._get_train_sampler,
+            is_training=True,
+        )
+
+    def _get_train_sampler(self, dataset=None):
+        """TRL's `RepeatSampler`, drawing `selection_candidates` prompts per process under prompt_selection, and
+        resuming where an uninterrupted run would be (`ResumableSampler`)."""
+        sampler = super()._get_train_sampler(dataset)
+        if self.args.prompt_selection is not None:
+            sampler.batch_size = self.selection_candidates * self.accelerator.num_processes
+        return ResumableSampler(sampler, lambda: self.state)
+
+    def _prefill_prompts(self, prompts: list) -> tuple[torch.Tensor, int]:
+        """Pooled last-n prompt states at the probe layer from one no-grad pass over the prompt tokens only (tokenized
+        and left-padded by TRL's own `_tokenize_prompts` and `pad`), and the number of prompt tokens processed."""
+        prompt_ids, _, _ = self._tokenize_prompts(prompts)
+        device = self.accelerator.device
+        rows = [torch.tensor(ids, device=device) for ids in prompt_ids]
+        ids = pad(rows, padding_value=self._tokenizer.pad_token_id, padding_side="left")
+        mask = pad([torch.ones_like(row) for row in rows], padding_value=0, padding_side="left")
+        spans = feature_spans(mask, ids[:, :0], mask[:, :0], self.args.probe_pool_tokens, None)
+        layer = find_decoder_layers(self.accelerator.unwrap_model(self.model))[self.probe_layer]
+        with (
+            torch.no_grad(),
+            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+            capture_layer(layer, spans) as capture,
+        ):
+            self._get_per_token_logps_and_entropies(
+                self.model, ids, mask, 1, batch_size=self.args.per_device_train_batch_size
+            )
+        return capture.pooled()[:, 0], sum(map(len, prompt_ids))
+
+    def _select_prompts(self, inputs: list[dict]) -> list[dict]:
+        """Keep the `per_device_train_batch_size x steps_per_generation / G` whole groups of this process's candidates
+        with the highest predicted reward variance (`POISEEstimator.selection_scores`); random ones, from a stream
+        that resumes exactly, while the probe is not trusted."""
+        if self.args.prompt_selection is None or not self.model.training:
+            return inputs
+        size = self.num_generations
+        keep = self.args.per_device_train_batch_size * self.args.steps_per_generation // size
+        groups = [inputs[i : i + size] for i in range(0, len(inputs), size)]
+        keys = [[json.dumps(x["prompt"], sort_keys=True, default=str) for x in group] for group in groups]
+        if len(inputs) % size or any(len(set(k)) != 1 for k in keys) or len(groups) < keep:
+            raise RuntimeError(
+                f"prompt_selection got {len(inputs)} rows that are not {keep} or more whole groups of {size} "
+                "identical prompts: the sampler no longer yields TRL's layout."
+            )
+        scores, tokens = None, 0
+        if self.estimator.trusted:
+            states, tokens = self._prefill_prompts([group[0]["prompt"] for group in groups])
+            scores = self.estimator.selection_scores(states)
+        if scores is None:
+            seed = self.args.seed + self.accelerator.process_index
+            chosen = self.estimator.random_choice(len(groups), keep, seed)
+            spread = torch.full((len(groups),), math.nan, dtype=torch.float64)
+        else:
+            spread = scores.cpu()  # the selection's one transfer: which groups to generate is decided on the host
+            chosen = torch.topk(spread, keep).indices
+        chosen = chosen.sort().values
+        random = scores is None
+        self._selection = {
+            "kept_fraction": keep / len(groups),
+            "random": float(random),
+            "spread_kept": 0.0 if random else float(spread[chosen].sum()),
+            "spread_all": 0.0 if random else float(spread.sum()),
+            "groups_kept": float(keep),
+            "groups_all": float(len(groups)),
+            "prefill_tokens": float(tokens),
+        }
+        return [row for i in chosen.tolist() for row in groups[i]]
+
+    def _selection_metrics(self, rewards: torch.Tensor, num_generations: int) -> dict[str, float]:
+        """`selection/*` of this generation batch, over all processes: kept fraction, mean predicted reward variance
+        of kept and of all candidates, prefill tokens, and the realized within-group reward variance and degenerate
+        share."""
+        if self.args.prompt_selection is None or not self._selection:
+            return {}
+        s, self._selection = self._selection, {}
+        keys = ("spread_kept", "groups_kept", "spread_all", "groups_all", "prefill_tokens")
+        local = torch.tensor([s[k] for k in keys], dtype=torch.float64, device=self.accelerator.device)
+        grouped = rewards.view(-1, num_generations).double()
+        complete = torch.isfinite(grouped).all(1)
+        variance = torch.where(complete, torch.nan_to_num(grouped).var(1, unbiased=False), 0.0).sum()
+        degenerate = torch.where(complete, grouped.amax(1) == grouped.amin(1), False).double().sum()
+        realized = torch.stack([variance, degenerate]) / complete.sum()  # NaN when no group is complete
+        total = self.accelerator.gather(local).view(-1, len(keys)).sum(0)
+        host = dict(zip(keys + ("variance", "degenerate"), torch.cat([total, realized]).tolist(), strict=True))
+        nan = math.nan
+        return {
+            "selection/kept_fraction": s["kept_fraction"],
+            "selection/random": s["random"],
+            "selection/predicted_spread": nan if s["random"] else host["spread_kept"] / host["groups_kept"],
+            "selection/candidate_spread": nan if s["random"] else host["spread_all"] / host["groups_all"],
+            "selection/prefill_tokens": host["prefill_tokens"],
+            "selection/reward_variance": host["variance"],
+            "selection/degenerate_fraction": host["degenerate"],
+        }
