@@ -20,7 +20,8 @@ if TYPE_CHECKING:
         find_last_subsequence,
         resolve_layer_index,
     )
-    from .probe import OnlineProbe, ProbeBuffer, ValueProbe, load_probe_file, save_probe_file
+    from .files import load_probe_file, save_probe_file
+    from .probe import OnlineProbe, ProbeBuffer, ValueProbe
     from .trainer import POISETrainer
 
 __version__ = "0.1.0"
@@ -43,7 +44,8 @@ _LAZY = {
         ),
         ".features",
     ),
-    **dict.fromkeys(("OnlineProbe", "ProbeBuffer", "ValueProbe", "load_probe_file", "save_probe_file"), ".probe"),
+    **dict.fromkeys(("OnlineProbe", "ProbeBuffer", "ValueProbe"), ".probe"),
+    **dict.fromkeys(("load_probe_file", "save_probe_file"), ".files"),
     "POISETrainer": ".trainer",
 }
 

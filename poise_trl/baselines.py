@@ -43,7 +43,8 @@ def leave_one_out_targets(
 ) -> torch.Tensor:
     """Probe target for φ_i: the mean reward of the other rollouts of the same prompt (partner's reward for G=2).
 
-    It is also the RLOO baseline used during the probe's bootstrap phase. NaN where no scorable partner exists.
+    It is also the RLOO baseline: the paper's bootstrap (`probe_bootstrap='rloo'`) and the input of the shrunk one.
+    NaN where no scorable partner exists.
     """
     return _mean_of_others(rewards, num_generations, valid)
 

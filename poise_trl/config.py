@@ -2,17 +2,36 @@
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from trl import GRPOConfig
 
-from .features import FEATURE_BLOCKS
+from .features import (
+    FEATURE_BLOCKS,
+    HIDDEN_BLOCKS,
+    block_slices,
+    layer_candidates,
+    pca_blocks,
+    resolve_layer_index,
+)
 
 # (alpha, [prompt PCA dims, reasoning PCA dims]); 0 dims means "no PCA on that block".
 PROBE_PRESETS: dict[str, tuple[float, list[int]]] = {
     "release": (100.0, [32, 64]),  # holi-lab/POISE release, Qwen3-4B
     "paper": (0.01, [0, 0]),  # paper §3 / Table 4
 }
+
+
+def _probe_settings(blocks: list[str], hidden_size: int, probe: Any) -> str:
+    """A `ValueProbe`'s refit settings in POISEConfig's terms, for the estimator's error messages."""
+    pca = probe.pca_dims
+    if isinstance(pca, list | tuple):
+        slices = block_slices(blocks, hidden_size)
+        ks = {int(start): int(k) for start, _, k in pca}
+        pca = [ks.get(slices[name][0], 0) if name in slices else 0 for name in HIDDEN_BLOCKS]
+    clip = None if probe.clip == "observed" else list(probe.clip) if probe.clip is not None else "no clipping"
+    return f"probe_alpha={probe.alpha}, probe_pca_dims={pca}, probe_clip_range={clip}"
 
 
 @dataclass
@@ -129,8 +148,8 @@ class POISEConfig(GRPOConfig):
     probe_warmup_steps: int = field(
         default=16,
         metadata={
-            "help": "Generation steps of RLOO bootstrap (baseline = mean reward of the other rollouts of the same "
-            "prompt) before the probe's predictions are used.",
+            "help": "Generation steps of bootstrap (the `probe_bootstrap` baseline, built from the other rollouts' "
+            "rewards) before the probe's predictions are used.",
         },
     )
 
@@ -156,8 +175,9 @@ class POISEConfig(GRPOConfig):
         metadata={
             "help": "None: train on the sampler's prompts (paper). 'value': draw `prompt_selection_oversample` times "
             "more candidate prompts, predict each one's success rate p from its prompt hidden states (one no-grad "
-            "prefill; a prompt-only probe on the buffer's prompt block) and keep those with the highest p(1 - p). "
-            "Random choice until the probe is trusted.",
+            "prefill; a prompt-only probe on the buffer's prompt block) and keep those with the highest predicted "
+            "reward variance q(1 - q), q = p placed on the observed reward range (so ±1 or bonus-shifted rewards "
+            "work). Random choice until the probe is trusted (a warm start is trusted at once).",
         },
     )
     prompt_selection_oversample: float = field(
@@ -170,7 +190,7 @@ class POISEConfig(GRPOConfig):
         metadata={
             "help": "Probe file written by `POISETrainer.save_probe` to warm-start from. Its layer, pooling, features "
             "and hidden size must match this run. The loaded fit predicts as saved; every later refit uses this "
-            "run's probe_alpha, probe_pca_dims and probe_clip_range. The RLOO bootstrap is skipped; a file saved "
+            "run's probe_alpha, probe_pca_dims and probe_clip_range. The bootstrap phase is skipped; a file saved "
             "without its buffer is kept unrefitted until `probe_warmup_steps` steps of new examples are buffered.",
         },
     )
@@ -179,7 +199,8 @@ class POISEConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Dataset column naming each prompt's domain. Each domain gets its own probe, buffer and "
-            "bootstrap; rows of a domain with too little data use the RLOO baseline. None: one probe for all prompts.",
+            "bootstrap; rows of a domain with too little data use the bootstrap baseline (`probe_bootstrap`). "
+            "None: one probe for all prompts.",
         },
     )
     probe_domain_buffer_sizes: dict[str, Any] | str | None = field(
@@ -249,6 +270,48 @@ class POISEConfig(GRPOConfig):
         self._check_layer_fields()
         self._check_domain_fields()
         self._check_beyond_paper_fields()
+
+    def estimator_settings(self, num_layers: int, hidden_size: int) -> dict[str, Any]:
+        """`POISEEstimator` keyword arguments for a model with `num_layers` decoder layers of width `hidden_size`."""
+        default_layer = resolve_layer_index(None, num_layers)
+        auto = self.probe_layer == "auto"
+        # Layers hooked in every captured pass; buffered rows hold one feature vector per entry, in this order.
+        layers = (
+            layer_candidates(self.probe_layer_candidates, num_layers)
+            if auto
+            else [resolve_layer_index(self.probe_layer, num_layers)]
+        )
+        pca = pca_blocks(self.probe_features, hidden_size, self.probe_pca_dims, cap_at_width=self.pca_dims_from_preset)
+        return dict(
+            alpha=self.probe_alpha,
+            pca_dims=pca,
+            clip=None if self.probe_clip_range is None else tuple(self.probe_clip_range),
+            buffer_size=self.probe_buffer_size,
+            domain_buffer_sizes=self.probe_domain_buffer_sizes,
+            warmup_steps=self.probe_warmup_steps,
+            partner_reward=self.probe_partner_reward,
+            bootstrap=self.probe_bootstrap,
+            scale_rewards=self.scale_rewards,
+            layers=layers,
+            # auto mode starts at the candidate nearest the fixed default
+            layer_index=min(range(len(layers)), key=lambda i: abs(layers[i] - default_layer)),
+            layer_select_every=self.probe_layer_select_every if auto else None,
+            layer_switch_margin=self.probe_layer_switch_margin,
+            layer_folds=self.probe_layer_folds,
+            prompt_columns=block_slices(self.probe_features, hidden_size).get("prompt"),
+            prompt_pca_dims=self.probe_pca_dims[0],
+            feature_config={
+                "probe_layer": "auto" if auto else layers[0],
+                "probe_layer_candidates": list(layers),
+                "probe_pool_tokens": self.probe_pool_tokens,
+                "probe_features": list(self.probe_features),
+                "reasoning_end_marker": self.reasoning_end_marker,
+                "hidden_size": hidden_size,
+                "probe_partner_reward": self.probe_partner_reward,
+                "probe_domain_column": self.probe_domain_column,
+            },
+            describe=partial(_probe_settings, list(self.probe_features), hidden_size),
+        )
 
     def card_section(self, layer: int, layers: list[int], diagnostics: dict[str, float], step: int) -> str:
         """The model card's "POISE" section: what a reader needs to reproduce the run, and the last logged probe
@@ -337,8 +400,23 @@ class POISEConfig(GRPOConfig):
         self.probe_domain_buffer_sizes = {str(name): int(size) for name, size in sizes.items()}
 
     def _check_beyond_paper_fields(self) -> None:
+        if not isinstance(self.probe_partner_reward, bool):  # a string such as "no" would count as True
+            raise ValueError(
+                f"probe_partner_reward={self.probe_partner_reward!r}: give True (partner-aware probe) or False "
+                "(the paper's g(φ))."
+            )
         if self.probe_bootstrap not in ("rloo", "shrunk"):
             raise ValueError(f"probe_bootstrap={self.probe_bootstrap!r}: choose 'rloo' (paper) or 'shrunk'.")
+        if not (isinstance(self.prompt_selection_oversample, int | float) and 1 < self.prompt_selection_oversample):
+            raise ValueError(
+                f"prompt_selection_oversample={self.prompt_selection_oversample!r} must be a number > 1: it is the "
+                "number of candidate prompts drawn per kept prompt."
+            )
+        if not math.isfinite(self.prompt_selection_oversample):
+            raise ValueError(
+                f"prompt_selection_oversample={self.prompt_selection_oversample}: give a finite number of candidate "
+                "prompts per kept prompt (2.0 draws twice as many as are kept)."
+            )
         if self.prompt_selection not in (None, "value"):
             raise ValueError(f"prompt_selection={self.prompt_selection!r}: choose None (paper) or 'value'.")
         if self.prompt_selection is None:
@@ -347,11 +425,6 @@ class POISEConfig(GRPOConfig):
             raise ValueError(
                 "prompt_selection='value' predicts from the prompt hidden states: add 'prompt' to probe_features "
                 f"(got {self.probe_features})."
-            )
-        if not self.prompt_selection_oversample > 1:
-            raise ValueError(
-                f"prompt_selection_oversample={self.prompt_selection_oversample} must be > 1: it is the number of "
-                "candidate prompts drawn per kept prompt."
             )
         rows = self.per_device_train_batch_size * self.steps_per_generation
         if rows % self.num_generations:

@@ -25,16 +25,12 @@ grouped as G consecutive rollouts of one prompt. `domains` (one name per row) gi
 
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 from .baselines import (
     DIAGNOSTICS,
@@ -46,27 +42,10 @@ from .baselines import (
     poise_advantages,
     shrunk_rloo_line,
 )
-from .probe import OnlineProbe, ProbeBuffer, ValueProbe, choose_layer, load_probe_set
+from .files import DEFAULT_DOMAIN, atomic_save, read_state
+from .probe import OnlineProbe, ProbeBuffer, ValueProbe, choose_layer
 
 FORMAT = "poise-estimator/1"
-DEFAULT_DOMAIN = "default"
-
-
-def atomic_save(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
-    """Write a safetensors file through a temporary file in the same folder and `os.replace`: a reader (or a resume
-    after a crash) sees the old file or the complete new one, never a torn one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(handle)
-    try:
-        save_file(tensors, temporary, metadata=metadata)
-        with open(temporary, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 @dataclass
@@ -158,11 +137,8 @@ class POISEEstimator:
         self.warmup_steps, self.partner_reward, self.bootstrap = warmup_steps, partner_reward, bootstrap
         self.scale_rewards = scale_rewards
         self.layers, self.layer_index = list(layers), layer_index
-        self.layer_select_every, self.layer_switch_margin, self.layer_folds = (
-            layer_select_every,
-            layer_switch_margin,
-            layer_folds,
-        )
+        self.layer_select_every, self.layer_switch_margin = layer_select_every, layer_switch_margin
+        self.layer_folds = layer_folds
         self.prompt_columns, self.prompt_pca_dims = prompt_columns, prompt_pca_dims
         self.feature_config = dict(feature_config or {})
         self.broadcast, self.describe = broadcast, describe or (lambda probe: json.dumps(probe.config()))
@@ -258,9 +234,7 @@ class POISEEstimator:
                 values = torch.where(rows & usable, clipped, values)
                 unclipped = torch.where(rows & usable, raw, unclipped)
             if fallback is not None:
-                line = self.bootstrap_lines.get(name)
-                line = torch.tensor([0.0, 1.0], dtype=torch.float64) if line is None else line
-                line = line.to(rewards.device)
+                line = self.bootstrap_lines.get(name, torch.tensor([0.0, 1.0], dtype=torch.float64)).to(rewards.device)
                 fallback = torch.where(rows, (line[0] + line[1] * batch["targets"]).to(rewards.dtype), fallback)
                 lines.append(line)
         advantages, baselines, receives = poise_advantages(
@@ -313,8 +287,9 @@ class POISEEstimator:
         has_completion: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """Learn from a batch after its advantages were taken: buffers, probe refit, bootstrap line, reward std, and
-        the layer choice when due. `group_ids` (N,) name each row's prompt for K-fold layer selection. Returns
-        timing (`probe_fit_seconds`) and, when the layer was re-chosen, `layer_mae/<layer>`."""
+        the layer choice when due. `group_ids` (N,) name each row's prompt for K-fold layer selection (default: each
+        group of G rows is a prompt of its own). Returns `probe_fit_seconds` and, when the layer was re-chosen,
+        `layer_mae/<layer>`."""
         start = time.perf_counter()
         g = num_generations or self.num_generations
         last = self._last
@@ -323,11 +298,12 @@ class POISEEstimator:
         self._last = None
         targets, scorable = batch["targets"], batch["scorable"]
         examples = batch["usable"] & scorable & torch.isfinite(targets)
+        if group_ids is None:  # every group of G consecutive rows is its own prompt, distinct across steps
+            group_ids = (self.steps << 32) + torch.arange(targets.numel(), device=targets.device) // g
         for name, rows in batch["domain_rows"].items():
             if name not in self.probes:
                 self.probes[name] = self.new_probe(name)
-            groups = None if group_ids is None else group_ids.to(targets.device)
-            self.probes[name].add(batch["features"], targets, groups, keep=rows & examples)
+            self.probes[name].add(batch["features"], targets, group_ids.to(targets.device), keep=rows & examples)
             if self.bootstrap == "shrunk":
                 pairs = self.bootstrap_pairs.setdefault(name, ProbeBuffer(self.capacity(name)))
                 pairs.add(targets.unsqueeze(1), batch["rewards"], keep=rows & scorable & torch.isfinite(targets))
@@ -396,7 +372,8 @@ class POISEEstimator:
         x = torch.cat([b.features[:, self.layer_index, start:stop] for b in buffers]).to(device)
         y = torch.cat([b.targets for b in buffers]).to(device)
         pca = [(0, stop - start, self.prompt_pca_dims)] if self.prompt_pca_dims else None
-        probe = ValueProbe(alpha=self.probe_template.alpha, pca_dims=pca, clip="observed").fit(x, y)
+        probe = ValueProbe(alpha=self.probe_template.alpha, pca_dims=pca, clip="observed")
+        probe.fit(x, y, check_finite=False)  # buffered rows are finite
         return probe.predict(prompt_features)
 
     def selection_scores(self, prompt_features: torch.Tensor) -> torch.Tensor | None:
@@ -411,12 +388,12 @@ class POISEEstimator:
         q = ((values - low) / (high - low).clamp(min=1e-12)).clamp(0, 1).double()
         return q * (1 - q)
 
-    def random_choice(self, candidates: int, keep: int, seed: int) -> torch.Tensor:
+    def random_choice(self, candidates: int, keep: int, seed: int) -> list[int]:
         """`keep` of `candidates` indices, uniformly at random (the choice before the probe is trusted). Each draw is
         seeded by (`seed`, draws so far), and the draw count is saved, so a resumed run draws what it would have."""
         generator = torch.Generator().manual_seed(seed * 1_000_003 + self.selection_draws)
         self.selection_draws += 1
-        return torch.randperm(candidates, generator=generator)[:keep]
+        return torch.randperm(candidates, generator=generator)[:keep].tolist()
 
     # ----------------------------------------------------------------------------------------------- persistence
     def state_dict(self, include_buffer: bool = True) -> dict[str, Any]:
@@ -520,33 +497,3 @@ class POISEEstimator:
         """Load a file written by `save`, or poise-trl 0.1's probe file (`path` + '.json' beside it) with, on
         resume, its `poise_bootstrap.safetensors` as `bootstrap_path`."""
         self.load_state_dict(read_state(path, bootstrap_path), warm_start, str(path), device)
-
-
-def read_state(path: str | os.PathLike, bootstrap_path: str | os.PathLike | None = None) -> dict[str, Any]:
-    """A saved estimator state as {"tensors", "info"}: the one-file format, or poise-trl 0.1's two files."""
-    path = Path(path)
-    with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata() or {}
-    if "poise" in metadata:
-        return {"tensors": load_file(str(path)), "info": json.loads(metadata["poise"])}
-    states, info = load_probe_set(path, single_name=DEFAULT_DOMAIN)
-    features = dict(info.get("feature_config") or {})
-    if "probe_layer_candidates" not in features and isinstance(features.get("probe_layer"), int):
-        features["probe_layer_candidates"] = [features["probe_layer"]]  # one fixed-layer probe (save_probe_file)
-        info.setdefault("layer", features["probe_layer"])
-    if features:
-        features.setdefault("probe_partner_reward", False)  # files written before the partner-aware probe
-        features["probe_domain_column"] = info.get("probe_domain_column")
-    tensors, domains = {}, []
-    for i, (name, (domain_tensors, domain)) in enumerate(states.items()):
-        tensors.update({f"domain.{i}.{k}": v for k, v in domain_tensors.items()})
-        domains.append({**domain, "name": name})
-    converted = {**info, "feature_config": features or None, "domains": domains, "bootstrap": None}
-    converted["bootstrap_domains"] = []
-    if bootstrap_path is not None and Path(bootstrap_path).exists():
-        with safe_open(str(bootstrap_path), framework="pt") as f:
-            names = json.loads(f.metadata()["domains"])
-        pairs = load_file(str(bootstrap_path))
-        converted["bootstrap_domains"] = names
-        tensors.update({f"bootstrap.{k}": v for k, v in pairs.items()})
-    return {"tensors": tensors, "info": converted}

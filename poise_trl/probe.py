@@ -4,13 +4,12 @@ It runs on whatever device its inputs live on (the GPU in real use) and solves i
 float32 primal solve with alpha=0.01 to be numerically wrong when there are more features than examples.
 """
 
+import hashlib
 import json
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 PCABlock = tuple[int, int, int]  # (start column, stop column, n_components)
 
@@ -308,6 +307,18 @@ class ProbeBuffer:
             self.add(moved["features"], moved["targets"], moved.get("groups"))
 
 
+def prompt_group_ids(prompts: list) -> torch.Tensor:
+    """A stable 63-bit id per prompt (the same on every rank and every run), so K-fold splits can group by prompt.
+
+    Values JSON cannot write (images) count by type only: two prompts that differ only there share a group, which
+    errs on the safe side for cross-validation, whereas an object's address would split one prompt's rollouts."""
+    ids = []
+    for prompt in prompts:
+        text = json.dumps(prompt, sort_keys=True, default=lambda value: type(value).__name__).encode()
+        ids.append(int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big", signed=True))
+    return torch.tensor(ids, dtype=torch.long)
+
+
 def grouped_kfold_errors(
     template: ValueProbe,
     features: torch.Tensor,
@@ -355,7 +366,7 @@ class OnlineProbe:
     Args:
         probe: the unfitted probe (its alpha, PCA and clip settings are reused for every refit).
         capacity: buffer size in rows.
-        warmup_steps: steps of data before the probe is trusted (RLOO bootstrap until then).
+        warmup_steps: steps of data before the probe is trusted (the bootstrap baseline until then).
     """
 
     def __init__(self, probe: ValueProbe, capacity: int, warmup_steps: int = 0):
@@ -435,77 +446,3 @@ class OnlineProbe:
         self.buffer.load_state_dict(buffer, device)
         self.steps, self.layer = int(info["steps"]), int(info["layer"])
         self.warm_started, self.refit_from_step = bool(info["warm_started"]), int(info["refit_from_step"])
-
-
-def save_probe_file(
-    path: str | Path, probe: ValueProbe, buffer: ProbeBuffer | None = None, metadata: dict[str, Any] | None = None
-) -> None:
-    """Write `path` (safetensors: probe and buffer tensors) and `path` + '.json' (config). Nothing is pickled."""
-    path = Path(path)
-    tensors = {f"probe.{k}": v for k, v in probe.state_dict().items()}
-    if buffer is not None:
-        tensors.update({f"buffer.{k}": v for k, v in buffer.state_dict().items()})
-    save_file(tensors, str(path))
-    info = {"probe": probe.config(), "buffer_capacity": None if buffer is None else buffer.capacity}
-    info.update(metadata or {})
-    path.with_suffix(path.suffix + ".json").write_text(json.dumps(info, indent=2, sort_keys=True))
-
-
-def load_probe_file(path: str | Path) -> tuple[ValueProbe, ProbeBuffer | None, dict[str, Any]]:
-    """Inverse of `save_probe_file`; safetensors cannot execute code, so a downloaded file is safe to read."""
-    path = Path(path)
-    info = json.loads(path.with_suffix(path.suffix + ".json").read_text())
-    tensors = load_file(str(path))
-    probe = ValueProbe.from_config(info["probe"])
-    probe.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("probe.")})
-    buffer = None
-    if info.get("buffer_capacity") is not None:
-        buffer = ProbeBuffer(info["buffer_capacity"])
-        buffer.load_state_dict({k[7:]: v for k, v in tensors.items() if k.startswith("buffer.")})
-    return probe, buffer, info
-
-
-def save_probe_set(
-    path: str | Path,
-    probes: dict[str, OnlineProbe],
-    metadata: dict[str, Any] | None = None,
-    include_buffer: bool = True,
-) -> None:
-    """Write several named `OnlineProbe`s (e.g. one per domain) to ONE safetensors file plus `path` + '.json'.
-
-    Tensor keys are `domain.<i>.probe.*` / `domain.<i>.buffer.*`; the JSON lists the names in order (names may hold
-    any character), each with its probe settings and counters. Nothing is pickled.
-    """
-    path = Path(path)
-    tensors, domains = {}, []
-    for i, (name, online) in enumerate(probes.items()):
-        tensors.update({f"domain.{i}.{k}": v for k, v in online.state_dict(include_buffer).items()})
-        domains.append({"name": name, **online.info(include_buffer)})
-    save_file(tensors, str(path))
-    info = {**(metadata or {}), "domains": domains}
-    path.with_suffix(path.suffix + ".json").write_text(json.dumps(info, indent=2, sort_keys=True))
-
-
-def load_probe_set(
-    path: str | Path, single_name: str = "default"
-) -> tuple[dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]], dict]:
-    """Inverse of `save_probe_set`: {name: (tensors, per-probe info)} for `OnlineProbe.load_state`, and the JSON.
-
-    A single probe written by `save_probe_file` reads as one set member named `single_name`, with its buffer's
-    (N, D) features as the one slice of (N, 1, D).
-    """
-    path = Path(path)
-    info = json.loads(path.with_suffix(path.suffix + ".json").read_text())
-    tensors = load_file(str(path))
-    if "domains" not in info:  # save_probe_file's layout
-        if "probe" not in info:
-            raise ValueError(f"{path} holds neither a probe set (`save_probe_set`) nor a probe (`save_probe_file`).")
-        state = {k: v.unsqueeze(1) if k == "buffer.features" else v for k, v in tensors.items()}
-        steps = int(info.get("probe_steps", 0))
-        member = {"probe": info["probe"], "steps": steps, "layer": 0, "warm_started": False, "refit_from_step": 0}
-        return {single_name: (state, member)}, info
-    out = {}
-    for i, domain in enumerate(info["domains"]):
-        prefix = f"domain.{i}."
-        out[domain["name"]] = ({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}, domain)
-    return out, info

@@ -135,25 +135,25 @@ class ValueGuidedSelection:
         if self.estimator.trusted:
             states, tokens = self._prefill_prompts([group[0]["prompt"] for group in groups])
             scores = self.estimator.selection_scores(states)
-        if scores is None:
-            seed = self.args.seed + self.accelerator.process_index
-            chosen = self.estimator.random_choice(len(groups), keep, seed)
-            spread = torch.full((len(groups),), math.nan, dtype=torch.float64)
-        else:
-            spread = scores.cpu()  # the selection's one transfer: which groups to generate is decided on the host
-            chosen = torch.topk(spread, keep).indices
-        chosen = chosen.sort().values
         random = scores is None
+        if random:
+            chosen = sorted(
+                self.estimator.random_choice(len(groups), keep, self.args.seed + self.accelerator.process_index)
+            )
+            spread = [0.0] * len(groups)
+        else:
+            spread = scores.tolist()  # the selection's one transfer: which groups to generate is decided on the host
+            chosen = sorted(sorted(range(len(groups)), key=lambda i: -spread[i])[:keep])
         self._selection = {
             "kept_fraction": keep / len(groups),
             "random": float(random),
-            "spread_kept": 0.0 if random else float(spread[chosen].sum()),
-            "spread_all": 0.0 if random else float(spread.sum()),
+            "spread_kept": sum(spread[i] for i in chosen),
+            "spread_all": sum(spread),
             "groups_kept": float(keep),
             "groups_all": float(len(groups)),
             "prefill_tokens": float(tokens),
         }
-        return [row for i in chosen.tolist() for row in groups[i]]
+        return [row for i in chosen for row in groups[i]]
 
     def _selection_metrics(self, rewards: torch.Tensor, num_generations: int) -> dict[str, float]:
         """`selection/*` of this generation batch, over all processes: kept fraction, mean predicted reward variance

@@ -1,8 +1,7 @@
-"""`POISETrainer`: `GRPOTrainer` with POISE's cross-rollout internal-state baseline. The only TRL-aware module."""
+"""`POISETrainer`: `GRPOTrainer` with POISE's cross-rollout internal-state baseline. TRL glue around `POISEEstimator`:
+with its prompt-selection mixin (selection.py), the only module that knows TRL internals."""
 
-import hashlib
 import inspect
-import json
 import os
 import textwrap
 import warnings
@@ -23,18 +22,8 @@ from trl.trainer.utils import get_config_model_id
 
 from .config import POISEConfig
 from .estimator import DEFAULT_DOMAIN, POISEEstimator
-from .features import (
-    HIDDEN_BLOCKS,
-    assemble_features,
-    block_slices,
-    capture_layer,
-    feature_spans,
-    find_decoder_layers,
-    layer_candidates,
-    pca_blocks,
-    resolve_layer_index,
-)
-from .probe import ProbeBuffer, ValueProbe
+from .features import assemble_features, capture_layer, feature_spans, find_decoder_layers
+from .probe import ProbeBuffer, ValueProbe, prompt_group_ids
 from .selection import ValueGuidedSelection
 
 TESTED_TRL = ("1.16.0", "1.17.0")  # [low, high): the GRPOTrainer internals this subclass was tested against
@@ -57,18 +46,6 @@ if not Version(TESTED_TRL[0]) <= Version(trl.__version__) < Version(TESTED_TRL[1
         f"POISETrainer hooks GRPOTrainer internals that change between releases: install "
         f"'trl>={TESTED_TRL[0]},<{TESTED_TRL[1]}', or set POISE_ALLOW_UNTESTED_TRL=1 at your own risk."
     )
-
-
-def prompt_group_ids(prompts: list) -> torch.Tensor:
-    """A stable 63-bit id per prompt (the same on every rank and every run), so K-fold splits can group by prompt.
-
-    Values JSON cannot write (images) count by type only: two prompts that differ only there share a group, which
-    errs on the safe side for cross-validation, whereas an object's address would split one prompt's rollouts."""
-    ids = []
-    for prompt in prompts:
-        text = json.dumps(prompt, sort_keys=True, default=lambda value: type(value).__name__).encode()
-        ids.append(int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big", signed=True))
-    return torch.tensor(ids, dtype=torch.long)
 
 
 class POISETrainer(ValueGuidedSelection, GRPOTrainer):
@@ -130,57 +107,19 @@ class POISETrainer(ValueGuidedSelection, GRPOTrainer):
             )
         super().__init__(model, reward_funcs, args=args, **kwargs)
         base = self.accelerator.unwrap_model(self.model)
-        num_layers = len(find_decoder_layers(base))
-        default_layer = resolve_layer_index(None, num_layers)
-        auto = args.probe_layer == "auto"
-        # Layers hooked in every captured pass; buffered rows hold one feature vector per entry, in this order.
-        layers = (
-            layer_candidates(args.probe_layer_candidates, num_layers)
-            if auto
-            else [resolve_layer_index(args.probe_layer, num_layers)]
-        )
         self.hidden_size = base.config.get_text_config().hidden_size
         self.marker_ids: list[int] | None = None
         if args.reasoning_end_marker is not None:
             self.marker_ids = self._tokenizer(args.reasoning_end_marker, add_special_tokens=False)["input_ids"]
             if not self.marker_ids:
                 raise ValueError(f"reasoning_end_marker={args.reasoning_end_marker!r} tokenizes to no tokens.")
-        self._probe_pca = pca_blocks(
-            args.probe_features, self.hidden_size, args.probe_pca_dims, cap_at_width=args.pca_dims_from_preset
-        )
-        prompt = block_slices(args.probe_features, self.hidden_size).get("prompt")
         self.estimator = POISEEstimator(
             self.num_generations,
-            alpha=args.probe_alpha,
-            pca_dims=self._probe_pca,
-            clip=None if args.probe_clip_range is None else tuple(args.probe_clip_range),
-            buffer_size=args.probe_buffer_size,
-            domain_buffer_sizes=args.probe_domain_buffer_sizes,
-            warmup_steps=args.probe_warmup_steps,
-            partner_reward=args.probe_partner_reward,
-            bootstrap=args.probe_bootstrap,
-            scale_rewards=args.scale_rewards,
-            layers=layers,
-            # auto mode starts at the candidate nearest the fixed default
-            layer_index=min(range(len(layers)), key=lambda i: abs(layers[i] - default_layer)),
-            layer_select_every=args.probe_layer_select_every if auto else None,
-            layer_switch_margin=args.probe_layer_switch_margin,
-            layer_folds=args.probe_layer_folds,
-            prompt_columns=prompt,
-            prompt_pca_dims=args.probe_pca_dims[0],
-            feature_config={
-                "probe_layer": "auto" if auto else layers[0],
-                "probe_layer_candidates": list(layers),
-                "probe_pool_tokens": args.probe_pool_tokens,
-                "probe_features": list(args.probe_features),
-                "reasoning_end_marker": args.reasoning_end_marker,
-                "hidden_size": self.hidden_size,
-                "probe_partner_reward": args.probe_partner_reward,
-                "probe_domain_column": args.probe_domain_column,
-            },
+            **args.estimator_settings(len(find_decoder_layers(base)), self.hidden_size),
             broadcast=(lambda t: broadcast(t, from_process=0)) if self.accelerator.num_processes > 1 else None,
-            describe=self._probe_settings,
         )
+        if args.probe_domain_column is None:
+            self._single_probe()  # the one probe exists from the start, as `value_probe` promises
         if args.probe_init_path is not None:
             self.estimator.load(args.probe_init_path, warm_start=True, device=self.accelerator.device)
         self.feature_passes = 0  # teacher-forced passes POISE ran itself (0 when TRL's own pass is reused)
@@ -238,16 +177,6 @@ class POISETrainer(ValueGuidedSelection, GRPOTrainer):
     def probe_buffer(self) -> ProbeBuffer:
         """The buffer of a single-domain run: features are (N, len(probe_layers), D)."""
         return self._single_probe().buffer
-
-    def _probe_settings(self, probe: ValueProbe) -> str:
-        """A probe's refit settings in POISEConfig's terms, for error messages."""
-        pca = probe.pca_dims
-        if isinstance(pca, list | tuple):
-            slices = block_slices(self.args.probe_features, self.hidden_size)
-            ks = {int(start): int(k) for start, _, k in pca}
-            pca = [ks.get(slices[name][0], 0) if name in slices else 0 for name in HIDDEN_BLOCKS]
-        clip = None if probe.clip == "observed" else list(probe.clip) if probe.clip is not None else "no clipping"
-        return f"probe_alpha={probe.alpha}, probe_pca_dims={pca}, probe_clip_range={clip}"
 
     # ----------------------------------------------------------------------------------------------------- capture
     def _trl_runs_old_logps_pass(self) -> bool:

@@ -70,17 +70,17 @@ def poise_args(tmp_path: Path, **overrides: Any):
 
 def score_and_capture_features(trainer: Any, score: Callable[[list], dict], inputs: list) -> tuple[dict, Any]:
     """Run `score(inputs)`, the parent's `_generate_and_score_completions`, and return its output with the gathered
-    features the step handed to `_update_probes`."""
+    (N, C, D) features the step handed to `estimator.observe`."""
     captured = []
-    update = trainer._update_probes
+    observe = trainer.estimator.observe
 
-    def spy(features, *args):
+    def spy(features, *args, **kwargs):
         captured.append(features.clone())
-        return update(features, *args)
+        return observe(features, *args, **kwargs)
 
-    trainer._update_probes = spy
+    trainer.estimator.observe = spy
     try:
         output = score(inputs)
     finally:
-        del trainer._update_probes
+        del trainer.estimator.observe
     return output, captured[0]

@@ -1,9 +1,9 @@
 """Counting device->host transfers: a `TorchFunctionMode` that counts the tensor calls that block on the device.
 
-On a CPU nothing actually waits, but each of these calls is a synchronisation point on an accelerator: the value must
-reach the host (`.item()`, `.tolist()`, `bool(t)`), or the output's size depends on the data (boolean-mask indexing,
-`nonzero`, `masked_select`, `unique`), or the data moves to the host (`.cpu()`, `.numpy()`). `.to(device)` is not counted: on a CPU test the
-accelerator's device is the host, so it cannot be told apart from a real transfer.
+On a CPU nothing actually waits, but each of these calls is a synchronisation point on an accelerator: the value
+must reach the host (`.item()`, `.tolist()`, `bool(t)`), or the output's size depends on the data (boolean-mask
+indexing, `nonzero`, `masked_select`, `unique`), or the data moves to the host (`.cpu()`, `.numpy()`). `.to(device)`
+is not counted: on a CPU test the accelerator's device is the host, so it cannot be told apart from a transfer.
 """
 
 import torch

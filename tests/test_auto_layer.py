@@ -92,7 +92,7 @@ class LayerRecorder(POISETrainer):
     def _generate_and_score_completions(self, inputs):
         buffer = self.probe_buffer
         before = dict(
-            index=self._layer_index,
+            index=self.estimator.layer_index,
             layer=self.probe_layer,
             probe=copy.deepcopy(self.value_probe),
             trusted=self.probes["default"].trusted,
@@ -168,16 +168,16 @@ def test_select_layer_hysteresis_and_logging_in_the_trainer(tiny_model_path, tmp
     per_layer = {}
     monkeypatch.setattr(OnlineProbe, "layer_errors", lambda self, folds, device=None: per_layer["errors"])
     per_layer["errors"] = torch.tensor([[0.97, 0.97], [1.0, 1.0], [1.5, 1.5]], dtype=torch.float64)  # 3% better
-    assert trainer._select_layer() == {"layer_mae/1": 0.97, "layer_mae/2": 1.0, "layer_mae/3": 1.5}
+    assert trainer.estimator._select_layer("cpu") == {"layer_mae/1": 0.97, "layer_mae/2": 1.0, "layer_mae/3": 1.5}
     assert trainer.probe_layer == 2
     per_layer["errors"] = torch.tensor([[0.8, 0.8], [1.0, 1.0], [1.5, 1.5]], dtype=torch.float64)  # 20%: switch
-    trainer._select_layer()
+    trainer.estimator._select_layer("cpu")
     assert trainer.probe_layer == 1
 
 
 def test_saved_probes_record_the_candidate_set(tiny_model_path, tmp_path):
     auto = POISETrainer(str(tiny_model_path), digit_reward, args=_args(tmp_path), train_dataset=digit_dataset())
-    auto._layer_index = 2
+    auto.estimator.layer_index = 2
     auto.save_probe(tmp_path / "auto.safetensors")
     again = POISETrainer(
         str(tiny_model_path),

@@ -1,14 +1,14 @@
 """Beyond the paper on the tiny model: partner-aware probe, shrunk bootstrap, value-guided prompt selection."""
 
 import copy
-import json
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from poise_trl import POISETrainer
 from poise_trl.baselines import leave_one_out_targets, shrunk_rloo_fit
+from poise_trl.estimator import POISEEstimator
+from poise_trl.files import read_state
 
 from .conftest import digit_dataset, digit_reward, poise_args
 
@@ -46,12 +46,12 @@ def test_a_rollouts_reward_moves_its_partners_baseline_and_never_its_own(tiny_mo
     trainer.train()
     assert trainer.probes["default"].trusted
     assert trainer.probe_buffer.features.size(-1) == 2 * 128 + 3 + 1  # [φ | r]
-    state = copy.deepcopy((trainer.probes, trainer.probe_steps))
+    state = copy.deepcopy(trainer.estimator)
     inputs = [{"prompt": p} for p in ("12+3", "45+6", "78+9", "01+2") for _ in range(G)]
     calculate = trainer._calculate_rewards
 
     def score(bump: float) -> torch.Tensor:
-        trainer.probes, trainer.probe_steps = copy.deepcopy(state)
+        trainer.estimator = copy.deepcopy(state)
 
         def bumped(*args):
             rewards = calculate(*args)
@@ -79,7 +79,7 @@ def test_probe_files_record_the_partner_reward_setting(tiny_model_path, tmp_path
     )
     first.train()
     first.save_probe(tmp_path / "p.safetensors")
-    info = json.loads((tmp_path / "p.safetensors.json").read_text())
+    info = read_state(tmp_path / "p.safetensors")["info"]
     assert info["feature_config"]["probe_partner_reward"] is True
     with pytest.raises(ValueError, match="probe_partner_reward"):
         POISETrainer(
@@ -163,12 +163,13 @@ def test_value_selection_keeps_whole_groups_and_trl_batch_shapes(tiny_model_path
         assert all(v is not None for v in _logged(trainer, f"poise/selection/{key}"))
 
 
-def test_selection_keeps_the_highest_predicted_spread(tiny_model_path, tmp_path):
+def test_selection_keeps_the_highest_predicted_spread(tiny_model_path, tmp_path, monkeypatch):
     args = poise_args(tmp_path, prompt_selection="value", per_device_train_batch_size=4)
     trainer = POISETrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
     values = torch.tensor([0.0, 0.9, 0.5, 1.0, 0.4, 0.2])  # p(1-p): 0, .09, .25, 0, .24, .16 -> keep 2 and 4
     trainer.model.train()
-    trainer._prompt_probe = lambda: SimpleNamespace(predict=lambda states: states)
+    monkeypatch.setattr(POISEEstimator, "trusted", property(lambda self: True))
+    trainer.estimator.selection_scores = lambda states: states * (1 - states)
     trainer._prefill_prompts = lambda prompts: (values[: len(prompts)], 7)
     inputs = [{"prompt": f"p{i}"} for i in range(6) for _ in range(G)]
     kept = trainer._select_prompts(inputs)
@@ -181,7 +182,7 @@ def test_random_fallback_before_the_probe_is_trusted(tiny_model_path, tmp_path):
     args = poise_args(tmp_path, prompt_selection="value", per_device_train_batch_size=4, probe_warmup_steps=100)
     trainer = POISETrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
     trainer.model.train()
-    assert trainer._prompt_probe() is None
+    assert trainer.estimator.prompt_values(torch.zeros(16, 128)) is None
     inputs = [{"prompt": f"p{i}"} for i in range(8) for _ in range(G)]
     kept = [tuple(x["prompt"] for x in trainer._select_prompts(inputs))[::G] for _ in range(50)]
     counts = torch.tensor([sum(f"p{i}" in k for k in kept) for i in range(8)], dtype=torch.float)

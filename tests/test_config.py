@@ -45,6 +45,11 @@ def test_paper_preset_and_explicit_overrides():
         (dict(probe_warmup_steps=-1), ">= 0"),
         (dict(reasoning_end_marker=""), "use None"),
         (dict(multi_objective_aggregation="normalize_then_sum"), "sum_then_normalize"),
+        (dict(prompt_selection="value", prompt_selection_oversample=float("inf")), "finite number"),
+        (dict(prompt_selection_oversample=float("inf")), "finite number"),  # refused even before it is used
+        (dict(prompt_selection="value", prompt_selection_oversample=1.0), "a number > 1"),
+        (dict(probe_partner_reward="no"), "give True .* or False"),
+        (dict(probe_partner_reward=1), "give True .* or False"),
     ],
 )
 def test_bad_values_raise_with_what_to_change(kwargs, message):

@@ -1,15 +1,15 @@
 """Per-domain probes (`probe_domain_column`): one OnlineProbe (probe, buffer, bootstrap) per value of the column."""
 
 import copy
-import json
 
 import pytest
 import torch
 from datasets import Dataset
 
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl.probe import OnlineProbe, ValueProbe, load_probe_set
-from poise_trl.trainer import PROBE_FILE, prompt_group_ids
+from poise_trl.files import read_state
+from poise_trl.probe import OnlineProbe, ValueProbe
+from poise_trl.trainer import ESTIMATOR_FILE, prompt_group_ids
 
 from .conftest import CPU_ARGS, digit_reward, poise_args, score_and_capture_features
 
@@ -141,8 +141,9 @@ def test_domains_get_separate_buffers_metrics_bootstrap_and_checkpoints(tiny_mod
 
     # The checkpoint holds every domain; resuming reproduces step 4 bit for bit.
     checkpoint = tmp_path / "out" / "checkpoint-3"
-    info = json.loads((checkpoint / (PROBE_FILE + ".json")).read_text())
-    assert [d["name"] for d in info["domains"]] == list(trainer.probes) and info["probe_domain_column"] == "domain"
+    info = read_state(checkpoint / ESTIMATOR_FILE)["info"]
+    assert [d["name"] for d in info["domains"]] == list(trainer.probes)
+    assert info["feature_config"]["probe_domain_column"] == "domain"
     resumed = DomainRecorder(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
     resumed.records = []
     resumed.train(resume_from_checkpoint=str(checkpoint))
@@ -159,8 +160,7 @@ def test_domains_get_separate_buffers_metrics_bootstrap_and_checkpoints(tiny_mod
 
     # save_probe / warm start carry every domain; a run without the domain column refuses the file.
     trainer.save_probe(tmp_path / "all.safetensors")
-    states, _ = load_probe_set(tmp_path / "all.safetensors")
-    assert list(states) == ["big", "small"]
+    assert [d["name"] for d in read_state(tmp_path / "all.safetensors")["info"]["domains"]] == ["big", "small"]
     warm = POISETrainer(
         str(tiny_model_path),
         digit_reward,

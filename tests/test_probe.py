@@ -9,7 +9,8 @@ from sklearn.linear_model import Ridge
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from poise_trl.probe import ProbeBuffer, ValueProbe, load_probe_file, save_probe_file
+from poise_trl.files import load_probe_file, save_probe_file
+from poise_trl.probe import ProbeBuffer, ValueProbe
 
 
 def _data(n: int, d: int, rank: int | None = None, seed: int = 0):

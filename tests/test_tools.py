@@ -15,7 +15,7 @@ from datasets import Dataset
 
 from poise_trl import POISEConfig
 
-from .conftest import short_args
+from .conftest import score_and_capture_features, short_args
 from .tiny_archs import SpyTrainer, assert_poise_advantages_reach_the_loss, causal_lm, char_tokenizer, code_reward
 
 POOL = 3
@@ -64,12 +64,9 @@ class Recording(SpyTrainer):
         super().__init__(*args, **kwargs)
         self.records: list[dict] = []
 
-    def _update_probes(self, features, *args):
-        self.records.append({"features": features[:, self.probe_layers.index(self.probe_layer)].clone()})
-        return super()._update_probes(features, *args)
-
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
+        output, features = score_and_capture_features(self, super()._generate_and_score_completions, inputs)
+        self.records.append({"features": features[:, self.estimator.layer_index].clone()})
         ids = torch.cat([output["prompt_ids"], output["completion_ids"]], 1)
         mask = torch.cat([output["prompt_mask"], output["completion_mask"]], 1)
         with torch.no_grad():

@@ -1,7 +1,6 @@
 """POISETrainer end to end on the tiny model: advantages, forward passes, PEFT, eval, checkpoints, model card."""
 
 import copy
-import json
 import os
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl.estimator import read_state
+from poise_trl.files import read_state
 from poise_trl.trainer import ESTIMATOR_FILE
 
 from .conftest import CPU_ARGS, digit_reward, poise_args
@@ -337,7 +336,9 @@ def test_resume_refuses_changed_probe_settings_and_warm_start_refits_with_the_ru
         resume(probe_clip_range=[0.0, 0.5]).estimator.load(checkpoint / ESTIMATOR_FILE)
     resumed = resume()
     resumed.train(resume_from_checkpoint=str(checkpoint))
-    assert [float(s["divisor"]) for s in resumed.scored] == [float(first.reward_std.divisor())] and resumed.reward_std.count == 24
+    assert [float(s["divisor"]) for s in resumed.scored] == [
+        float(first.reward_std.divisor())
+    ] and resumed.reward_std.count == 24
 
     run = dict(probe_alpha=2.0, probe_pca_dims=[4, 0], probe_clip_range=[0.0, 0.5], max_steps=1)
     warm = POISETrainer(
@@ -382,7 +383,8 @@ def test_vllm_importance_sampling_pass_is_reused_for_capture(tiny_model_path, tm
 def test_warm_start_accepts_a_single_probe_file(tiny_model_path, tmp_path):
     """`save_probe_file` (one probe, (N, D) buffer, e.g. exported by the probe benchmark) warm-starts a fixed-layer run
     as its one domain."""
-    from poise_trl.probe import ProbeBuffer, ValueProbe, save_probe_file
+    from poise_trl.files import save_probe_file
+    from poise_trl.probe import ProbeBuffer, ValueProbe
 
     trainer = POISETrainer(str(tiny_model_path), digit_reward, args=poise_args(tmp_path), train_dataset=_dataset())
     g = torch.Generator().manual_seed(0)

@@ -8,6 +8,10 @@ truth, not with another estimator.
 - §2.2: a baseline built from a partner rollout (POISE's cross-rollout b_i = g(φ_j)) or from the partners' rewards
   (RLOO) keeps the batch gradient unbiased, while a baseline that sees the rollout's own features is biased.
 - Proposition 1: at a fixed budget B = n·m, Cov(ĝ) = Σ_w/B + m·Σ_b/B, which grows with m.
+
+The §2.2 checks take their advantages from `POISEEstimator.advantages` on plain tensors, the entry point every
+training loop calls; Proposition 1 is about the allocation (n, m), with a fixed per-context baseline, and m = 1 has
+no partner to take a cross-rollout baseline from, so it uses the bandit directly.
 """
 
 import math
@@ -25,6 +29,8 @@ from poise_trl.baselines import (
     poise_advantages,
     shrunk_rloo_fit,
 )
+from poise_trl.estimator import POISEEstimator
+from poise_trl.files import DEFAULT_DOMAIN
 from poise_trl.probe import ValueProbe
 
 C, A = 3, 4  # contexts, actions
@@ -118,12 +124,24 @@ def _rollouts(bandit: Bandit, probe: ValueProbe, n: int, m: int, seed: int):
     x, a, r = bandit.sample(REPS, n, m, g)
     phi = bandit.features(x, a, g)
     values = probe.predict(phi.reshape(-1, phi.size(-1))).double().reshape(a.shape)
-    return x, a, r, values
+    return x, a, r, values, phi.reshape(-1, phi.size(-1))
+
+
+def estimator_with(probe: ValueProbe | None, group: int, **settings) -> POISEEstimator:
+    """A `POISEEstimator` (paper settings unless overridden) whose probe is `probe`, trusted as after a warm start;
+    without a probe it is in its bootstrap."""
+    settings = {"partner_reward": False, "bootstrap": "rloo", "warmup_steps": 0, **settings}
+    estimator = POISEEstimator(group, **settings)
+    if probe is not None:
+        online = estimator.new_probe(DEFAULT_DOMAIN)
+        online.probe, online.warm_started = probe, True
+        estimator.probes[DEFAULT_DOMAIN] = online
+    return estimator
 
 
 def test_the_probe_leaks_the_own_action(bandit: Bandit, probe: ValueProbe):
     """Precondition of the bias test: g(φ) must track p(x, a) within a context, not only V(x)."""
-    x, a, _, values = _rollouts(bandit, probe, 1, 1, seed=99)
+    x, a, _, values, _ = _rollouts(bandit, probe, 1, 1, seed=99)
     p_own = bandit.p[x.unsqueeze(2), a]
     centered_v = values - bandit.value[x].unsqueeze(2)
     centered_p = p_own - bandit.value[x].unsqueeze(2)
@@ -133,12 +151,14 @@ def test_the_probe_leaks_the_own_action(bandit: Bandit, probe: ValueProbe):
 @pytest.mark.parametrize(("n", "group"), [(4, 2), (4, 3)])
 def test_cross_rollout_baseline_is_unbiased_and_self_baseline_is_not(bandit, probe, n, group):
     """A_i = r_i − g(φ_partner) has E[ĝ] = ∇J; A_i = r_i − g(φ_i) does not (paper §2.2)."""
-    x, a, r, values = _rollouts(bandit, probe, n, group, seed=10 + group)
+    x, a, r, values, phi = _rollouts(bandit, probe, n, group, seed=10 + group)
     exact = bandit.exact_gradient()
 
+    result = estimator_with(probe, group).advantages(phi, r.reshape(-1))
     cross = cross_rollout_baselines(values.reshape(-1), group).reshape(values.shape)
-    assert torch.isfinite(cross).all()
-    z, statistic, p_value = bias_statistics(bandit.batch_gradients(x, a, r - cross), exact)
+    assert torch.isfinite(result.baselines).all()
+    torch.testing.assert_close(result.baselines.reshape(r.shape), cross)  # b_i = mean of the partners' g(φ_j)
+    z, statistic, p_value = bias_statistics(bandit.batch_gradients(x, a, result.advantages.reshape(r.shape)), exact)
     assert z.abs().max() < UNBIASED_Z, f"cross-rollout z={z}"
     assert p_value > 1e-4, f"cross-rollout χ²={statistic:.1f}"
 
@@ -156,7 +176,9 @@ def test_rloo_baseline_is_unbiased_and_the_group_mean_with_self_is_not(bandit, g
     exact = bandit.exact_gradient()
 
     rloo = leave_one_out_targets(r.reshape(-1), group).reshape(r.shape)
-    z, statistic, p_value = bias_statistics(bandit.batch_gradients(x, a, r - rloo), exact)
+    advantages = estimator_with(None, group).advantages(torch.zeros(r.numel(), 1), r.reshape(-1)).advantages
+    torch.testing.assert_close(advantages.reshape(r.shape), r - rloo)  # before any observe: the RLOO bootstrap
+    z, statistic, p_value = bias_statistics(bandit.batch_gradients(x, a, advantages.reshape(r.shape)), exact)
     assert z.abs().max() < UNBIASED_Z, f"RLOO z={z}"
     assert p_value > 1e-4, f"RLOO χ²={statistic:.1f}"
 
@@ -174,7 +196,7 @@ def test_trainer_rule_with_action_dependent_feature_dropout_is_unbiased(bandit, 
     only decides whether it can serve as a partner, never its own baseline, so the gradient stays unbiased.
     """
     group = 3
-    x, a, r, values = _rollouts(bandit, probe, 4, group, seed=30)
+    x, a, r, values, phi = _rollouts(bandit, probe, 4, group, seed=30)
     g = torch.Generator().manual_seed(31)
     drop_probability = torch.tensor([0.1, 0.6, 0.3, 0.8], dtype=torch.float64)[a]
     feature_ok = torch.rand(a.shape, generator=g, dtype=torch.float64) >= drop_probability
@@ -184,12 +206,16 @@ def test_trainer_rule_with_action_dependent_feature_dropout_is_unbiased(bandit, 
     probe_baselines = cross_rollout_baselines(values.reshape(-1), group, feature_ok.reshape(-1))
     baselines = torch.where(torch.isnan(probe_baselines), rloo, probe_baselines).reshape(r.shape)
     assert 0.05 < torch.isnan(probe_baselines).double().mean() < 0.5  # the fallback is really exercised
-    z, statistic, p_value = bias_statistics(bandit.batch_gradients(x, a, r - baselines), bandit.exact_gradient())
+    unusable = torch.where(feature_ok.reshape(-1, 1), phi, torch.full_like(phi, float("nan")))
+    result = estimator_with(probe, group).advantages(unusable, r.reshape(-1))
+    torch.testing.assert_close(result.baselines.reshape(r.shape), baselines)
+    advantages = result.advantages.reshape(r.shape)
+    z, statistic, p_value = bias_statistics(bandit.batch_gradients(x, a, advantages), bandit.exact_gradient())
     assert z.abs().max() < UNBIASED_Z, f"trainer-rule z={z}"
     assert p_value > 1e-4, f"trainer-rule χ²={statistic:.1f}"
 
     # Contrast: zeroing the advantage of rows whose OWN features are unusable would bias the gradient.
-    gated = torch.where(feature_ok, r - baselines, torch.zeros_like(r))
+    gated = torch.where(feature_ok, advantages, torch.zeros_like(r))
     z_gated, _, _ = bias_statistics(bandit.batch_gradients(x, a, gated), bandit.exact_gradient())
     assert z_gated.abs().max() > BIASED_Z
 
@@ -210,13 +236,17 @@ def test_partner_aware_baseline_is_unbiased_and_its_self_version_is_not(bandit, 
     probe = fit_partner_aware_probe(bandit)
     g = torch.Generator().manual_seed(50 + group)
     x, a, r = bandit.sample(REPS, 4, group, g)
-    phi = append_reward_column(bandit.features(x, a, g).reshape(-1, C * A + NOISE_COLUMNS), r.reshape(-1).float())
+    features = bandit.features(x, a, g).reshape(-1, C * A + NOISE_COLUMNS)
+    phi = append_reward_column(features, r.reshape(-1).float())
     values = probe.predict(phi).double()
     flipped = probe.predict(torch.cat([phi[:, :-1], 1 - phi[:, -1:]], dim=1)).double()
     assert (values - flipped).abs().mean() > 0.05  # h really uses the reward column
 
+    result = estimator_with(probe, group, partner_reward=True).advantages(features, r.reshape(-1).float())
     baselines = cross_rollout_baselines(values, group).reshape(r.shape)
-    z, statistic, p_value = bias_statistics(bandit.batch_gradients(x, a, r - baselines), bandit.exact_gradient())
+    torch.testing.assert_close(result.baselines.reshape(r.shape), baselines, check_dtype=False)
+    advantages = result.advantages.double().reshape(r.shape)
+    z, statistic, p_value = bias_statistics(bandit.batch_gradients(x, a, advantages), bandit.exact_gradient())
     assert z.abs().max() < UNBIASED_Z, f"partner-aware z={z}"
     assert p_value > 1e-4, f"partner-aware χ²={statistic:.1f}"
 
@@ -226,21 +256,26 @@ def test_partner_aware_baseline_is_unbiased_and_its_self_version_is_not(bandit, 
 
 @pytest.mark.parametrize("group", [2, 3])
 def test_shrunk_bootstrap_from_earlier_steps_is_unbiased(bandit, group):
-    """The trainer's shrunk bootstrap: b_i = a + w * RLOO_i with (a, w) from earlier batches, through the trainer's
-    own `poise_advantages(..., fallback=...)`. Unbiased; refitting (a, w) on each batch's own pairs is not needed."""
+    """The shrunk bootstrap: b_i = a + w * RLOO_i with (a, w) learned by `observe` from an earlier batch, applied by
+    `advantages`. Unbiased; refitting (a, w) on each batch's own pairs is not needed."""
     g = torch.Generator().manual_seed(60 + group)
     _, _, earlier = bandit.sample(500, 4, group, g)
     earlier = earlier.reshape(-1)
     intercept, weight = shrunk_rloo_fit(leave_one_out_targets(earlier, group), earlier)
     assert abs(weight - 1) > 0.5  # a real shrinkage, not RLOO in disguise (this bandit: w ≈ 0.02)
+    estimator = estimator_with(None, group, bootstrap="shrunk", warmup_steps=10**6, buffer_size=10**5)
+    estimator.observe(torch.zeros(earlier.numel(), 1), earlier)
 
     x, a, r = bandit.sample(REPS, 4, group, g)
     rewards = r.reshape(-1)
     fallback = intercept + weight * leave_one_out_targets(rewards, group)
+    result = estimator.advantages(torch.zeros(rewards.numel(), 1), rewards)
+    torch.testing.assert_close(result.baselines, fallback)
     ones = torch.ones_like(rewards, dtype=torch.bool)
     values = torch.full_like(rewards, float("nan"))
-    advantages, baselines, _ = poise_advantages(rewards, values, group, ones, ones, ~ones, fallback)
-    assert torch.equal(baselines, fallback)
+    _, baselines, _ = poise_advantages(rewards, values, group, ones, ones, ~ones, fallback)
+    assert torch.equal(baselines, fallback)  # the rule the estimator applies, with the line given
+    advantages = result.advantages
     z, statistic, p_value = bias_statistics(
         bandit.batch_gradients(x, a, advantages.reshape(r.shape)), bandit.exact_gradient()
     )

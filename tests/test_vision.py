@@ -16,7 +16,7 @@ from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGen
 from poise_trl import POISEConfig
 from poise_trl.trainer import FORWARD_INPUT_KEYS
 
-from .conftest import short_args
+from .conftest import score_and_capture_features, short_args
 from .tiny_archs import SpyTrainer, assert_poise_advantages_reach_the_loss, char_tokenizer, code_reward
 
 # Renders an image part as LLaVA's `<image>` placeholder, which the processor expands to one token per patch.
@@ -95,12 +95,8 @@ class BothPasses(SpyTrainer):
     """With several optimiser steps per generation POISE captures inside TRL's old-log-prob pass; on the same batch
     this also runs POISE's own feature pass, with and without the multimodal inputs, to compare the three."""
 
-    def _update_probes(self, features, *args):
-        self.trl_pass = features.clone()
-        return super()._update_probes(features, *args)
-
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
+        output, self.trl_pass = score_and_capture_features(self, super()._generate_and_score_completions, inputs)
         self._feature_pass(output, "train")
         self.own_pass = self._captured[0].clone()
         self._feature_pass({k: v for k, v in output.items() if k not in FORWARD_INPUT_KEYS}, "train")

@@ -58,7 +58,7 @@ def series(log_history: list[dict[str, Any]], key: str) -> tuple[list[int], list
 
 
 def training_dynamics_figure(log_history: list[dict[str, Any]], title: str | None = None) -> Figure:
-    """The training-dynamics figure; logging windows with RLOO-bootstrap steps are shaded.
+    """The training-dynamics figure; logging windows with bootstrap steps are shaded.
 
     TRL averages a metric over each logging window, so `poise/bootstrap` > 0 marks windows that contain bootstrap
     steps. A bare `Figure` renders with Agg and leaves pyplot's global backend (and a notebook's) untouched.
@@ -95,7 +95,7 @@ def training_dynamics_figure(log_history: list[dict[str, Any]], title: str | Non
                 label=overlay_label,
             )
         if bootstrap_end is not None:
-            ax.axvspan(0, bootstrap_end, color="gray", alpha=0.15, label="RLOO bootstrap")
+            ax.axvspan(0, bootstrap_end, color="gray", alpha=0.15, label="bootstrap (probe not trusted)")
         if overlay_steps or (bootstrap_end is not None and not legend_drawn):  # the bootstrap key once is enough
             ax.legend(loc="best", fontsize="small")
             legend_drawn = legend_drawn or bootstrap_end is not None

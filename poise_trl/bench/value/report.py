@@ -110,8 +110,8 @@ def export_probe(collection: Collection, features: Sequence[str], path: str | Pa
     `POISEConfig(probe_init_path=path)` with the same layer, pooling, features and marker warm-starts from it. It is
     partner-aware (the reward column appended) when `probe_partner_reward` defaults to True, as the trainer fits it."""
     from poise_trl.config import PROBE_PRESETS
-    from poise_trl.probe import OnlineProbe, save_probe_set
-    from poise_trl.trainer import DEFAULT_DOMAIN
+    from poise_trl.files import DEFAULT_DOMAIN, save_probe_set
+    from poise_trl.probe import OnlineProbe
 
     meta, blocks = collection.meta, [b for b in FEATURE_BLOCKS if b in features]
     layer = meta["default_layer"]

@@ -1,0 +1,141 @@
+"""POISE's files: the estimator's one safetensors file, written atomically, and the layouts of poise-trl 0.1.
+
+Nothing is pickled: safetensors cannot execute code, so a downloaded probe file is safe to read. The 0.1 layouts
+(`save_probe_file`: one probe; `save_probe_set`: named probes, e.g. one per domain; each with a `.json` beside it;
+and a checkpoint's `poise_bootstrap.safetensors`) still load, through `read_state`.
+"""
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from .probe import OnlineProbe, ProbeBuffer, ValueProbe
+
+DEFAULT_DOMAIN = "default"  # the one probe's name when rows carry no domain
+
+
+def atomic_save(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file through a temporary file in the same folder and `os.replace`: a reader (or a resume
+    after a crash) sees the old file or the complete new one, never a torn one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(handle)
+    try:
+        save_file(tensors, temporary, metadata=metadata)
+        with open(temporary, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def read_state(path: str | os.PathLike, bootstrap_path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """A saved estimator state as {"tensors", "info"}: the one-file format, or poise-trl 0.1's two files."""
+    path = Path(path)
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+    if "poise" in metadata:
+        return {"tensors": load_file(str(path)), "info": json.loads(metadata["poise"])}
+    states, info = load_probe_set(path, single_name=DEFAULT_DOMAIN)
+    features = dict(info.get("feature_config") or {})
+    if "probe_layer_candidates" not in features and isinstance(features.get("probe_layer"), int):
+        features["probe_layer_candidates"] = [features["probe_layer"]]  # one fixed-layer probe (save_probe_file)
+        info.setdefault("layer", features["probe_layer"])
+    if features:
+        features.setdefault("probe_partner_reward", False)  # files written before the partner-aware probe
+        features["probe_domain_column"] = info.get("probe_domain_column")
+    tensors, domains = {}, []
+    for i, (name, (domain_tensors, domain)) in enumerate(states.items()):
+        tensors.update({f"domain.{i}.{k}": v for k, v in domain_tensors.items()})
+        domains.append({**domain, "name": name})
+    converted = {**info, "feature_config": features or None, "domains": domains, "bootstrap": None}
+    converted["bootstrap_domains"] = []
+    if bootstrap_path is not None and Path(bootstrap_path).exists():
+        with safe_open(str(bootstrap_path), framework="pt") as f:
+            names = json.loads(f.metadata()["domains"])
+        pairs = load_file(str(bootstrap_path))
+        converted["bootstrap_domains"] = names
+        tensors.update({f"bootstrap.{k}": v for k, v in pairs.items()})
+    return {"tensors": tensors, "info": converted}
+
+
+def save_probe_file(
+    path: str | Path, probe: ValueProbe, buffer: ProbeBuffer | None = None, metadata: dict[str, Any] | None = None
+) -> None:
+    """Write `path` (safetensors: probe and buffer tensors) and `path` + '.json' (config). Nothing is pickled."""
+    path = Path(path)
+    tensors = {f"probe.{k}": v for k, v in probe.state_dict().items()}
+    if buffer is not None:
+        tensors.update({f"buffer.{k}": v for k, v in buffer.state_dict().items()})
+    save_file(tensors, str(path))
+    info = {"probe": probe.config(), "buffer_capacity": None if buffer is None else buffer.capacity}
+    info.update(metadata or {})
+    path.with_suffix(path.suffix + ".json").write_text(json.dumps(info, indent=2, sort_keys=True))
+
+
+def load_probe_file(path: str | Path) -> tuple[ValueProbe, ProbeBuffer | None, dict[str, Any]]:
+    """Inverse of `save_probe_file`; safetensors cannot execute code, so a downloaded file is safe to read."""
+    path = Path(path)
+    info = json.loads(path.with_suffix(path.suffix + ".json").read_text())
+    tensors = load_file(str(path))
+    probe = ValueProbe.from_config(info["probe"])
+    probe.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("probe.")})
+    buffer = None
+    if info.get("buffer_capacity") is not None:
+        buffer = ProbeBuffer(info["buffer_capacity"])
+        buffer.load_state_dict({k[7:]: v for k, v in tensors.items() if k.startswith("buffer.")})
+    return probe, buffer, info
+
+
+def save_probe_set(
+    path: str | Path,
+    probes: dict[str, OnlineProbe],
+    metadata: dict[str, Any] | None = None,
+    include_buffer: bool = True,
+) -> None:
+    """Write several named `OnlineProbe`s (e.g. one per domain) to ONE safetensors file plus `path` + '.json'.
+
+    Tensor keys are `domain.<i>.probe.*` / `domain.<i>.buffer.*`; the JSON lists the names in order (names may hold
+    any character), each with its probe settings and counters. Nothing is pickled.
+    """
+    path = Path(path)
+    tensors, domains = {}, []
+    for i, (name, online) in enumerate(probes.items()):
+        tensors.update({f"domain.{i}.{k}": v for k, v in online.state_dict(include_buffer).items()})
+        domains.append({"name": name, **online.info(include_buffer)})
+    save_file(tensors, str(path))
+    info = {**(metadata or {}), "domains": domains}
+    path.with_suffix(path.suffix + ".json").write_text(json.dumps(info, indent=2, sort_keys=True))
+
+
+def load_probe_set(
+    path: str | Path, single_name: str = "default"
+) -> tuple[dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]], dict]:
+    """Inverse of `save_probe_set`: {name: (tensors, per-probe info)} for `OnlineProbe.load_state`, and the JSON.
+
+    A single probe written by `save_probe_file` reads as one set member named `single_name`, with its buffer's
+    (N, D) features as the one slice of (N, 1, D).
+    """
+    path = Path(path)
+    info = json.loads(path.with_suffix(path.suffix + ".json").read_text())
+    tensors = load_file(str(path))
+    if "domains" not in info:  # save_probe_file's layout
+        if "probe" not in info:
+            raise ValueError(f"{path} holds neither a probe set (`save_probe_set`) nor a probe (`save_probe_file`).")
+        state = {k: v.unsqueeze(1) if k == "buffer.features" else v for k, v in tensors.items()}
+        steps = int(info.get("probe_steps", 0))
+        member = {"probe": info["probe"], "steps": steps, "layer": 0, "warm_started": False, "refit_from_step": 0}
+        return {single_name: (state, member)}, info
+    out = {}
+    for i, domain in enumerate(info["domains"]):
+        prefix = f"domain.{i}."
+        out[domain["name"]] = ({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}, domain)
+    return out, info

@@ -1,0 +1,245 @@
+"""`POISEEstimator` with plain tensors: its contract, its file (bit-for-bit round trip, atomic write, no pickle),
+the files of poise-trl 0.1 (tests/fixtures/legacy), and one device->host transfer per step."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from poise_trl import files
+from poise_trl.estimator import POISEEstimator
+from poise_trl.files import read_state
+
+from .host_sync import HostSyncCounter
+
+LEGACY = Path(__file__).parent / "fixtures" / "legacy"
+G = 2
+
+
+def _batch(step: int, n: int = 16, width: int = 6, domains: bool = False, rewards: tuple = (0.0, 1.0)):
+    """Features whose first column predicts the reward, binary rewards, prompt ids and (optionally) two domains."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(n, width, generator=g)
+    low, high = rewards
+    r = torch.where(torch.rand(n, generator=g) < torch.sigmoid(2 * x[:, 0]), high, low)
+    groups = torch.arange(n) // G + 100 * step
+    names = [["math", "code"][(i // G) % 2] for i in range(n)] if domains else None
+    return x, r, groups, names
+
+
+def _trained(steps: int = 4, **settings) -> POISEEstimator:
+    estimator = POISEEstimator(G, alpha=1.0, warmup_steps=1, **settings)
+    for step in range(steps):
+        x, r, groups, names = _batch(step, domains="domain" in settings.get("feature_config", {}))
+        estimator.advantages(x, r, domains=names)
+        estimator.observe(x, r, groups, domains=names)
+    return estimator
+
+
+def test_advantages_use_only_earlier_observations():
+    estimator = _trained()
+    x, r, _, _ = _batch(10)
+    first = estimator.advantages(x, r)
+    again = estimator.advantages(x, r)
+    assert torch.equal(first.advantages, again.advantages)  # advantages learn nothing
+    assert first.metrics()["bootstrap"] == 0.0 and torch.isfinite(first.baselines).all()
+    estimator.observe(x, r)
+    assert not torch.equal(estimator.advantages(x, r).advantages, first.advantages)  # observe does
+
+
+def test_state_round_trips_bit_for_bit_through_one_atomic_file(tmp_path):
+    settings = dict(scale_rewards="batch", domain_buffer_sizes={"code": 8}, feature_config={"domain": True})
+    estimator = _trained(6, **settings)
+    estimator.selection_draws = 3
+    path = tmp_path / "poise.safetensors"
+    estimator.save(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["poise.safetensors"]  # one file, no temporary left
+    with safe_open(str(path), framework="pt") as f:
+        assert json.loads(f.metadata()["poise"])["format"] == "poise-estimator/1"
+
+    loaded = POISEEstimator(G, alpha=1.0, warmup_steps=1, **settings)
+    loaded.load(path)
+    saved, restored = estimator.state_dict(), loaded.state_dict()
+    assert saved["info"] == restored["info"]
+    assert saved["tensors"].keys() == restored["tensors"].keys()
+    for key, tensor in saved["tensors"].items():
+        assert torch.equal(tensor, restored["tensors"][key]), key
+    assert loaded.selection_draws == 3 and len(loaded.probes["code"].buffer) == 8
+    for step in range(6, 9):  # the two continue identically
+        x, r, groups, names = _batch(step, domains=True)
+        a, b = estimator.advantages(x, r, domains=names), loaded.advantages(x, r, domains=names)
+        assert torch.equal(a.advantages, b.advantages) and a.metrics() == pytest.approx(b.metrics(), nan_ok=True)
+        estimator.observe(x, r, groups, domains=names)
+        loaded.observe(x, r, groups, domains=names)
+    for name, online in estimator.probes.items():
+        for key, tensor in online.probe.state_dict().items():
+            assert torch.equal(loaded.probes[name].probe.state_dict()[key], tensor), (name, key)
+
+
+def test_the_random_selection_stream_resumes_where_the_checkpoint_left_it(tmp_path):
+    estimator = POISEEstimator(G)
+    uninterrupted = [estimator.random_choice(10, 4, seed=7) for _ in range(5)]
+    first = POISEEstimator(G)
+    [first.random_choice(10, 4, seed=7) for _ in range(2)]
+    first.save(tmp_path / "e.safetensors")
+    resumed = POISEEstimator(G)
+    resumed.load(tmp_path / "e.safetensors")
+    assert [resumed.random_choice(10, 4, seed=7) for _ in range(3)] == uninterrupted[2:]
+    assert len({tuple(c) for c in uninterrupted}) > 1
+
+
+def test_an_interrupted_write_keeps_the_previous_file(tmp_path, monkeypatch):
+    estimator = _trained(2)
+    path = tmp_path / "poise.safetensors"
+    estimator.save(path)
+    before = path.read_bytes()
+
+    def crash(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(files, "save_file", crash)
+    with pytest.raises(OSError, match="disk full"):
+        _trained(3).save(path)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["poise.safetensors"]
+
+
+def test_resume_refuses_another_bootstrap_and_warm_start_accepts_it(tmp_path):
+    _trained(2, bootstrap="shrunk").save(tmp_path / "e.safetensors")
+    with pytest.raises(ValueError, match="probe_bootstrap='shrunk'.*this run sets probe_bootstrap='rloo'"):
+        POISEEstimator(G, alpha=1.0, bootstrap="rloo").load(tmp_path / "e.safetensors")
+    warm = POISEEstimator(G, alpha=1.0, bootstrap="rloo")
+    warm.load(tmp_path / "e.safetensors", warm_start=True)
+    assert warm.trusted and warm.steps == 0
+
+
+def test_bootstrap_counts_the_rows_that_really_got_the_fallback():
+    """A trusted probe, but one row without usable features: its partner's baseline falls back, its own does not."""
+    estimator = _trained(3)
+    x, r, _, _ = _batch(20)
+    x[5] = float("nan")
+    result = estimator.advantages(x, r)
+    metrics = result.metrics()
+    assert metrics["bootstrap"] == pytest.approx(1 / 16)
+    assert metrics["feature_rows_dropped"] == 1.0 and metrics["unscorable_rows"] == 0.0
+    intercept, weight = estimator.bootstrap_lines["default"]  # row 4's only partner, row 5, has no usable features
+    torch.testing.assert_close(result.baselines[4].double(), intercept + weight * r[5].double())
+    values = estimator.probes["default"].predict(torch.cat([x, r[:, None]], 1)[:, None])
+    assert result.baselines[5] == values[4]  # row 5's own baseline still comes from its partner's probe value
+
+
+def test_unscorable_rows_are_counted_apart_from_dropped_features():
+    estimator = _trained(2)
+    x, r, _, _ = _batch(30)
+    r[:3] = float("nan")
+    metrics = estimator.advantages(x, r).metrics()
+    assert metrics["unscorable_rows"] == 3.0 and metrics["feature_rows_dropped"] == 0.0
+
+
+@pytest.mark.parametrize(("low", "high"), [(0.0, 1.0), (-1.0, 1.0), (0.5, 1.5)])
+def test_selection_scores_the_reward_variance_on_the_observed_reward_range(low, high):
+    """q(1 - q) with q the predicted value mapped from the observed [low, high] to [0, 1]: with ±1 rewards a
+    prompt predicted at 0 (50% success) scores highest, not one at 0.5 (75% success) as p(1 - p) would say."""
+    estimator = POISEEstimator(G, alpha=1.0, warmup_steps=1, prompt_columns=(0, 6))
+    for step in range(3):
+        x, r, groups, _ = _batch(step, rewards=(low, high))
+        estimator.observe(x, r, groups)
+    values = torch.tensor([low, low + 0.5 * (high - low), low + 0.75 * (high - low), high])
+    estimator.prompt_values = lambda features: values
+    scores = estimator.selection_scores(torch.zeros(4, 6))
+    torch.testing.assert_close(scores, torch.tensor([0.0, 0.25, 0.1875, 0.0], dtype=torch.float64))
+
+
+def test_selection_waits_for_a_trusted_probe_and_a_warm_start_is_trusted(tmp_path):
+    cold = POISEEstimator(G, alpha=1.0, warmup_steps=5, prompt_columns=(0, 6))
+    x, r, groups, _ = _batch(0)
+    cold.observe(x, r, groups)
+    assert not cold.trusted and cold.prompt_values(torch.zeros(3, 6)) is None
+    _trained(3, prompt_columns=(0, 6)).save(tmp_path / "e.safetensors")
+    warm = POISEEstimator(G, alpha=1.0, warmup_steps=5, prompt_columns=(0, 6))
+    warm.load(tmp_path / "e.safetensors", warm_start=True)
+    assert warm.trusted and warm.prompt_values(torch.zeros(3, 6)).shape == (3,)
+
+
+def test_one_host_transfer_per_step():
+    """`advantages`, `observe` and reading the metrics and logged rows cost one device->host transfer together."""
+    estimator = POISEEstimator(G, alpha=1.0, warmup_steps=1, scale_rewards="batch")
+    counter = HostSyncCounter()
+    for step in range(5):
+        x, r, groups, _ = _batch(step)
+        r[0] = float("nan")
+        x[3] = float("inf")
+        counter.count, counter.calls = 0, []
+        with counter:
+            result = estimator.advantages(x, r)
+            estimator.observe(x, r, groups)
+            result.metrics()
+            result.logged_rows()
+        assert counter.count == 1, (step, counter.calls)
+
+
+# ------------------------------------------------------------------------------------------------ poise-trl 0.1
+def _legacy_estimator() -> POISEEstimator:
+    """Configured as tests/fixtures/legacy/make_legacy.py's run (its probe file's settings)."""
+    info = json.loads((LEGACY / "probe.safetensors.json").read_text())
+    return POISEEstimator(
+        G,
+        alpha=100.0,
+        pca_dims=[(0, 16, 16), (16, 32, 16)],
+        warmup_steps=1,
+        layers=[1],
+        feature_config={**info["feature_config"], "probe_domain_column": None},
+    )
+
+
+def test_a_0_1_checkpoint_resumes_exactly():
+    expected = load_file(str(LEGACY / "expected.safetensors"))
+    estimator = _legacy_estimator()
+    checkpoint = LEGACY / "checkpoint"
+    estimator.load(checkpoint / "poise_probe.safetensors", bootstrap_path=checkpoint / "poise_bootstrap.safetensors")
+    online = estimator.probes["default"]
+    assert torch.equal(online.predict(expected["inputs"]), expected["predictions"])
+    assert (estimator.steps, online.steps, len(online.buffer), len(estimator.bootstrap_pairs["default"])) == (
+        3,
+        3,
+        12,
+        12,
+    )
+    torch.testing.assert_close(estimator.bootstrap_lines["default"], expected["bootstrap_line"], rtol=1e-12, atol=0)
+    assert estimator.reward_std.state.tolist() == expected["reward_std"].tolist()
+
+
+def test_a_0_1_probe_file_warm_starts():
+    expected = load_file(str(LEGACY / "expected.safetensors"))
+    estimator = _legacy_estimator()
+    estimator.load(LEGACY / "probe.safetensors", warm_start=True)
+    online = estimator.probes["default"]
+    assert online.warm_started and online.trusted and estimator.steps == 0 and len(online.buffer) == 12
+    assert torch.equal(online.predict(expected["inputs"]), expected["predictions"])
+    state = read_state(LEGACY / "probe.safetensors")
+    assert state["info"]["feature_config"]["probe_domain_column"] is None
+
+
+def test_the_trainer_resumes_a_0_1_checkpoint_and_warns_without_one(tmp_path):
+    from poise_trl import POISETrainer
+    from poise_trl.demo.tiny import save_tiny
+
+    from .conftest import digit_dataset, digit_reward, short_args
+
+    model = save_tiny(tmp_path / "model", num_layers=2, hidden_size=16, seed=0)
+    trainer = POISETrainer(str(model), digit_reward, args=short_args(tmp_path), train_dataset=digit_dataset())
+    checkpoint = tmp_path / "checkpoint-3"
+    shutil.copytree(LEGACY / "checkpoint", checkpoint)
+    trainer._load_optimizer_and_scheduler(str(checkpoint))
+    expected = load_file(str(LEGACY / "expected.safetensors"))
+    assert torch.equal(trainer.probes["default"].predict(expected["inputs"]), expected["predictions"])
+    assert trainer.probe_steps == 3 and len(trainer.bootstrap_pairs["default"]) == 12
+
+    empty = tmp_path / "checkpoint-9"
+    empty.mkdir()
+    with pytest.warns(UserWarning, match="checkpoint-9.*holds no POISE state"):
+        trainer._load_optimizer_and_scheduler(str(empty))
