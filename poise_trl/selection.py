@@ -1,4 +1,5 @@
-"""Value-guided prompt selection (beyond the paper): the part of `POISETrainer` that touches TRL's sampler.
+"""Value-guided prompt selection (beyond the paper) and exact resumes: the part of `POISETrainer` that touches TRL's
+sampler.
 
 Kept beside trainer.py (and mixed into `POISETrainer` only) so that the trainer stays TRL glue of one screenful per
 concern; like trainer.py it knows TRL internals, and nothing else in the package imports it. The hook is the least
@@ -6,18 +7,45 @@ invasive one TRL allows: TRL's `RepeatSampler` draws `prompt_selection_oversampl
 batch, each process receives its own shard of whole candidate groups as usual, and `_select_prompts` keeps the best
 whole groups of its shard before TRL generates, so generation (vLLM included), rewards, shuffling and the batch
 sizes TRL expects downstream are unchanged. The prediction costs one no-grad forward of the training model over the
-candidates' prompt tokens.
+candidates' prompt tokens. `ResumableSampler` makes a resumed run see the prompts an uninterrupted run would.
 """
 
 import json
 import math
+from collections.abc import Callable, Iterator
 
 import torch
 from datasets import IterableDataset
+from transformers import TrainerState
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import pad
+from trl.trainer.utils import RepeatSampler, pad
 
 from .features import capture_layer, feature_spans, find_decoder_layers
+
+
+class ResumableSampler(RepeatSampler):
+    """TRL's `RepeatSampler` as TRL built it, made to resume where an uninterrupted run would be.
+
+    - TRL's sampler draws epoch e's permutation as the (e+1)-th from one generator seeded once, so the fresh sampler
+      of a resumed run would shuffle epoch e like epoch 0: a resume in any epoch after the first would train on
+      other prompts. Each pass rewinds the generator to epoch e first (transformers' `set_epoch` does not reach the
+      sampler on every path).
+    - A finished run (global step >= max steps) yields nothing: transformers would otherwise run one extra step when
+      resumed from its final checkpoint in mid-epoch."""
+
+    def __init__(self, sampler: RepeatSampler, state: Callable[[], TrainerState]):
+        vars(self).update(vars(sampler))  # everything TRL set, unchanged
+        self.state = state
+
+    def __iter__(self) -> Iterator[int]:
+        state = self.state()
+        if state.max_steps > 0 and state.global_step >= state.max_steps:
+            return iter(())
+        if self.shuffle and self.seed is not None:
+            self.generator.manual_seed(self.seed)
+            for _ in range(int(state.epoch)):
+                torch.randperm(self.num_samples, generator=self.generator)
+        return super().__iter__()
 
 
 class ValueGuidedSelection:
@@ -61,11 +89,12 @@ class ValueGuidedSelection:
         )
 
     def _get_train_sampler(self, dataset=None):
-        """TRL's `RepeatSampler`, drawing `selection_candidates` prompts per process under prompt_selection."""
+        """TRL's `RepeatSampler`, drawing `selection_candidates` prompts per process under prompt_selection, and
+        resuming where an uninterrupted run would be (`ResumableSampler`)."""
         sampler = super()._get_train_sampler(dataset)
         if self.args.prompt_selection is not None:
             sampler.batch_size = self.selection_candidates * self.accelerator.num_processes
-        return sampler
+        return ResumableSampler(sampler, lambda: self.state)
 
     def _prefill_prompts(self, prompts: list) -> tuple[torch.Tensor, int]:
         """Pooled last-n prompt states at the probe layer from one no-grad pass over the prompt tokens only (tokenized

@@ -69,7 +69,7 @@ class POISETrainer(ValueGuidedSelection, GRPOTrainer):
     - `_calculate_rewards`: keep the gathered rewards; `_generate`: keep the tool/env mask, so features use only the
       tokens the policy generated;
     - `get_train_dataloader`, `_get_train_sampler`: with `prompt_selection`, draw `prompt_selection_oversample` times
-      more candidate prompts through TRL's `RepeatSampler`;
+      more candidate prompts through TRL's `RepeatSampler`; resume with the prompts of an uninterrupted run;
     - `_save_checkpoint`, `_load_optimizer_and_scheduler`: the estimator's one file travels with every checkpoint;
     - `create_model_card`: TRL's card plus how POISE was configured and its last probe diagnostics.
 

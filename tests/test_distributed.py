@@ -1,27 +1,17 @@
 """Two CPU processes (gloo) against one on the same global batch, with a group straddling the two ranks."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from .distributed.launch import launch
 
 SCRIPT = Path(__file__).parent / "distributed" / "poise_ranks.py"
 
 
 def _launch(tiny_model_path: Path, out: Path, processes: int) -> list[dict]:
     # 2 processes x 3 rows with G=2: rows 0-2 on rank 0 and 3-5 on rank 1, so group (2, 3) straddles the ranks.
-    per_device = 6 // processes
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_NUM_THREADS": "1"}
-    command = [*launcher, str(SCRIPT), str(tiny_model_path), str(out), str(per_device)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(processes)]
-    assert all(r["world"] == processes for r in ranks)  # really `processes` processes, not one
-    return ranks
+    return launch(SCRIPT, [str(tiny_model_path), str(out), str(6 // processes)], out, processes)
 
 
 @pytest.fixture(scope="module")

@@ -1,29 +1,14 @@
 """Value-guided prompt selection on two CPU processes (gloo): each rank selects whole groups from its own shard."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from .distributed.launch import launch
 
 SCRIPT = Path(__file__).parent / "distributed" / "selection_ranks.py"
 
 
 def test_two_ranks_select_whole_groups_from_their_own_shards(tiny_model_path, tmp_path):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    root = str(Path(__file__).parents[1])  # the checkout under test, even where another copy is installed
-    python_path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path}
-    result = subprocess.run(
-        [*launcher, str(SCRIPT), str(tiny_model_path), str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
-    assert rank0["world"] == rank1["world"] == 2
+    rank0, rank1 = launch(SCRIPT, [str(tiny_model_path), str(tmp_path)], tmp_path)
     assert len(rank0["steps"]) == len(rank1["steps"]) == 3
     for step0, step1 in zip(rank0["steps"], rank1["steps"], strict=True):
         assert not set(step0["candidates"]) & set(step1["candidates"])  # disjoint shards

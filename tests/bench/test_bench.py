@@ -15,7 +15,7 @@ import torch
 from poise_trl.bench.cli import add_bench_parser
 from poise_trl.bench.common import CONTENDERS, PAPER_PINS, bootstrap_median, spread
 from poise_trl.bench.efficiency import _config, micro_batching
-from poise_trl.bench.overhead import Baton
+from poise_trl.bench.overhead.timing import Baton
 from poise_trl.bench.summary import _paired, completions_to_gain, normalized_auc, reference_gain
 from poise_trl.bench.trainers import DynamicSampling, unavailable_reason
 

@@ -1,10 +1,9 @@
 """Run POISE on a deterministic rollout with 1 or 2 CPU processes and dump what each rank saw (launched by tests)."""
 
-import json
 import sys
 
-import torch
 from datasets import Dataset
+from rank_io import finish
 
 from poise_trl import POISEConfig, POISETrainer
 
@@ -64,7 +63,4 @@ dataset = Dataset.from_list([{"prompt": f"{i}+{(7 * i) % 13}"} for i in range(24
 trainer = Recording(MODEL, reward, args=args, train_dataset=dataset, rollout_func=rollout)
 trainer.steps = []
 trainer.train()
-rank = trainer.accelerator.process_index
-with open(f"{OUT}/rank{rank}.json", "w") as f:
-    json.dump({"world": trainer.accelerator.num_processes, "steps": trainer.steps}, f)
-torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
+finish(OUT, trainer.accelerator.process_index, {"world": trainer.accelerator.num_processes, "steps": trainer.steps})

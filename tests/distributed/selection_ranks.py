@@ -1,10 +1,9 @@
 """Run value-guided prompt selection with 1 or 2 CPU processes and dump what each rank chose (launched by tests)."""
 
-import json
 import sys
 
-import torch
 from datasets import Dataset
+from rank_io import finish
 
 from poise_trl import POISEConfig, POISETrainer
 
@@ -60,9 +59,5 @@ trainer.train()
 logs = [h for h in trainer.state.log_history if "poise/selection/random" in h]
 metrics = {k: [h[k] for h in logs] for k in logs[0] if k.startswith("poise/selection/")}
 probe = {k: v.flatten().tolist() for k, v in trainer.value_probe.state_dict().items()}
-rank = trainer.accelerator.process_index
-with open(f"{OUT}/rank{rank}.json", "w") as f:
-    json.dump(
-        {"world": trainer.accelerator.num_processes, "steps": trainer.steps, "metrics": metrics, "probe": probe}, f
-    )
-torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
+results = {"world": trainer.accelerator.num_processes, "steps": trainer.steps, "metrics": metrics, "probe": probe}
+finish(OUT, trainer.accelerator.process_index, results)

@@ -1,0 +1,149 @@
+"""`poise-trl bench overhead`, the implementation; the method is `bench.OVERHEAD_DESCRIPTION` (`--help`).
+
+Its parts: `timing` (alternated step times), `memory` (peak memory per contender, in fresh processes), `probe_fit`
+(the probe's refit against scikit-learn); this module runs them and writes the report.
+"""
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..common import environment, fmt, fmt_spread, format_table, quiet_libraries, ratio, set_cpu_threads, write_json
+from .memory import measure_memory
+from .probe_fit import probe_fit_benchmark
+from .timing import Row, model_and_prompts, time_row
+
+__all__ = ["format_report", "headline", "probe_fit_benchmark", "run_overhead"]
+
+
+def format_report(timing: list[dict], memory: list[dict], probe: list[dict], settings: dict[str, Any]) -> str:
+    headers = [
+        "setting",
+        "POISE s/cycle",
+        "GRPO s/cycle",
+        "time ratio median [min, max]",
+        "POISE passes/cycle",
+        "POISE refit s/step",
+        "peak MiB POISE / GRPO",
+        "peak ratio",
+    ]
+    memory_by_name = {m["name"]: m for m in memory}
+    rows = []
+    for t in timing:
+        m = memory_by_name.get(t["name"], {})
+        peaks = "–"
+        if "poise" in m:
+            peaks = f"{m['poise']['training_peak_mib']:.0f} / {m['grpo']['training_peak_mib']:.0f}"
+        rows.append(
+            [
+                t["name"],
+                fmt_spread(t["poise_cycle_seconds"]),
+                fmt_spread(t["grpo_cycle_seconds"]),
+                fmt_spread(t["time_ratio"]),
+                str(t["extra_passes_observed"]),
+                fmt_spread(t["poise_probe_fit_seconds_per_step"], 2),
+                peaks,
+                fmt(m.get("training_peak_ratio")),
+            ]
+        )
+    for p in probe:
+        gpu = f", GPU {p['torch_gpu_seconds']:.3f} s" if "torch_gpu_seconds" in p else ""
+        rows.append(
+            [
+                f"probe fit {p['shape'][0]}×{p['shape'][1]} ({p['preset']})",
+                f"{p['torch_cpu_seconds']:.2f} (torch CPU{gpu})",
+                f"{p['sklearn_seconds']:.2f} (sklearn)",
+                fmt(ratio(p["torch_cpu_seconds"], p["sklearn_seconds"])),
+                "–",
+                "–",
+                f"max |Δpred| {p['max_abs_prediction_difference']:.1e}",
+                "–",
+            ]
+        )
+    return format_table(headers, rows) + "\n" + headline(timing, memory, probe, settings)
+
+
+def headline(timing: list[dict], memory: list[dict], probe: list[dict], settings: dict[str, Any]) -> str:
+    parts = [f"{t['name']} ×{fmt(t['time_ratio']['median'])}" for t in timing]
+    line = f"Summary: POISE/GRPO step time at G={settings['group_size']}: " + ", ".join(parts)
+    peaks = [m["training_peak_ratio"] for m in memory if m.get("training_peak_ratio") is not None]
+    if peaks:
+        line += f"; training peak memory ×{fmt(min(peaks))}–×{fmt(max(peaks))}"
+    for p in probe:
+        if p["preset"] == "paper":
+            line += (
+                f"; probe fit {p['shape'][0]}×{p['shape'][1]} {p['torch_cpu_seconds']:.2f} s vs sklearn "
+                f"{p['sklearn_seconds']:.2f} s"
+            )
+            if "torch_gpu_seconds" in p:
+                line += f" (GPU {p['torch_gpu_seconds']:.3f} s)"
+    return line + "."
+
+
+def run_overhead(args: argparse.Namespace) -> int:
+    """Handler of `poise-trl bench overhead`."""
+    quiet_libraries()
+    set_cpu_threads(args.cpu_threads)
+    if args.completions_per_step % args.group_size:
+        raise SystemExit("--completions-per-step must be a multiple of --group-size")
+    if args.per_device_batch_size is not None and args.completions_per_step % args.per_device_batch_size:
+        raise SystemExit("--completions-per-step must be a multiple of --per-device-batch-size")
+    if args.gradient_checkpointing is None:
+        args.gradient_checkpointing = args.model is not None  # a real model's activations need it (OOM otherwise)
+    output_dir = Path(args.output_dir)
+    settings = {
+        key: getattr(args, key)
+        for key in (
+            "completion_lengths", "extra_passes", "group_size", "completions_per_step", "per_device_batch_size",
+            "cycles", "warmup_cycles",
+            "memory_cycles", "learning_rate", "seed", "model", "train_dataset", "train_limit",
+            "gradient_checkpointing", "cpu_threads", "probe_fit_rows", "probe_fit_hidden", "probe_fit_repeats",
+        )
+    }  # fmt: skip
+    settings.update(
+        output_dir=str(output_dir),
+        cache_dir=str(args.cache_dir or output_dir / "models"),
+        thread_timeout=args.thread_timeout,
+    )
+    if args.model is not None and args.train_dataset is None:
+        raise SystemExit("--model needs --train-dataset (its prompts)")
+    rows = [Row(length, passes) for length in args.completion_lengths for passes in args.extra_passes]
+    start = time.perf_counter()
+    model, prompts = model_and_prompts(settings)
+    timing = []
+    for row in rows:
+        timing.append(time_row(row, settings, model, prompts))
+        print(f"[bench overhead] {row.name}: time ratio {fmt_spread(timing[-1]['time_ratio'])}", flush=True)
+        if timing[-1]["extra_passes_observed"] != row.extra_passes:
+            print(
+                f"  warning: POISE ran {timing[-1]['extra_passes_observed']} passes per cycle, not {row.extra_passes}"
+            )
+    memory = [] if args.skip_memory else measure_memory(rows, settings)
+    probe = (
+        []
+        if args.skip_probe_fit
+        else probe_fit_benchmark(args.probe_fit_repeats, args.probe_fit_hidden, args.probe_fit_rows)
+    )
+    report = format_report(timing, memory, probe, settings)
+    path = write_json(
+        output_dir / "overhead.json",
+        {
+            "command": "poise-trl bench overhead",
+            "settings": settings,
+            "environment": environment(),
+            "wall_seconds": time.perf_counter() - start,
+            "timing": timing,
+            "memory": memory,
+            "memory_method": "torch.cuda.max_memory_allocated"
+            if torch.cuda.is_available()
+            else "Linux VmHWM (peak RSS) reset after trainer construction, MALLOC_MMAP_THRESHOLD_=65536",
+            "probe_fit": probe,
+            "headline": report.splitlines()[-1],
+        },
+    )
+    print(f"wrote {path}\n")
+    print(report)  # its last line is the one-line summary
+    return 0

@@ -1,0 +1,245 @@
+"""`bench overhead`'s timing: POISE and GRPO trainers on the same model and prompts, taking turns cycle by cycle.
+
+Alternating the two in one process (threads passing a baton) exposes both to the same machine load, so their per-cycle
+ratio is paired; the trainers are built here and reused by the memory worker.
+"""
+
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+from transformers.trainer_callback import PrinterCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from poise_trl.config import POISEConfig
+from poise_trl.demo.model import prepare_demo_model
+from poise_trl.demo.tasks import make_sort_splits
+from poise_trl.rlvr.data import load_math_dataset
+from poise_trl.trainer import POISETrainer
+
+from ..common import spread, trainer_device_args
+
+
+def any_text_reward(completions: list, **kwargs: Any) -> list[float]:
+    """Fraction of digits in the completion: defined for any text, so forced-length completions are all scored."""
+    texts = [c if isinstance(c, str) else "".join(str(m["content"]) for m in c) for c in completions]
+    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One timed setting: forced completion length and whether POISE needs a forward pass of its own."""
+
+    completion_length: int
+    extra_passes: int  # 1: POISE runs its own feature pass; 0: it captures inside TRL's old-log-prob pass
+
+    @property
+    def steps_per_cycle(self) -> int:
+        return 1 if self.extra_passes else 2
+
+    @property
+    def name(self) -> str:
+        return f"{self.completion_length} tok, +{self.extra_passes} pass"
+
+
+def _config(algorithm: str, row: Row, settings: dict[str, Any], max_steps: int, output_dir: str):
+    """Both trainers' config; `--per-device-batch-size` micro-batches with gradient accumulation, so a real model's
+    completions per optimizer step stay `--completions-per-step` without holding them all in one forward pass."""
+    per_device = settings["per_device_batch_size"] or settings["completions_per_step"]
+    accumulation = settings["completions_per_step"] // per_device
+    common = dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accumulation,
+        # Generation once per cycle: +1 pass, one optimizer step (TRL needs no old log-probs); +0 pass, two (it does).
+        steps_per_generation=row.steps_per_cycle * accumulation,
+        num_generations=settings["group_size"],
+        max_steps=max_steps,
+        learning_rate=settings["learning_rate"],
+        lr_scheduler_type="constant",
+        epsilon_high=0.28,
+        beta=0.0,
+        loss_type="dapo",
+        max_completion_length=row.completion_length,
+        generation_kwargs={"min_new_tokens": row.completion_length},
+        seed=settings["seed"],
+        **trainer_device_args(settings["gradient_checkpointing"]),
+    )
+    if algorithm == "poise":
+        return POISEConfig(**common)
+    return GRPOConfig(**common)
+
+
+def model_and_prompts(settings: dict[str, Any]) -> tuple[str, Dataset]:
+    """The model and prompts: the warm-started demo model on sort prompts, or `--model` on `--train-dataset`."""
+    if settings["model"] is None:
+        path = prepare_demo_model(settings["cache_dir"], seed=settings["seed"])
+        train, _ = make_sort_splits(seed=settings["seed"])
+        return str(path), train
+    return settings["model"], load_math_dataset(settings["train_dataset"], limit=settings["train_limit"])
+
+
+def build_trainer(algorithm: str, row: Row, settings: dict[str, Any], cycles: int, model: str, prompts: Dataset):
+    """One contender's trainer for one row, training `cycles` generation cycles; POISE's probe buffer is filled to
+    capacity after the first (`SteadyStateProbe`)."""
+    trainer_class = POISETrainer if algorithm == "poise" else GRPOTrainer
+    output_dir = str(Path(settings["output_dir"]) / "runs" / f"{algorithm}_{row.completion_length}_{row.extra_passes}")
+    trainer = trainer_class(
+        model=model,
+        reward_funcs=any_text_reward,
+        args=_config(algorithm, row, settings, cycles * row.steps_per_cycle, output_dir),
+        train_dataset=prompts,
+    )
+    trainer.remove_callback(PrinterCallback)
+    if algorithm == "poise":
+        trainer.add_callback(SteadyStateProbe(trainer, row.steps_per_cycle))
+    return trainer
+
+
+def fill_probe_buffer(trainer: POISETrainer) -> None:
+    """Repeat the buffered rows up to the buffer's capacity, so each refit costs what it costs in steady state."""
+    buffer = trainer.probe_buffer
+    missing = buffer.capacity - len(buffer)
+    if missing <= 0 or len(buffer) == 0:
+        return
+    index = torch.arange(missing) % len(buffer)
+    extra = {} if buffer.groups is None else {"groups": buffer.groups[index]}
+    buffer.add(buffer.features[index], buffer.targets[index], **extra)
+
+
+class SteadyStateProbe(TrainerCallback):
+    """After the first generation cycle, fill POISE's probe buffer to capacity (untimed; that cycle is warm-up)."""
+
+    def __init__(self, trainer: POISETrainer, steps_per_cycle: int):
+        self.trainer, self.steps_per_cycle = trainer, steps_per_cycle
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.steps_per_cycle:
+            fill_probe_buffer(self.trainer)
+
+
+class Baton:
+    """Turn-taking between trainer threads: each runs one cycle while the others wait; all start together."""
+
+    def __init__(self, parties: int, timeout: float):
+        self._condition = threading.Condition()
+        self._parties, self._timeout = parties, timeout
+        self._arrived, self._turn = 0, 0
+        self._finished = [False] * parties
+        self._aborted = False
+
+    def arrive(self, me: int) -> None:
+        with self._condition:
+            self._arrived += 1
+            self._condition.notify_all()
+        self.wait_turn(me)
+
+    def wait_turn(self, me: int) -> None:
+        with self._condition:
+            ready = self._condition.wait_for(
+                lambda: self._aborted or (self._arrived == self._parties and self._turn == me), self._timeout
+            )
+            if self._aborted:
+                raise RuntimeError("another benchmark thread failed")
+            if not ready:
+                raise TimeoutError(f"thread {me} waited more than {self._timeout} s for its turn")
+
+    def pass_on(self, me: int, finished: bool) -> None:
+        with self._condition:
+            self._finished[me] = self._finished[me] or finished
+            waiting = [(me + i) % self._parties for i in range(1, self._parties + 1)]
+            self._turn = next((p for p in waiting if not self._finished[p]), me)
+            self._condition.notify_all()
+
+    def abort(self) -> None:
+        with self._condition:
+            self._aborted = True
+            self._condition.notify_all()
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class CycleTimer(TrainerCallback):
+    """Times each generation cycle (`steps_per_cycle` optimizer steps) of one trainer, taking turns via a Baton."""
+
+    def __init__(self, baton: Baton, me: int, steps_per_cycle: int, trainer: Any):
+        self.baton, self.me, self.steps_per_cycle, self.trainer = baton, me, steps_per_cycle, trainer
+        self.seconds: list[float] = []
+        self.feature_passes: list[int] = []
+        self._start = 0.0
+        self._passes = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.baton.arrive(self.me)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step % self.steps_per_cycle == 0:
+            _synchronize()
+            self._passes = getattr(self.trainer, "feature_passes", 0)
+            self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.steps_per_cycle:
+            return
+        _synchronize()
+        self.seconds.append(time.perf_counter() - self._start)
+        self.feature_passes.append(getattr(self.trainer, "feature_passes", 0) - self._passes)
+        finished = state.global_step >= state.max_steps
+        self.baton.pass_on(self.me, finished)
+        if not finished:
+            self.baton.wait_turn(self.me)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.baton.pass_on(self.me, finished=True)
+
+
+def time_row(row: Row, settings: dict[str, Any], model: str, prompts: Dataset) -> dict[str, Any]:
+    """POISE and GRPO alternate cycle by cycle; returns per-cycle times and their paired ratios."""
+    cycles = settings["warmup_cycles"] + settings["cycles"]
+    trainers = {name: build_trainer(name, row, settings, cycles, model, prompts) for name in ("poise", "grpo")}
+    baton = Baton(len(trainers), timeout=settings["thread_timeout"])
+    timers = {}
+    for me, (name, trainer) in enumerate(trainers.items()):
+        timers[name] = CycleTimer(baton, me, row.steps_per_cycle, trainer)
+        trainer.add_callback(timers[name])
+    errors: list[BaseException] = []
+
+    def train(trainer: Any) -> None:
+        try:
+            trainer.train()
+        except BaseException as error:  # re-raised in the main thread below
+            errors.append(error)
+            baton.abort()
+
+    threads = [threading.Thread(target=train, args=(t,), name=f"bench-{n}") for n, t in trainers.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    skip = settings["warmup_cycles"]
+    poise, grpo = (timers[name].seconds[skip:] for name in ("poise", "grpo"))
+    passes = timers["poise"].feature_passes[skip:]
+    timed_steps = [h for h in trainers["poise"].state.log_history if "poise/probe_fit_seconds" in h]
+    timed_steps = timed_steps[skip * row.steps_per_cycle :]
+    return {
+        "row": asdict(row),
+        "name": row.name,
+        "poise_seconds": poise,
+        "grpo_seconds": grpo,
+        "poise_feature_passes_per_cycle": passes,
+        "time_ratio": spread(p / g for p, g in zip(poise, grpo, strict=True)),
+        "poise_cycle_seconds": spread(poise),
+        "grpo_cycle_seconds": spread(grpo),
+        "extra_passes_observed": max(passes) if passes else None,
+        "poise_probe_fit_seconds_per_step": spread(h["poise/probe_fit_seconds"] for h in timed_steps),
+    }

@@ -1,0 +1,1 @@
+"""A training run for the crash test to kill (`train_child.py`), launched as a subprocess."""
