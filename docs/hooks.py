@@ -41,9 +41,7 @@ def config_fields_table() -> str:
         changed = f" (GRPOConfig: `{_default(parent[field.name])!r}`)" if field.name in parent else ""
         # `list[str]` is an alias whose __name__ is just "list": print generics in full.
         type_name = field.type.__name__ if isinstance(field.type, type) else str(field.type).replace("typing.", "")
-        rows.append(
-            f"| `{field.name}` | `{_cell(type_name)}` | `{_default(field)!r}`{changed} | {_cell(help_text)} |"
-        )
+        rows.append(f"| `{field.name}` | `{_cell(type_name)}` | `{_default(field)!r}`{changed} | {_cell(help_text)} |")
     return "\n".join(rows)
 
 

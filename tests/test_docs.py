@@ -185,9 +185,12 @@ def shell_env(checkout, tmp_path_factory) -> dict[str, str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("block", UNIQUE_RUN_BLOCKS, ids=lambda b: b.id)
 def test_documented_blocks_run(block: Block, checkout: Path, shell_env: dict[str, str]):
-    command = ["bash", "-euo", "pipefail", "-c", block.text] if block.lang == "bash" else [sys.executable, "-c", block.text]
-    done = subprocess.run(command, cwd=checkout, env=shell_env, capture_output=True, text=True, timeout=600)
+    shell = ["bash", "-euo", "pipefail", "-c"] if block.lang == "bash" else [sys.executable, "-c"]
+    run = dict(cwd=checkout, env=shell_env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([*shell, block.text], **run)
     assert done.returncode == 0, f"{block.id} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    printed = set(re.findall(r"'(poise/[\w/]+)'", done.stdout + done.stderr))  # the trainer's log lines
+    assert not [key for key in printed if not documented(key)], f"{block.id} logs keys missing from docs/metrics.md"
 
 
 METRIC = re.compile(r"poise/[\w/<>ℓ.-]*\w>?")
