@@ -110,10 +110,10 @@ def checkout(tmp_path_factory) -> Path:
 def shell_env(checkout, tmp_path_factory) -> dict[str, str]:
     """`python` is this interpreter and `poise-trl` the checkout's CLI; the model cache starts empty."""
     bin_dir = tmp_path_factory.mktemp("bin")
-    (bin_dir / "python").symlink_to(sys.executable)
-    cli = bin_dir / "poise-trl"
-    cli.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m poise_trl.cli "$@"\n')
-    cli.chmod(0o755)
+    # Wrappers, not symlinks: a symlinked venv interpreter would not find its venv.
+    for name, command in (("python", ""), ("poise-trl", " -m poise_trl.cli")):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec "{sys.executable}"{command} "$@"\n')
+        (bin_dir / name).chmod(0o755)
     return {
         **os.environ,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
