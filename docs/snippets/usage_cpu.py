@@ -15,8 +15,6 @@ args = POISEConfig(
     max_completion_length=32,
     use_cpu=True,
     bf16=False,
-    gradient_checkpointing=False,
-    report_to="none",
 )
 trainer = POISETrainer(model=model, reward_funcs=math_answer_reward, args=args, train_dataset=dataset)
 trainer.train()
