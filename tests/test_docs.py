@@ -125,51 +125,70 @@ def shell_env(checkout, tmp_path_factory) -> dict[str, str]:
     }
 
 
-STUBS = {
-    # Parse with the CLI's own parser, run nothing.
-    "poise-trl": "from poise_trl.cli import build_parser\nbuild_parser().parse_args(sys.argv[1:])\n",
-    # `accelerate launch [--config_file F] [...] SCRIPT ARGS`: the launch config exists, and the training script's
-    # own parser loads the recipe and every override (`--use_cpu true`: bf16 recipes are refused without a GPU).
-    "accelerate": """argv = sys.argv[1:]
-assert argv[0] == "launch", argv
-if "--config_file" in argv:
-    assert Path(argv[argv.index("--config_file") + 1]).is_file(), argv
-script = next(i for i, word in enumerate(argv) if word.endswith(".py"))
-assert Path(argv[script]).is_file(), argv[script]
-sys.path.insert(0, str(Path(argv[script]).parent))
-import train_poise
-train_poise.parse_args([*argv[script + 1 :], "--use_cpu", "true"])
-""",
-    "make": """makefile = Path("Makefile").read_text()
-for target in sys.argv[1:]:
-    assert re.search(rf"^{re.escape(target)}:", makefile, re.M), f"no make target {target}"
-""",
-    "trl": "",  # TRL's own CLI (`trl vllm-serve`): not ours to parse
-    "pip": "",  # needs a package index
-}
+# Commands that need a GPU, the Hub, a package index or minutes: stand-ins that only record their argv, which the
+# test then parses in-process (one import of the parsers for all blocks).
+STUBBED = ("poise-trl", "accelerate", "make", "trl", "pip")
 
 
 @pytest.fixture(scope="module")
 def parse_env(shell_env, tmp_path_factory) -> dict[str, str]:
-    """`shell_env` with the commands a GPU, the Hub or minutes would need replaced by parse-only stubs."""
     bin_dir = tmp_path_factory.mktemp("stubs")
-    for name, body in STUBS.items():
-        (bin_dir / name).write_text(f"#!{sys.executable}\nimport re, sys\nfrom pathlib import Path\n{body}")
+    for name in STUBBED:
+        (bin_dir / name).write_text(
+            f'#!/bin/sh\nprintf "%s\\0" {name} "$@" >> "$DOCS_ARGV_LOG"\nprintf "\\n" >> "$DOCS_ARGV_LOG"\n'
+        )
         (bin_dir / name).chmod(0o755)
     return {**shell_env, "PATH": f"{bin_dir}{os.pathsep}{shell_env['PATH']}"}
 
 
+def parse_recorded(argv: list[str], checkout: Path) -> None:
+    """`poise-trl` by the CLI's parser; `accelerate launch ... SCRIPT ARGS` by the script's own parser (which loads
+    the YAML recipe; `--use_cpu true` because bf16 recipes are refused without a GPU); `make` targets looked up."""
+    from poise_trl.cli import build_parser
+
+    name, args = argv[0], argv[1:]
+    if name == "poise-trl":
+        build_parser().parse_args(args)
+    elif name == "accelerate":
+        assert args[0] == "launch", argv
+        if "--config_file" in args:
+            assert (checkout / args[args.index("--config_file") + 1]).is_file(), argv
+        script = next(i for i, word in enumerate(args) if word.endswith(".py"))
+        assert args[script] == "examples/train_poise.py", argv
+        sys.path.insert(0, str(checkout / "examples"))
+        cwd = os.getcwd()
+        os.chdir(checkout)
+        try:
+            import train_poise
+
+            train_poise.parse_args([*args[script + 1 :], "--use_cpu", "true"])
+        finally:
+            os.chdir(cwd)
+            sys.path.pop(0)
+    elif name == "make":
+        makefile = (checkout / "Makefile").read_text()
+        for target in args:
+            assert re.search(rf"^{re.escape(target)}:", makefile, re.M), f"no make target {target}"
+    # `trl` (TRL's own CLI, e.g. `trl vllm-serve`) and `pip` are not ours to parse.
+
+
 @pytest.mark.parametrize("block", [b for b in CODE_BLOCKS if b.requires], ids=lambda b: b.id)
-def test_marked_blocks_parse(block: Block, checkout: Path, parse_env: dict[str, str]):
-    """Python is compiled; a shell block is syntax-checked, then run with parse-only stubs for `poise-trl`,
-    `accelerate`, `make`, `trl` and `pip`, so loops and variables expand and every real argv is parsed."""
+def test_marked_blocks_parse(block: Block, checkout: Path, parse_env: dict[str, str], tmp_path):
+    """Python is compiled; a shell block is syntax-checked, then run with the stand-ins, so loops and variables
+    expand, and every command it would run is parsed."""
     if block.lang == "python":
         compile(block.text, block.id, "exec")
         return
     subprocess.run(["bash", "-n"], input=block.text, text=True, check=True)
-    run = dict(cwd=checkout, env=parse_env, capture_output=True, text=True, timeout=300)
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", block.text], **run)
-    assert done.returncode == 0, f"{block.id} does not parse:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    log = tmp_path / "argv.log"
+    log.write_text("")
+    run = dict(cwd=checkout, env={**parse_env, "DOCS_ARGV_LOG": str(log)}, capture_output=True, text=True)
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", block.text], **run, timeout=300)
+    assert done.returncode == 0, f"{block.id}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    recorded = [line.split("\0")[:-1] for line in log.read_text().splitlines()]
+    assert recorded, f"{block.id} runs none of {STUBBED}"
+    for argv in recorded:
+        parse_recorded(argv, checkout)
 
 
 @pytest.mark.slow
