@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test docs lint clean
 
 $(BIN)/poise-trl: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,11 @@ demo: install
 
 test: install
 	$(BIN)/ruff check poise_trl tests examples
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 	$(BIN)/python -m pytest -q
 
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs site .pytest_cache

@@ -1,0 +1,333 @@
+"""The README and the docs are tested: every shell command and Python block either runs or is at least parsed.
+
+Blocks are fenced ```bash / ```python in README.md and docs/*.md. A block preceded by an HTML comment
+`<!-- requires: gpu, hub, network, long -->` cannot run here (a GPU, the Hugging Face Hub, a package index, or
+minutes of CPU; `make test` itself is one), and `<!-- requires: sketch -->` marks an illustration with
+placeholders (`...`): such blocks are parsed instead (Python compiled;
+shell run with parse-only stand-ins, so `poise-trl` argv goes through the CLI's parser, `accelerate launch
+examples/train_poise.py` argv and its YAML recipe through the script's `TrlParser`, and `make` targets are looked
+up). Every other block is executed in a fresh copy of the checkout, with `python` the test's interpreter and
+`poise-trl` the CLI of that copy.
+"""
+
+import os
+import re
+import textwrap
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^\s*```(\w*)\s*$")
+REQUIRES = re.compile(r"<!--\s*requires:\s*([\w ,-]+?)\s*-->")
+SNIPPET = re.compile(r'^--8<--\s+"([^"]+)"\s*$')
+RUNNABLE = {"bash", "python"}
+
+
+@dataclass
+class Block:
+    page: Path
+    line: int
+    lang: str
+    text: str
+    requires: set[str] = field(default_factory=set)
+
+    @property
+    def id(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def expand_snippets(text: str) -> str:
+    """pymdownx.snippets' `--8<-- "path"` lines, resolved from the repository root as mkdocs.yml configures it."""
+    return "".join(
+        (ROOT / m.group(1)).read_text() if (m := SNIPPET.match(line)) else line + "\n" for line in text.splitlines()
+    )
+
+
+def extract_blocks(page: Path) -> list[Block]:
+    blocks, lines, i = [], page.read_text().splitlines(), 0
+    while i < len(lines):
+        match = FENCE.match(lines[i])
+        if not match:
+            i += 1
+            continue
+        start, body = i, []
+        i += 1
+        while not lines[i].lstrip().startswith("```"):
+            body.append(lines[i])
+            i += 1
+        i += 1
+        previous = next((line for line in reversed(lines[:start]) if line.strip()), "")
+        requires = REQUIRES.search(previous)
+        needs = {word.strip() for word in requires.group(1).split(",")} if requires else set()
+        text = textwrap.dedent("\n".join(body) + "\n")
+        blocks.append(Block(page, start + 1, match.group(1), expand_snippets(text), needs))
+    return blocks
+
+
+ALL_BLOCKS = [block for page in PAGES for block in extract_blocks(page)]
+CODE_BLOCKS = [block for block in ALL_BLOCKS if block.lang in RUNNABLE]
+RUN_BLOCKS = [block for block in CODE_BLOCKS if not block.requires]
+# The same text on two pages (README and quickstart share the usage snippets) runs once.
+UNIQUE_RUN_BLOCKS = list({block.text: block for block in reversed(RUN_BLOCKS)}.values())[::-1]
+
+
+def test_pages_have_runnable_blocks_and_every_fence_is_known():
+    """The extraction sees the blocks (a broken fence would silently test nothing)."""
+    assert {page.name for page in PAGES} >= {"README.md", "index.md", "quickstart.md", "recipes.md", "benchmarks.md"}
+    assert len(RUN_BLOCKS) >= 5 and len(CODE_BLOCKS) > len(RUN_BLOCKS)
+    unknown = {block.lang for block in ALL_BLOCKS} - RUNNABLE - {"", "text", "bibtex", "yaml"}
+    assert not unknown, f"fenced blocks of an unknown language: {unknown}"
+    marks = {need for block in ALL_BLOCKS for need in block.requires}
+    assert marks <= {"gpu", "hub", "network", "long", "sketch"}, marks
+
+
+@pytest.mark.parametrize("block", [b for b in CODE_BLOCKS if b.lang == "python"], ids=lambda b: b.id)
+def test_python_blocks_compile(block: Block):
+    compile(block.text, block.id, "exec")
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory) -> Path:
+    """A fresh copy of the working tree's tracked and unignored files (what a clone has), no runs, no caches."""
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    target = tmp_path_factory.mktemp("checkout")
+    for name in filter(None, (f.decode() for f in files)):
+        if (ROOT / name).is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, target / name)
+    return target
+
+
+@pytest.fixture(scope="module")
+def shell_env(checkout, tmp_path_factory) -> dict[str, str]:
+    """`python` is this interpreter and `poise-trl` the checkout's CLI; the model cache starts empty."""
+    bin_dir = tmp_path_factory.mktemp("bin")
+    # Wrappers, not symlinks: a symlinked venv interpreter would not find its venv.
+    for name, command in (("python", ""), ("poise-trl", " -m poise_trl.cli")):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec "{sys.executable}"{command} "$@"\n')
+        (bin_dir / name).chmod(0o755)
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": str(checkout),
+        "XDG_CACHE_HOME": str(tmp_path_factory.mktemp("cache")),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+
+
+# Commands that need a GPU, the Hub, a package index or minutes: stand-ins that only record their argv, which the
+# test then parses in-process (one import of the parsers for all blocks). `python` gets a stand-in too (below).
+STUBBED = ("poise-trl", "accelerate", "make", "trl", "pip")
+
+
+@pytest.fixture(scope="module")
+def parse_env(shell_env, tmp_path_factory) -> dict[str, str]:
+    bin_dir = tmp_path_factory.mktemp("stubs")
+    record = 'printf "%s\\0" "$@" >> "$DOCS_ARGV_LOG"; printf "\\n" >> "$DOCS_ARGV_LOG"'
+    for name in STUBBED:
+        (bin_dir / name).write_text(f'#!/bin/sh\nset -- {name} "$@"\n{record}\n')
+    # `python -m poise_trl.cli ...` and `python examples/*.py ...` are recorded like `poise-trl` and `accelerate
+    # launch`; any other `python` (e.g. `python -c` computing a path) really runs.
+    (bin_dir / "python").write_text(
+        "#!/bin/sh\n"
+        f'if [ "$1" = -m ] && [ "$2" = poise_trl.cli ]; then shift 2; set -- poise-trl "$@"; {record}; exit 0; fi\n'
+        f'case "$1" in examples/*.py) set -- accelerate launch "$@"; {record}; exit 0;; esac\n'
+        f'exec "{sys.executable}" "$@"\n'
+    )
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    return {**shell_env, "PATH": f"{bin_dir}{os.pathsep}{shell_env['PATH']}"}
+
+
+def parse_recorded(argv: list[str], checkout: Path) -> None:
+    """`poise-trl` by the CLI's parser; `accelerate launch ... SCRIPT ARGS` by the script's own parser (which loads
+    the YAML recipe; `--use_cpu true` because bf16 recipes are refused without a GPU); `make` targets looked up."""
+    from poise_trl.cli import build_parser
+
+    name, args = argv[0], argv[1:]
+    if name == "poise-trl":
+        build_parser().parse_args(args)
+    elif name == "accelerate":
+        assert args[0] == "launch", argv
+        if "--config_file" in args:
+            assert (checkout / args[args.index("--config_file") + 1]).is_file(), argv
+        script = next(i for i, word in enumerate(args) if word.endswith(".py"))
+        assert (checkout / args[script]).is_file(), argv
+        if args[script] != "examples/train_poise.py":
+            return  # another example script: it exists; its own test runs it
+        sys.path.insert(0, str(checkout / "examples"))
+        cwd = os.getcwd()
+        os.chdir(checkout)
+        try:
+            import train_poise
+
+            train_poise.parse_args([*args[script + 1 :], "--use_cpu", "true"])
+        finally:
+            os.chdir(cwd)
+            sys.path.pop(0)
+    elif name == "make":
+        makefile = (checkout / "Makefile").read_text()
+        for target in args:
+            assert re.search(rf"^{re.escape(target)}:", makefile, re.M), f"no make target {target}"
+    # `trl` (TRL's own CLI, e.g. `trl vllm-serve`) and `pip` are not ours to parse.
+
+
+@pytest.mark.parametrize("block", [b for b in CODE_BLOCKS if b.requires], ids=lambda b: b.id)
+def test_marked_blocks_parse(block: Block, checkout: Path, parse_env: dict[str, str], tmp_path):
+    """Python is compiled; a shell block is syntax-checked, then run with the stand-ins, so loops and variables
+    expand, and every command it would run is parsed."""
+    if block.lang == "python":
+        compile(block.text, block.id, "exec")
+        return
+    subprocess.run(["bash", "-n"], input=block.text, text=True, check=True)
+    log = tmp_path / "argv.log"
+    log.write_text("")
+    run = dict(cwd=checkout, env={**parse_env, "DOCS_ARGV_LOG": str(log)}, capture_output=True, text=True)
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", block.text], **run, timeout=300)
+    assert done.returncode == 0, f"{block.id}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    recorded = [line.split("\0")[:-1] for line in log.read_text().splitlines()]
+    assert recorded, f"{block.id} runs none of {STUBBED}"
+    for argv in recorded:
+        parse_recorded(argv, checkout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", UNIQUE_RUN_BLOCKS, ids=lambda b: b.id)
+def test_documented_blocks_run(block: Block, checkout: Path, shell_env: dict[str, str]):
+    shell = ["bash", "-euo", "pipefail", "-c"] if block.lang == "bash" else [sys.executable, "-c"]
+    run = dict(cwd=checkout, env=shell_env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([*shell, block.text], **run)
+    assert done.returncode == 0, f"{block.id} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    printed = set(re.findall(r"'(poise/[\w/]+)'", done.stdout + done.stderr))  # the trainer's log lines
+    assert not [key for key in printed if not documented(key)], f"{block.id} logs keys missing from docs/metrics.md"
+
+
+METRIC = re.compile(r"poise/[\w/<>ℓ.-]*\w>?")
+GLOSSARY = (ROOT / "docs" / "metrics.md").read_text()
+
+
+def documented(key: str) -> bool:
+    """Whether the glossary names `key`; per-domain and per-layer keys match their `<name>`/`<ℓ>` pattern."""
+    key = re.sub(r"^eval_", "", key)
+    if m := re.fullmatch(r"poise/domain/[^/]+/(\w+)", key):
+        return "`poise/domain/<name>/<key>`" in GLOSSARY and (
+            f"`poise/{m.group(1)}`" in GLOSSARY or m.group(1) in ("bootstrap", "buffer_size")
+        )
+    key = re.sub(r"^poise/layer_mae/\d+$", "poise/layer_mae/<ℓ>", key)
+    return f"`{key}`" in GLOSSARY
+
+
+def test_readme_usage_blocks_are_the_snippet_files():
+    """The README pastes the snippets (GitHub renders no includes); the docs include the same files."""
+    readme = {block.text for block in extract_blocks(ROOT / "README.md") if block.lang == "python"}
+    for name in ("usage_gpu.py", "usage_cpu.py"):
+        assert (ROOT / "docs" / "snippets" / name).read_text() in readme, f"README's {name} block differs"
+
+
+def test_readme_fits_a_few_screens_and_links_resolve():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    assert readme.startswith("# poise-trl\n\n<!-- requires: long -->\n```bash\nmake demo ")  # the two commands first
+    for target in re.findall(r"\]\(((?:docs/|CHANGELOG)[^)#]*)", readme):
+        assert (ROOT / target).exists(), target
+    assert '"trl>=1.16,<1.17"' in (ROOT / "pyproject.toml").read_text() and "trl>=1.16,<1.17" in readme
+
+
+def test_configuration_reference_is_generated_from_every_poise_field():
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    from poise_trl import POISEConfig
+
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        import hooks
+    finally:
+        sys.path.pop(0)
+    table = hooks.config_fields_table()
+    own = {f.name for f in dataclasses.fields(POISEConfig)} - {f.name for f in dataclasses.fields(GRPOConfig)}
+    assert own and all(f"| `{name}` |" in table for name in own)
+    # A changed GRPOConfig default is listed with TRL's value (the type cell is not checked: HfArgumentParser
+    # rewrites dataclass field types in place once any test has parsed a POISEConfig).
+    assert re.search(r"^\| `num_generations` \| .* \| `2` \(GRPOConfig: `8`\) \| Rollouts per prompt", table, re.M)
+    assert "<!-- poise-config-fields -->" in (ROOT / "docs" / "configuration.md").read_text()
+
+
+def test_every_metric_the_trainer_logs_is_in_the_glossary(tiny_model_path, tmp_path):
+    """Train 3 steps with every optional metric family on (auto layer, per-domain probes, prompt selection) and look
+    each logged `poise/` key up in docs/metrics.md; also the diagnostics' own keys."""
+    import torch
+    from datasets import Dataset
+
+    from poise_trl import POISETrainer
+    from poise_trl.baselines import baseline_diagnostics
+    from tests.conftest import digit_reward, short_args
+
+    keys = baseline_diagnostics(torch.tensor([0.0, 1.0]), torch.tensor([0.5, 0.5]), torch.tensor([0.5, 0.5]), 2)
+    assert all(documented(f"poise/{key}") for key in keys), keys
+    dataset = Dataset.from_list(
+        [{"prompt": f"{i % 10}{(3 * i) % 10}+{i % 7}", "domain": "ab"[i % 2]} for i in range(32)]
+    )
+    args = short_args(
+        tmp_path,
+        max_steps=3,
+        probe_layer="auto",
+        probe_layer_candidates=[1, 2],
+        probe_layer_select_every=1,
+        probe_layer_folds=2,
+        probe_domain_column="domain",
+        prompt_selection="value",
+    )
+    trainer = POISETrainer(model=str(tiny_model_path), reward_funcs=digit_reward, args=args, train_dataset=dataset)
+    trainer.train()
+    logged = {key for entry in trainer.state.log_history for key in entry if key.startswith("poise/")}
+    assert {"poise/selection/kept_fraction", "poise/domain/a/mae", "poise/layer"} <= logged
+    assert any(key.startswith("poise/layer_mae/") for key in logged)
+    missing = sorted(key for key in logged if not documented(key))
+    assert not missing, f"logged but not in docs/metrics.md: {missing}"
+
+
+def test_glossary_documents_no_metric_the_code_does_not_name():
+    """The reverse direction, statically: every glossary key's last part appears in the package source."""
+    source = "".join(path.read_text() for path in (ROOT / "poise_trl").rglob("*.py"))
+    for key in set(METRIC.findall(GLOSSARY)):
+        last = key.split("/")[-1]
+        if last.startswith("<"):  # a placeholder: poise/layer_mae/<ℓ>, poise/domain/<name>/<key>
+            continue
+        assert re.search(rf"\b{re.escape(last)}\b", source), f"docs/metrics.md names {key}, which the code never logs"
+
+
+def _table_rows(text: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith("| ") and not line.startswith("|---"):
+            cells = [cell.strip() for cell in line.strip("|").split("|")]
+            rows.setdefault(cells[0], cells[1:])
+    return rows
+
+
+def test_numbers_repeated_across_pages_agree():
+    """The README's headline table is a column subset of the benchmark page's full table, row by row."""
+    readme = _table_rows((ROOT / "README.md").read_text())
+    full = _table_rows((ROOT / "docs" / "benchmarks.md").read_text())
+    contenders = [name for name in readme if name.startswith(("GRPO", "DAPO", "RLOO", "POISE"))]
+    assert len(contenders) == 5
+    for name in contenders:
+        assert name in full, name
+        assert all(cell in full[name] for cell in readme[name]), (name, readme[name], full[name])
+    command = "poise-trl bench efficiency --contenders grpo8 dapo_ds rloo2 poise_paper poise --steps 100 --jobs 2"
+    assert command in (ROOT / "README.md").read_text() and command in (ROOT / "docs" / "benchmarks.md").read_text()
