@@ -47,7 +47,7 @@ class POISEConfig(GRPOConfig):
     per-group std includes the rollout's own reward.
 
     The `probe_*` fields configure the value probe that predicts each rollout's expected reward from the policy's
-    hidden states; see the README's field table for paper and release values.
+    hidden states; docs/configuration.md lists paper and release values.
     """
 
     # JSON strings given for these fields (command line, YAML) are parsed into dicts, as TRL does for its own.
