@@ -8,21 +8,25 @@ from collections.abc import Callable
 from typing import Any
 
 from .common import (
-    BENCH_MAX_DIGITS,
-    BENCH_WARMUP_STEPS,
     CONTENDERS,
     DAPO_MAX_ROUNDS,
-    DEFAULT_EFFICIENCY_STEPS,
+    DEFAULT_BUDGET,
+    DEFAULT_EVAL_EVERY,
+    DEFAULT_LR_GRID,
     DEFAULT_MATH_DATASET,
     DEFAULT_MLPS,
     DEFAULT_POOLS,
     DEFAULT_SEEDS,
+    DEFAULT_TUNING_SEEDS,
     DEMO_LEARNING_RATE,
     DEMO_MODEL,
+    MAX_GRID_EXTENSIONS,
     PAPER_LEARNING_RATE,
     PROBE_FIT_ROWS,
     QWEN3_4B_HIDDEN,
     SORT_DATASET,
+    TASK_DIGITS,
+    TASKS,
 )
 
 PROBE_BENCH_DESCRIPTION = """Will POISE work on my model? The paper's value-prediction benchmark in one command.
@@ -104,8 +108,24 @@ presets, predictions compared; also on the GPU when there is one.
 """
 
 
+def task_seeds(spec: str) -> tuple[str, list[int]]:
+    """`TASK=A-B` (seeds A..B) or `TASK=a,b,c` -> (task, seeds)."""
+    task, _, seeds = spec.partition("=")
+    try:
+        if "-" in seeds:
+            low, high = (int(v) for v in seeds.split("-"))
+            values = list(range(low, high + 1))
+        else:
+            values = [int(v) for v in seeds.split(",")]
+    except ValueError:
+        values = []
+    if task not in TASKS or not values:
+        raise argparse.ArgumentTypeError(f"{spec!r}: write TASK=A-B or TASK=a,b,c with TASK one of {', '.join(TASKS)}")
+    return task, values
+
+
 def _run_efficiency(args: argparse.Namespace) -> int:
-    from .efficiency import run_efficiency
+    from .report import run_efficiency
 
     return run_efficiency(args)
 
@@ -138,34 +158,51 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS),
                         help="one lacking a config field in this library version is reported, not run")  # fmt: skip
-    parser.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS), help="one run per contender")
+    parser.add_argument("--task", nargs="+", choices=TASKS, default=["sort"],
+                        help="offline tasks, one after another in this order (ignored with --model)")  # fmt: skip
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS), help="evaluation seeds")
+    parser.add_argument("--task-seeds", nargs="+", type=task_seeds, default=[], metavar="TASK=A-B",
+                        help="a task's own evaluation seeds instead of --seeds, e.g. hops=0-9")  # fmt: skip
+    parser.add_argument("--tune-lr", action="store_true",
+                        help="each contender at the rate with the best median AUC on --tuning-seeds (ablations: POISE "
+                        "(paper)'s rate); else every contender at --learning-rate")  # fmt: skip
+    parser.add_argument("--lr-grid", nargs="+", type=float, default=list(DEFAULT_LR_GRID),
+                        help="rates tried by --tune-lr; a best rate at an edge extends it by x2 that way")  # fmt: skip
+    parser.add_argument("--tuning-seeds", nargs="+", type=int, default=list(DEFAULT_TUNING_SEEDS),
+                        help="seeds of the tuning runs, disjoint from the evaluation seeds")  # fmt: skip
+    parser.add_argument("--max-grid-extensions", type=int, default=MAX_GRID_EXTENSIONS,
+                        help="per contender, how often --tune-lr may extend the grid")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=None,
-                        help="(contender, seed) runs in parallel processes, each with --cpu-threads threads; results "
-                        "do not depend on it (default: the usable cores; 1 with --model)")  # fmt: skip
+                        help="runs in parallel processes, each with --cpu-threads threads; results do not depend on "
+                        "it (default: the usable cores; 1 with --model)")  # fmt: skip
     parser.add_argument("--completions-per-step", type=int, default=32, help="B trained per step, every contender")
     parser.add_argument("--per-device-batch-size", type=int, default=None,
                         help="micro-batch; gradient accumulation keeps B per optimizer step (default: B)")  # fmt: skip
-    parser.add_argument("--steps", type=int, default=DEFAULT_EFFICIENCY_STEPS, help="optimizer steps per run")
-    parser.add_argument("--eval-every", type=int, default=10, help="held-out avg@k every N steps")
+    parser.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
+                        help="completions generated per run: each stops once it has generated this many")  # fmt: skip
+    parser.add_argument("--eval-every", type=int, default=DEFAULT_EVAL_EVERY,
+                        help="held-out avg@k each time this many more completions have been generated")  # fmt: skip
     parser.add_argument("--eval-k", type=int, default=8, help="k of the held-out avg@k")
     parser.add_argument("--eval-seed", type=int, default=0, help="sampling seed of every held-out evaluation")
-    parser.add_argument("--learning-rate", type=float, default=None, help=f"default {DEMO_LEARNING_RATE} (demo), "
-                        f"{PAPER_LEARNING_RATE} (--model)")  # fmt: skip
+    parser.add_argument("--learning-rate", type=float, default=None, help=f"without --tune-lr; default "
+                        f"{DEMO_LEARNING_RATE} (demo), {PAPER_LEARNING_RATE} (--model)")  # fmt: skip
     parser.add_argument("--epsilon", type=float, default=0.2, help="lower clip range, all contenders")
     parser.add_argument("--epsilon-high", type=float, default=0.28, help="upper clip range, all contenders")
     parser.add_argument("--max-completion-length", type=int, default=None, help="default: demo 12, --model 2048")
     parser.add_argument("--grpo-scale-rewards", choices=["group", "batch", "none"], default="group",
-                        help="GRPO and DAPO-DS")  # fmt: skip
+                        help="GRPO and DAPO-DS (GRPO-8 no-scale always uses none)")  # fmt: skip
     parser.add_argument("--dapo-max-rounds", type=int, default=DAPO_MAX_ROUNDS,
                         help="DAPO-DS: most generation batches per step (hitting it logs dapo/capped)")  # fmt: skip
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                         help="all contenders (default: on with --model, off for the tiny demo model)")  # fmt: skip
-    parser.add_argument("--output-dir", default="runs/bench/efficiency", help="JSON, PNG and run folders")
+    parser.add_argument("--output-dir", default="runs/bench/efficiency",
+                        help="results directory: runs/TASK/CONTENDER/lrRATE_seedN.json (a re-run skips those that "
+                        "exist), tuning, efficiency.json, PNG")  # fmt: skip
     parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads per run on CPU (0: torch's default)")
-    demo = parser.add_argument_group("offline demo task (used when --model is not given)")
-    demo.add_argument("--warmup-steps", type=int, default=BENCH_WARMUP_STEPS, help="supervised warm-start steps")
-    demo.add_argument("--min-digits", type=int, default=2)
-    demo.add_argument("--max-digits", type=int, default=BENCH_MAX_DIGITS)
+    demo = parser.add_argument_group("offline demo tasks (used when --model is not given)")
+    demo.add_argument("--warmup-steps", type=int, default=None, help="supervised warm-start steps (default: per task)")
+    demo.add_argument("--min-digits", type=int, default=TASK_DIGITS["sort"][0], help="sort task only")
+    demo.add_argument("--max-digits", type=int, default=TASK_DIGITS["sort"][1], help="sort task only")
     demo.add_argument("--num-eval", type=int, default=140, help="held-out prompts")
     demo.add_argument("--cache-dir", default=None, help="warm-started models; default OUTPUT_DIR/models")
     real = parser.add_argument_group("real model and dataset (a GPU in practice)")
