@@ -204,7 +204,8 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     demo.add_argument("--min-digits", type=int, default=TASK_DIGITS["sort"][0], help="sort task only")
     demo.add_argument("--max-digits", type=int, default=TASK_DIGITS["sort"][1], help="sort task only")
     demo.add_argument("--num-eval", type=int, default=140, help="held-out prompts")
-    demo.add_argument("--cache-dir", default=None, help="warm-started models; default OUTPUT_DIR/models")
+    demo.add_argument("--cache-dir", default=None,
+                      help="warm-started models (default: $XDG_CACHE_HOME/poise-trl/bench)")  # fmt: skip
     real = parser.add_argument_group("real model and dataset (a GPU in practice)")
     real.add_argument("--model", default=None, help="Hub id or local path; every contender starts from it")
     real.add_argument("--train-dataset", default=None, help="poise_trl.rlvr.data registry key, Hub id or local file")
@@ -276,6 +277,7 @@ def add_probe_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"'{SORT_DATASET}' (the demo task), a poise_trl.rlvr.data registry name, Hub id "
         f"or local .jsonl/.parquet (default: {SORT_DATASET} for the demo, else {DEFAULT_MATH_DATASET})",
     )
+    add("--task", choices=TASKS, default=None, help="with the demo model: its offline task (default: sort)")
     add("--split", default=None, help="dataset split (Hub ids)")
     add("--reward-fn", default=None, help="MODULE:FUNCTION, a TRL reward (default: the task's or math_answer_reward)")
     add("--num-prompts", type=int, default=320, help="distinct prompts to sample")

@@ -5,6 +5,7 @@ completions generated. The study around it (tuning, resuming, the report) is `be
 import argparse
 import dataclasses
 import gc
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
-from poise_trl.demo.model import evaluate_avg_at_k, prepare_demo_model
+from poise_trl.demo.model import default_cache_dir, evaluate_avg_at_k, prepare_demo_model
 from poise_trl.demo.tasks import MAX_COMPLETION_LENGTH, make_splits, task_reward
 from poise_trl.rlvr.data import load_math_dataset
 from poise_trl.rlvr.evaluation import score_benchmark
@@ -142,7 +143,7 @@ def warmup_steps(args: argparse.Namespace, task: str) -> int:
 def _task_factory(args: argparse.Namespace, task: str = "sort") -> Callable[[int], SeedTask]:
     """Seed -> SeedTask for an offline demo task (own warm start and splits per seed) or a real model and dataset."""
     if args.model is None:
-        cache_dir = Path(args.cache_dir or Path(args.output_dir) / "models")
+        cache_dir = Path(args.cache_dir or default_cache_dir() / "bench")
         max_length = args.max_completion_length or MAX_COMPLETION_LENGTH
 
         def demo(seed: int) -> SeedTask:
@@ -230,8 +231,9 @@ def run_one(
     contender: Contender, seed: int, task: SeedTask, args: argparse.Namespace, learning_rate: float
 ) -> dict[str, Any]:
     """Train one contender on one seed; return its held-out curve, compute counts and per-step training metrics."""
-    output_dir = Path(args.output_dir) / "trainer" / f"{contender.name}_lr{learning_rate:g}_seed{seed}"
     trainer_class = TRAINERS[contender.trainer][0]
+    scratch = tempfile.TemporaryDirectory(prefix="poise-bench-")  # the trainer saves nothing (save_strategy="no")
+    output_dir = Path(scratch.name)
     curve = HeldOutCurve(task.evaluate, args.eval_every, args.budget)
     trainer = trainer_class(
         model=task.model,
@@ -251,6 +253,7 @@ def run_one(
     counts = dict(trainer.bench_counts)
     counts["prefill_tokens"] += int(sum(v or 0 for v in per_step["poise/selection/prefill_tokens"]))
     del trainer
+    scratch.cleanup()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

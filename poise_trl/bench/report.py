@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +68,11 @@ def _bootstrap_ci(values: list[float], statistic=np.median) -> tuple[float | Non
     if data.size < 3 or np.all(data == data[0]):
         return (float(statistic(data)), float(statistic(data))) if data.size else (None, None)
     for method in ("BCa", "percentile"):
-        result = stats.bootstrap(
-            (data,), statistic, n_resamples=BOOTSTRAP_RESAMPLES, method=method, random_state=0, vectorized=False
-        )
+        with warnings.catch_warnings():  # BCa on degenerate data warns and returns NaN: the fallback handles it
+            warnings.simplefilter("ignore")
+            result = stats.bootstrap(
+                (data,), statistic, n_resamples=BOOTSTRAP_RESAMPLES, method=method, random_state=0, vectorized=False
+            )
         low, high = result.confidence_interval
         if math.isfinite(low) and math.isfinite(high):
             return float(low), float(high)
@@ -246,7 +249,7 @@ def build_report(results_dir: str | Path) -> dict[str, Any]:
         rates = json.loads(tuning_file.read_text()) if tuning_file.exists() else {}
         task_runs = [r for r in runs if r["task"] == task]
         report["tasks"][task] = summarize_task(task, task_runs, rates, settings["budget"])
-        report["tasks"][task]["tuning"] = {k: v for k, v in rates.items() if isinstance(v, dict)}
+        report["tasks"][task]["tuning"] = tuning_table(task_runs, rates, settings["budget"])
         report["tasks"][task]["runs_done"] = {
             role: sum(r["role"] == role for r in task_runs) for role in ("tune", "eval")
         }
@@ -279,7 +282,7 @@ def _ci(values: list[float | None], digits: int = 3, signed: bool = False) -> st
 
 def format_task(summary: dict[str, Any], k: int = 8) -> str:
     """The task's table, then its headline lines (per POISE row and comparator)."""
-    contenders = summary["contenders"]
+    contenders, has_target = summary["contenders"], summary["target_gain"] is not None
     headers = ["contender", "lr", "seeds", "generated / trained", f"AUC avg@{k} [95% CI]", "AUC above start",
                f"final avg@{k}", "zero-adv prompts", "reached target", "train s"]  # fmt: skip
     rows = [
@@ -308,20 +311,42 @@ def format_task(summary: dict[str, Any], k: int = 8) -> str:
                 entry["label"], contenders[ref]["label"], f"{p['wins']}/{p['seeds']}",
                 _ci(p["auc_gain_diff"], 3, True),
                 _p(p.get("p_holm")), verdict(p["auc_gain_diff"], p.get("p_holm")), _ci(ratio, 2),
-                _p(p.get("p_holm_target")), verdict(ratio, p.get("p_holm_target"), better_below=True),
+                _p(p.get("p_holm_target")),
+                verdict(ratio, p.get("p_holm_target"), better_below=True) if has_target else "no target",
             ])  # fmt: skip
-    return "\n".join(lines) + format_table(headers, rows) if rows else "\n".join(lines)
+    return "\n".join(lines) + "\n" + format_table(headers, rows) if rows else "\n".join(lines)
+
+
+def tuning_table(runs: list[dict[str, Any]], rates: dict[str, Any], budget: float) -> dict[str, Any]:
+    """Per tuned contender: median AUC over the tuning seeds run so far at each rate, and the chosen rate (None
+    until its tuning has finished), rebuilt from the run files so a partial study reports its tuning too."""
+    aucs: dict[str, dict[float, list[float]]] = {}
+    for run in runs:
+        if run["role"] == "tune":
+            aucs.setdefault(run["contender"], {}).setdefault(run["learning_rate"], []).append(
+                normalized_auc(run, budget)
+            )
+    return {
+        name: {
+            "learning_rate": rates.get(name, {}).get("learning_rate"),
+            "table": [
+                {"learning_rate": lr, "median_auc": median(values), "seeds": len(values)}
+                for lr, values in sorted(by_rate.items())
+            ],
+        }
+        for name, by_rate in sorted(aucs.items(), key=lambda item: list(CONTENDERS).index(item[0]))
+    }
 
 
 def format_tuning(summary: dict[str, Any]) -> str:
-    """Median AUC over the tuning seeds per contender and rate; the chosen rate is marked."""
+    """Median AUC over the tuning seeds per contender and rate (seeds run so far in parentheses)."""
     rows = []
     for name, tuned in summary["tuning"].items():
-        if "table" not in tuned:
-            continue
-        cells = [f"{row['learning_rate']:g}: {row['median_auc']:.3f}" for row in tuned["table"]]
-        rows.append([CONTENDERS[name].label, f"{tuned['learning_rate']:g}", "; ".join(cells)])
-    return format_table(["contender", "tuned lr", "median AUC per lr (tuning seeds)"], rows) if rows else ""
+        cells = [f"{row['learning_rate']:g}: {row['median_auc']:.3f} ({row['seeds']})" for row in tuned["table"]]
+        chosen = "tuning" if tuned["learning_rate"] is None else f"{tuned['learning_rate']:g}"
+        rows.append([CONTENDERS[name].label, chosen, "; ".join(cells)])
+    headers = ["contender", "tuned lr", "median AUC per lr (tuning seeds run)"]
+    return format_table(headers, rows) if rows else "No tuning runs yet."
 
 
 def write_report(results_dir: str | Path) -> str:

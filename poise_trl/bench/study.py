@@ -136,7 +136,9 @@ def tune(study: Study, task: str, names: list[str], args: argparse.Namespace) ->
     grids = {name: sorted(args.lr_grid) for name in names}
     extensions = dict.fromkeys(names, 0)
     while True:
-        jobs = [(name, lr, seed) for name in names for lr in grids[name] for seed in args.tuning_seeds]
+        # Seed-major, so a study stopped midway has every contender and rate on the first tuning seeds.
+        jobs = [(name, lr, seed) for seed in args.tuning_seeds for lr in sorted({*sum(grids.values(), [])})
+                for name in names if lr in grids[name]]  # fmt: skip
         runs = study.ensure(task, jobs)
         tuned, extended = {}, False
         for name in names:

@@ -111,7 +111,7 @@ class DynamicSampling:
         wanted = len(inputs) // group
         kept: list[tuple[dict[str, Any], torch.Tensor]] = []  # (round output, its kept group indices)
         tied: list[tuple[dict[str, Any], torch.Tensor]] = []
-        carried = getattr(self, "_dapo_carried", [])  # surplus of the previous step's last round (always < wanted)
+        carried = getattr(self, "_dapo_carried", [])  # surplus of the previous step's last round (<= wanted)
         kept.extend(carried)
         found, rounds, batch = sum(groups.numel() for _, groups in carried), 0, inputs
         self._dapo_carried = []
