@@ -130,6 +130,13 @@ def _run_efficiency(args: argparse.Namespace) -> int:
     return run_efficiency(args)
 
 
+def _run_summarize(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    print(write_report(args.results_dir))
+    return 0
+
+
 def _run_overhead(args: argparse.Namespace) -> int:
     from .overhead import run_overhead
 
@@ -137,14 +144,25 @@ def _run_overhead(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `bench` with its `efficiency` and `overhead` subcommands; each stores its handler as `func`."""
+    """Register `bench` with its `efficiency`, `summarize` and `overhead` subcommands; each stores its handler as
+    `func`."""
     parser = subparsers.add_parser(
         "bench",
         help="training-efficiency and overhead benchmarks (POISE vs GRPO vs RLOO)",
         description="Training-efficiency and overhead benchmarks of POISE against TRL's GRPOTrainer and RLOOTrainer.",
     )
-    bench_subparsers = parser.add_subparsers(dest="bench_command", required=True, metavar="{efficiency,overhead}")
+    bench_subparsers = parser.add_subparsers(
+        dest="bench_command", required=True, metavar="{efficiency,summarize,overhead}"
+    )
     add_efficiency_parser(bench_subparsers)
+    summarize = bench_subparsers.add_parser(
+        "summarize",
+        help="rebuild the efficiency report (tables, efficiency.json, plots) from the run files written so far",
+        description="Read RESULTS_DIR/runs/*/*/*.json (a finished or partial `bench efficiency` study) and write "
+        "efficiency.json, report.md and one plot per task there.",
+    )
+    summarize.add_argument("results_dir", help="the --output-dir of a `bench efficiency` study")
+    summarize.set_defaults(func=_run_summarize)
     add_overhead_parser(bench_subparsers)
     return parser
 

@@ -185,6 +185,7 @@ def test_efficiency_study_smoke_resumes_and_reports(tmp_path, capsys):
     argv += ["--tuning-seeds", "100", "--seeds", "0", "1", "--budget", "16", "--eval-every", "8"]
     argv += ["--completions-per-step", "8", "--eval-k", "2", "--num-eval", "8", "--warmup-steps", "5"]
     argv += ["--dapo-max-rounds", "2", "--jobs", "2", "--output-dir", str(out), "--contenders", *SMOKE]
+    argv += ["--cache-dir", str(tmp_path / "models")]
     args = _parse(argv)
     assert args.func(args) == 0
     files = sorted(out.glob("runs/sort/*/*.json"))
@@ -211,6 +212,9 @@ def test_efficiency_study_smoke_resumes_and_reports(tmp_path, capsys):
                                    "p_holm"}  # fmt: skip
     assert set(sort["contenders"]["poise"]["paired"]) == {"grpo8", "dapo_ds_carry"}
     assert (out / "efficiency_sort.png").stat().st_size > 0 and "## sort" in (out / "report.md").read_text()
+    (out / "report.md").unlink()
+    summarize = _parse(["bench", "summarize", str(out)])
+    assert summarize.func(summarize) == 0 and "## sort" in (out / "report.md").read_text()
     # A re-run finds every run on disk and trains nothing; other settings are refused.
     stamps = {f: f.stat().st_mtime_ns for f in files}
     assert args.func(_parse(argv)) == 0
