@@ -50,7 +50,7 @@ def _write_atomic(path: Path, payload: dict[str, Any]) -> None:
 
 def study_settings(args: argparse.Namespace) -> dict[str, Any]:
     settings = {key: getattr(args, key, None) for key in RUN_SETTINGS}
-    settings["warmup_steps"] = {task: warmup_steps(args, task) for task in tasks_of(args)}
+    settings["warmup_steps"] = {task: warmup_steps(args, task) for task in tasks_of(args) if args.model is None}
     return settings
 
 
