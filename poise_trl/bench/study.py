@@ -12,7 +12,8 @@ import math
 import multiprocessing
 import os
 import time
-from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, as_completed
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -122,12 +123,18 @@ class Study:
             if job[2] not in prepared:
                 make_task(job[2])
                 prepared.add(job[2])
-            futures[self.pool.submit(_run_in_worker, task, *job, self.args)] = job
+            future = self.pool.submit(_run_in_worker, task, *job, self.args)
+            # Written the moment it finishes, even while this loop still builds later seeds' warm starts.
+            future.add_done_callback(partial(self._save, run_path(self.results_dir, task, *job)))
+            futures[future] = job
         for future in as_completed(futures):
-            job = futures[future]
-            results[job] = future.result()
-            _write_atomic(run_path(self.results_dir, task, *job), results[job])
+            results[futures[future]] = future.result()
         return results
+
+    @staticmethod
+    def _save(path: Path, future: Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            _write_atomic(path, future.result())
 
 
 def tune(study: Study, task: str, names: list[str], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
