@@ -169,10 +169,7 @@ def summarize_task(task: str, runs: list[dict[str, Any]], rates: dict[str, Any],
             for ref in REFERENCES:
                 if ref in by_contender:
                     entry["paired"][ref] = _paired(aucs, to_target, by_contender[ref], budget, target_gain)
-        entry["_aucs"], entry["_to_target"] = aucs, to_target
         summary[name] = entry
-    for entry in summary.values():
-        del entry["_aucs"], entry["_to_target"]
     return {"task": task, "budget": budget, "target_gain": target_gain, "contenders": summary, "check": _check(runs)}
 
 
