@@ -49,36 +49,46 @@ Every contender trains on the same B completions per optimizer step (paper §2.3
 per prompt means more distinct prompts and a lower-variance gradient):
 
     GRPO  G=8        B/8 prompts   trl.GRPOTrainer
+    GRPO  G=8 no-scale             the same with scale_rewards="none" (POISE does not scale either)
     DAPO-DS G=8      B/8 prompts   GRPOTrainer + dynamic sampling (DAPO §3.2, in the benchmark): groups whose rewards
                                    all tie are dropped and fresh prompts generated until B/8 groups are informative
                                    (at most --dapo-max-rounds generation batches per step); it generates more than B
+    DAPO-DS-carry G=8              the same, but the last round's surplus informative groups are trained on at the
+                                   next step: only tied groups are discarded
     RLOO  k=2        B/2 prompts   trl.RLOOTrainer
     GRPO  G=2        B/2 prompts   trl.GRPOTrainer
     POISE (paper)    B/2 prompts   POISETrainer, the paper's algorithm (paper probe preset, RLOO bootstrap)
     POISE (default)  B/2 prompts   POISETrainer with the library's defaults
-    POISE +partner / +shrunk / +selection: POISE (paper) with one issue-12 option each; skipped, with a message,
-                                   while POISEConfig lacks the field
+    POISE +partner / +shrunk / +selection: POISE (paper) with one option each
 
-Shared by all: the model and its warm start (per seed), the data-order seed, learning rate, clip range (0.2/0.28),
-max completion length, temperature 1, no KL, one generation per optimizer step, and the held-out evaluator (its own
-sampling seed, so every contender starts from the same measured accuracy). GRPO, DAPO-DS and POISE use token-mean
-aggregation (`loss_type="dapo"`); TRL's RLOOTrainer always uses a sequence mean, the one difference that cannot be
-set away. GRPO keeps TRL's reward scaling (`--grpo-scale-rewards`); POISE's advantage is the unscaled `r - b`.
+Shared by all: the model and its warm start (per seed), the data-order seed, clip range (0.2/0.28), max completion
+length, temperature 1, no KL, one generation per optimizer step, the completions budget (`--budget`: every run stops
+once it has generated that many) and the held-out evaluator (its own sampling seed, so every contender starts from
+the same measured accuracy), run each time another `--eval-every` completions have been generated: one grid for
+all. The learning rate is `--learning-rate`, or with `--tune-lr` each contender's own: the best median AUC over
+`--lr-grid` on `--tuning-seeds` (disjoint from the evaluation seeds; a best rate at the edge extends the grid x2),
+the one-change ablations at POISE (paper)'s. GRPO, DAPO-DS and POISE use token-mean aggregation
+(`loss_type="dapo"`); TRL's RLOOTrainer always uses a sequence mean, the one difference that cannot be set away.
 
 Compute, per run: completions generated and trained, tokens generated, prefill tokens (prompt tokens per generated
 completion, plus value-guided selection's own prefill), rows through teacher-forced passes, and train seconds.
 
-Statistics that can decide, with the x-axis in completions GENERATED: the AUC, the mean held-out avg@k over the
-first C completions (linear interpolation between evaluations; C, the common budget, is the smallest final count
-over all runs), and per-seed paired ratios of it against GRPO-8, DAPO-DS and RLOO-2; the completions generated until
-avg@k first gains 0.5, 0.75 and 0.9 of GRPO-8's median gain over the seed's start, paired the same way. Each is a
-median over seeds with a 95% percentile-bootstrap CI (seeds resampled). Runs are independent processes (`--jobs`),
-one thread each on CPU, so the results do not depend on the number of jobs.
+Statistics (scipy), with the x-axis in completions GENERATED: the AUC, the mean held-out avg@k over the first
+`--budget` completions (linear interpolation between evaluations); per headline comparison (POISE default and paper
+against GRPO-8, GRPO-8 no-scale, DAPO-DS, DAPO-DS-carry, RLOO-2), paired by seed, the wins, the difference of AUC
+above the start and the ratio of completions generated until avg@k gains 75% of GRPO-8's median gain (never
+reached counts against its contender), with BCa bootstrap CIs and Wilcoxon signed-rank p-values, Holm-corrected
+across all headline tests.
 
-Offline default: the demo sort-digits task (`poise_trl.demo.tasks`) on 2-9 digits and the tiny model, warm-started
-longer than the demo, so that over a quarter of G=8 groups start tied (printed as the task check). With `--model`,
-`--train-dataset` and `--eval-dataset` the same command trains a real model on a math dataset, one run at a time on
-one GPU, with gradient checkpointing on and `--per-device-batch-size` micro-batches.
+Resumable: every (task, contender, rate, seed) run writes OUTPUT_DIR/runs/TASK/CONTENDER/lrRATE_seedN.json and a
+re-run skips those already there; `poise-trl bench summarize OUTPUT_DIR` reports from whatever runs exist. Runs are
+independent processes (`--jobs`), one thread each on CPU, so the results do not depend on the number of jobs.
+
+Offline tasks (`--task`, `poise_trl.demo.tasks`): `sort` (2-9 digits; difficulty = length) and `hops` (pointer
+chasing; one prompt and completion length, difficulty in the content), each warm-started so that over a quarter of
+G=8 groups start tied (the task check). With `--model`, `--train-dataset` and `--eval-dataset` the same command
+trains a real model on a math dataset, one run at a time on one GPU, with gradient checkpointing on and
+`--per-device-batch-size` micro-batches.
 """
 
 OVERHEAD_DESCRIPTION = """POISE's per-step time and peak memory against plain GRPO, and the probe fit's cost.
