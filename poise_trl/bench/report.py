@@ -280,6 +280,8 @@ def _ci(values: list[float | None], digits: int = 3, signed: bool = False) -> st
 def format_task(summary: dict[str, Any], k: int = 8) -> str:
     """The task's table, then its headline lines (per POISE row and comparator)."""
     contenders, has_target = summary["contenders"], summary["target_gain"] is not None
+    if not contenders:
+        return "No evaluation runs yet."
     headers = ["contender", "lr", "seeds", "generated / trained", f"AUC avg@{k} [95% CI]", "AUC above start",
                f"final avg@{k}", "zero-adv prompts", "reached target", "train s"]  # fmt: skip
     rows = [
