@@ -40,6 +40,7 @@ TARGET_FRACTION = 0.75
 ALPHA = 0.05
 BOOTSTRAP_RESAMPLES = 9999
 _LOG_NEVER = 50.0  # a log-ratio standing for "never reached" (ranks and medians only need it beyond any real one)
+_LOG_REAL = 20.0  # no real ratio of completion counts comes near e^20; a median or bound beyond it involves "never"
 
 
 def run_efficiency(args: argparse.Namespace) -> int:
@@ -65,8 +66,10 @@ def run_efficiency(args: argparse.Namespace) -> int:
 def _bootstrap_ci(values: list[float], statistic=np.median) -> tuple[float | None, float | None]:
     """95% BCa bootstrap CI of `statistic` over seeds (scipy); percentile where BCa is undefined (ties, few seeds)."""
     data = np.asarray(values, dtype=float)
-    if data.size < 3 or np.all(data == data[0]):
-        return (float(statistic(data)), float(statistic(data))) if data.size else (None, None)
+    if data.size < 3:
+        return None, None
+    if np.all(data == data[0]):
+        return float(data[0]), float(data[0])
     for method in ("BCa", "percentile"):
         with warnings.catch_warnings():  # BCa on degenerate data warns and returns NaN: the fallback handles it
             warnings.simplefilter("ignore")
@@ -112,15 +115,15 @@ def _eval_runs(runs: list[dict[str, Any]], rates: dict[str, Any]) -> dict[str, d
 
 
 def _ratio_summary(log_ratios: list[float]) -> list[float | None]:
-    """[median, low, high] of per-seed ratios given as logs; "never reached" (beyond +-_LOG_NEVER/2) is None/0."""
+    """[median, low, high] of per-seed ratios given as logs; one involving "never reached" is None (mine) or 0."""
     if not log_ratios:
         return [None, None, None]
     low, high = _bootstrap_ci(log_ratios)
 
-    def back(v: float | None) -> float | None:
-        if v is None or v > _LOG_NEVER / 2:
+    def back(v: float | None) -> float | None:  # |log ratio| <= log(budget) for real ones; beyond, "never" weighs in
+        if v is None or v > _LOG_REAL:
             return None
-        return 0.0 if v < -_LOG_NEVER / 2 else math.exp(v)
+        return 0.0 if v < -_LOG_REAL else math.exp(v)
 
     return [back(float(np.median(log_ratios))), back(low), back(high)]
 
@@ -274,6 +277,8 @@ def _ci(values: list[float | None], digits: int = 3, signed: bool = False) -> st
             return "never"
         return f"{v:+.{digits}f}" if signed else fmt(v, digits)
 
+    if values[0] is not None and values[1] is None and values[2] is None:
+        return f"{one(values[0])} [no CI]"  # fewer than 3 seeds
     return f"{one(values[0])} [{one(values[1])}, {one(values[2])}]"
 
 
