@@ -102,7 +102,8 @@ def holm(p_values: dict[Any, float | None]) -> dict[Any, float | None]:
 
 
 def _eval_runs(runs: list[dict[str, Any]], rates: dict[str, Any]) -> dict[str, dict[int, dict[str, Any]]]:
-    """Per contender, its evaluation runs by seed at its chosen rate (the tuned one where tuning ran)."""
+    """Per contender, its evaluation runs by seed at its chosen rate (the tuned one where tuning ran), on the seeds
+    that every contender has finished."""
     chosen: dict[str, dict[int, dict[str, Any]]] = {}
     for run in runs:
         if run["role"] != "eval":
@@ -111,7 +112,9 @@ def _eval_runs(runs: list[dict[str, Any]], rates: dict[str, Any]) -> dict[str, d
         if rate is not None and not math.isclose(run["learning_rate"], rate):
             continue
         chosen.setdefault(run["contender"], {})[run["seed"]] = run
-    return chosen
+    # Only seeds every contender has finished, so a partial study's medians cover the same seeds for all.
+    complete = set.intersection(*(set(seeds) for seeds in chosen.values())) if chosen else set()
+    return {name: {s: run for s, run in seeds.items() if s in complete} for name, seeds in chosen.items()}
 
 
 def _ratio_summary(log_ratios: list[float]) -> list[float | None]:

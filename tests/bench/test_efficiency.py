@@ -158,6 +158,7 @@ def test_summary_pairs_seeds_and_reads_loses_for_a_target_never_reached():
         ]
     runs.append(_fake_run("poise", 0, [0.0, 0.0, 0.0], lr=5e-5))  # another rate's run is not this contender's
     runs.append(_fake_run("poise", 100, [0.0, 0.0, 0.0], role="tune"))
+    runs.append(_fake_run("grpo8", 8, [0.3, 0.9, 0.9]))  # a seed not every contender has finished: left out
     summary = summarize_task("sort", runs, {"poise": {"learning_rate": 1e-4, "source": "tuned"}}, 200)
     poise = summary["contenders"]["poise"]
     assert poise["seeds"] == list(range(8)) and poise["learning_rate"] == 1e-4
@@ -165,7 +166,10 @@ def test_summary_pairs_seeds_and_reads_loses_for_a_target_never_reached():
     paired = poise["paired"]["grpo8"]
     assert paired["wins"] == 8 and paired["seeds"] == 8 and paired["p_wilcoxon"] < 0.01
     assert paired["auc_gain_diff"][0] == pytest.approx(0.0375) and paired["completions_to_target_ratio"][0] < 1
-    assert summary["contenders"]["rloo2"]["reached_target"] == 0
+    assert (
+        summary["contenders"]["rloo2"]["reached_target"] == 0
+        and summary["contenders"]["grpo8"]["seeds"] == poise["seeds"]
+    )
     assert poise["paired"]["rloo2"]["completions_to_target_ratio"][0] == 0.0  # the reference never got there
     assert summary["check"]["tied_g8_groups_at_start"] == pytest.approx(0.3)
 
