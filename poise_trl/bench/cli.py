@@ -8,21 +8,25 @@ from collections.abc import Callable
 from typing import Any
 
 from .common import (
-    BENCH_MAX_DIGITS,
-    BENCH_WARMUP_STEPS,
     CONTENDERS,
     DAPO_MAX_ROUNDS,
-    DEFAULT_EFFICIENCY_STEPS,
+    DEFAULT_BUDGET,
+    DEFAULT_EVAL_EVERY,
+    DEFAULT_LR_GRID,
     DEFAULT_MATH_DATASET,
     DEFAULT_MLPS,
     DEFAULT_POOLS,
     DEFAULT_SEEDS,
+    DEFAULT_TUNING_SEEDS,
     DEMO_LEARNING_RATE,
     DEMO_MODEL,
+    MAX_GRID_EXTENSIONS,
     PAPER_LEARNING_RATE,
     PROBE_FIT_ROWS,
     QWEN3_4B_HIDDEN,
     SORT_DATASET,
+    TASK_DIGITS,
+    TASKS,
 )
 
 PROBE_BENCH_DESCRIPTION = """Will POISE work on my model? The paper's value-prediction benchmark in one command.
@@ -45,9 +49,12 @@ Every contender trains on the same B completions per optimizer step (paper §2.3
 per prompt means more distinct prompts and a lower-variance gradient):
 
     GRPO  G=8        B/8 prompts   trl.GRPOTrainer
+    GRPO  G=8 no-scale             the same with scale_rewards="none" (POISE does not scale either)
     DAPO-DS G=8      B/8 prompts   GRPOTrainer + dynamic sampling (DAPO §3.2, in the benchmark): groups whose rewards
                                    all tie are dropped and fresh prompts generated until B/8 groups are informative
                                    (at most --dapo-max-rounds generation batches per step); it generates more than B
+    DAPO-DS-carry G=8              the same, but the last round's surplus informative groups are trained on at the
+                                   next step: only tied groups are discarded
     RLOO  k=2        B/2 prompts   trl.RLOOTrainer
     GRPO  G=2        B/2 prompts   trl.GRPOTrainer
     POISE (paper)    B/2 prompts   POISETrainer, the paper's algorithm (paper probe preset, RLOO bootstrap)
@@ -55,26 +62,34 @@ per prompt means more distinct prompts and a lower-variance gradient):
     POISE +partner / +shrunk / +selection   POISE (paper) plus one beyond-the-paper option each: the partner-aware
                                    probe, the shrunk bootstrap, value-guided prompt selection
 
-Shared by all: the model and its warm start (per seed), the data-order seed, learning rate, clip range (0.2/0.28),
-max completion length, temperature 1, no KL, one generation per optimizer step, and the held-out evaluator (its own
-sampling seed, so every contender starts from the same measured accuracy). GRPO, DAPO-DS and POISE use token-mean
-aggregation (`loss_type="dapo"`); TRL's RLOOTrainer always uses a sequence mean, the one difference that cannot be
-set away. GRPO keeps TRL's reward scaling (`--grpo-scale-rewards`); POISE's advantage is the unscaled `r - b`.
+Shared by all: the model and its warm start (per seed), the data-order seed, clip range (0.2/0.28), max completion
+length, temperature 1, no KL, one generation per optimizer step, the completions budget (`--budget`: every run stops
+once it has generated that many) and the held-out evaluator (its own sampling seed, so every contender starts from
+the same measured accuracy), run each time another `--eval-every` completions have been generated: one grid for
+all. The learning rate is `--learning-rate`, or with `--tune-lr` each contender's own: the best median AUC over
+`--lr-grid` on `--tuning-seeds` (disjoint from the evaluation seeds; a best rate at the edge extends the grid x2),
+the one-change ablations at POISE (paper)'s. GRPO, DAPO-DS and POISE use token-mean aggregation
+(`loss_type="dapo"`); TRL's RLOOTrainer always uses a sequence mean, the one difference that cannot be set away.
 
 Compute, per run: completions generated and trained, tokens generated, prefill tokens (prompt tokens per generated
 completion, plus value-guided selection's own prefill), rows through teacher-forced passes, and train seconds.
 
-Statistics that can decide, with the x-axis in completions GENERATED: the AUC, the mean held-out avg@k over the
-first C completions (linear interpolation between evaluations; C, the common budget, is the smallest final count
-over all runs), and per-seed paired ratios of it against GRPO-8, DAPO-DS and RLOO-2; the completions generated until
-avg@k first gains 0.5, 0.75 and 0.9 of GRPO-8's median gain over the seed's start, paired the same way. Each is a
-median over seeds with a 95% percentile-bootstrap CI (seeds resampled). Runs are independent processes (`--jobs`),
-one thread each on CPU, so the results do not depend on the number of jobs.
+Statistics (scipy), with the x-axis in completions GENERATED: the AUC, the mean held-out avg@k over the first
+`--budget` completions (linear interpolation between evaluations); per headline comparison (POISE default and paper
+against GRPO-8, GRPO-8 no-scale, DAPO-DS, DAPO-DS-carry, RLOO-2), paired by seed, the wins, the difference of AUC
+above the start and the ratio of completions generated until avg@k gains 75% of GRPO-8's median gain (never
+reached counts against its contender), with BCa bootstrap CIs and Wilcoxon signed-rank p-values, Holm-corrected
+across all headline tests.
 
-Offline default: the demo sort-digits task (`poise_trl.demo.tasks`) on 2-9 digits and the tiny model, warm-started
-longer than the demo, so that over a quarter of G=8 groups start tied (printed as the task check). With `--model`,
-`--train-dataset` and `--eval-dataset` the same command trains a real model on a math dataset, one run at a time on
-one GPU, with gradient checkpointing on and `--per-device-batch-size` micro-batches.
+Resumable: every (task, contender, rate, seed) run writes OUTPUT_DIR/runs/TASK/CONTENDER/lrRATE_seedN.json and a
+re-run skips those already there; `poise-trl bench summarize OUTPUT_DIR` reports from whatever runs exist. Runs are
+independent processes (`--jobs`), one thread each on CPU, so the results do not depend on the number of jobs.
+
+Offline tasks (`--task`, `poise_trl.demo.tasks`): `sort` (2-9 digits; difficulty = length) and `hops` (pointer
+chasing; one prompt and completion length, difficulty in the content), each warm-started so that over a quarter of
+G=8 groups start tied (the task check). With `--model`, `--train-dataset` and `--eval-dataset` the same command
+trains a real model on a math dataset, one run at a time on one GPU, with gradient checkpointing on and
+`--per-device-batch-size` micro-batches.
 """
 
 OVERHEAD_DESCRIPTION = """POISE's per-step time and peak memory against plain GRPO, and the probe fit's cost.
@@ -104,10 +119,33 @@ presets, predictions compared; also on the GPU when there is one.
 """
 
 
+def task_seeds(spec: str) -> tuple[str, list[int]]:
+    """`TASK=A-B` (seeds A..B) or `TASK=a,b,c` -> (task, seeds)."""
+    task, _, seeds = spec.partition("=")
+    try:
+        if "-" in seeds:
+            low, high = (int(v) for v in seeds.split("-"))
+            values = list(range(low, high + 1))
+        else:
+            values = [int(v) for v in seeds.split(",")]
+    except ValueError:
+        values = []
+    if task not in TASKS or not values:
+        raise argparse.ArgumentTypeError(f"{spec!r}: write TASK=A-B or TASK=a,b,c with TASK one of {', '.join(TASKS)}")
+    return task, values
+
+
 def _run_efficiency(args: argparse.Namespace) -> int:
-    from .efficiency import run_efficiency
+    from .report import run_efficiency
 
     return run_efficiency(args)
+
+
+def _run_summarize(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    print(write_report(args.results_dir))
+    return 0
 
 
 def _run_overhead(args: argparse.Namespace) -> int:
@@ -117,14 +155,25 @@ def _run_overhead(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `bench` with its `efficiency` and `overhead` subcommands; each stores its handler as `func`."""
+    """Register `bench` with its `efficiency`, `summarize` and `overhead` subcommands; each stores its handler as
+    `func`."""
     parser = subparsers.add_parser(
         "bench",
         help="training-efficiency and overhead benchmarks (POISE vs GRPO vs RLOO)",
         description="Training-efficiency and overhead benchmarks of POISE against TRL's GRPOTrainer and RLOOTrainer.",
     )
-    bench_subparsers = parser.add_subparsers(dest="bench_command", required=True, metavar="{efficiency,overhead}")
+    bench_subparsers = parser.add_subparsers(
+        dest="bench_command", required=True, metavar="{efficiency,summarize,overhead}"
+    )
     add_efficiency_parser(bench_subparsers)
+    summarize = bench_subparsers.add_parser(
+        "summarize",
+        help="rebuild the efficiency report (tables, efficiency.json, plots) from the run files written so far",
+        description="Read RESULTS_DIR/runs/*/*/*.json (a finished or partial `bench efficiency` study) and write "
+        "efficiency.json, report.md and one plot per task there.",
+    )
+    summarize.add_argument("results_dir", help="the --output-dir of a `bench efficiency` study")
+    summarize.set_defaults(func=_run_summarize)
     add_overhead_parser(bench_subparsers)
     return parser
 
@@ -137,21 +186,36 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS),
-                        help="which of the contenders above to run")  # fmt: skip
-    parser.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS), help="one run per contender")
+                        help="one lacking a config field in this library version is reported, not run")  # fmt: skip
+    parser.add_argument("--task", nargs="+", choices=TASKS, default=["sort"],
+                        help="offline tasks, one after another in this order (ignored with --model)")  # fmt: skip
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS), help="evaluation seeds")
+    parser.add_argument("--task-seeds", nargs="+", type=task_seeds, default=[], metavar="TASK=A-B",
+                        help="a task's own evaluation seeds instead of --seeds, e.g. hops=0-9")  # fmt: skip
+    parser.add_argument("--tune-lr", action="store_true",
+                        help="each contender at the rate with the best median AUC on --tuning-seeds (ablations: POISE "
+                        "(paper)'s rate); else every contender at --learning-rate")  # fmt: skip
+    parser.add_argument("--lr-grid", nargs="+", type=float, default=list(DEFAULT_LR_GRID),
+                        help="rates tried by --tune-lr; a best rate at an edge extends it by x2 that way")  # fmt: skip
+    parser.add_argument("--tuning-seeds", nargs="+", type=int, default=list(DEFAULT_TUNING_SEEDS),
+                        help="seeds of the tuning runs, disjoint from the evaluation seeds")  # fmt: skip
+    parser.add_argument("--max-grid-extensions", type=int, default=MAX_GRID_EXTENSIONS,
+                        help="per contender, how often --tune-lr may extend the grid")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=None,
-                        help="(contender, seed) runs in parallel processes, each with --cpu-threads threads; results "
-                        "do not depend on it (default: the usable cores; 1 with --model)")  # fmt: skip
+                        help="runs in parallel processes, each with --cpu-threads threads; results do not depend on "
+                        "it (default: the usable cores; 1 with --model)")  # fmt: skip
     parser.add_argument("--completions-per-step", type=int, default=32, help="B trained per step, every contender")
     parser.add_argument("--per-device-batch-size", type=int, default=None,
                         help="micro-batch; gradient accumulation keeps B per optimizer step (default: B)")  # fmt: skip
-    parser.add_argument("--steps", type=int, default=DEFAULT_EFFICIENCY_STEPS, help="optimizer steps per run")
-    parser.add_argument("--eval-every", type=int, default=10, help="held-out avg@k every N steps")
+    parser.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
+                        help="completions generated per run: each stops once it has generated this many")  # fmt: skip
+    parser.add_argument("--eval-every", type=int, default=DEFAULT_EVAL_EVERY,
+                        help="held-out avg@k each time this many more completions have been generated")  # fmt: skip
     parser.add_argument("--eval-k", type=int, default=8, help="k of the held-out avg@k")
     parser.add_argument("--eval-seed", type=int, default=0, help="sampling seed of every held-out evaluation")
     parser.add_argument("--learning-rate", type=float, default=None,
-                        help=f"all contenders (default: {DEMO_LEARNING_RATE:g} for the demo task, "
-                        f"{PAPER_LEARNING_RATE:g} with --model)")  # fmt: skip
+                        help=f"every contender's rate without --tune-lr (default: {DEMO_LEARNING_RATE:g} for the "
+                        f"demo tasks, {PAPER_LEARNING_RATE:g} with --model)")  # fmt: skip
     parser.add_argument("--epsilon", type=float, default=0.2, help="lower clip range, all contenders")
     parser.add_argument("--epsilon-high", type=float, default=0.28, help="upper clip range, all contenders")
     parser.add_argument(
@@ -161,19 +225,22 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="longest completion (default: 12 for the demo task, 2048 with --model)",
     )
     parser.add_argument("--grpo-scale-rewards", choices=["group", "batch", "none"], default="group",
-                        help="GRPO and DAPO-DS")  # fmt: skip
+                        help="GRPO and DAPO-DS (GRPO-8 no-scale always uses none)")  # fmt: skip
     parser.add_argument("--dapo-max-rounds", type=int, default=DAPO_MAX_ROUNDS,
                         help="DAPO-DS: most generation batches per step (hitting it logs dapo/capped)")  # fmt: skip
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                         help="all contenders (default: on with --model, off for the tiny demo model)")  # fmt: skip
-    parser.add_argument("--output-dir", default="runs/bench/efficiency", help="JSON, PNG and run folders")
-    parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads per run on CPU; 0 lets torch choose")
-    demo = parser.add_argument_group("offline demo task (used when --model is not given)")
-    demo.add_argument("--warmup-steps", type=int, default=BENCH_WARMUP_STEPS, help="supervised warm-start steps")
-    demo.add_argument("--min-digits", type=int, default=2, help="fewest digits to sort")
-    demo.add_argument("--max-digits", type=int, default=BENCH_MAX_DIGITS, help="most digits to sort (<= 9)")
+    parser.add_argument("--output-dir", default="runs/bench/efficiency",
+                        help="results directory: runs/TASK/CONTENDER/lrRATE_seedN.json (a re-run skips those that "
+                        "exist), tuning, efficiency.json, PNG")  # fmt: skip
+    parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads per run on CPU (0: torch's default)")
+    demo = parser.add_argument_group("offline demo tasks (used when --model is not given)")
+    demo.add_argument("--warmup-steps", type=int, default=None, help="supervised warm-start steps (default: per task)")
+    demo.add_argument("--min-digits", type=int, default=TASK_DIGITS["sort"][0], help="sort task only")
+    demo.add_argument("--max-digits", type=int, default=TASK_DIGITS["sort"][1], help="sort task only")
     demo.add_argument("--num-eval", type=int, default=140, help="held-out prompts")
-    demo.add_argument("--cache-dir", default=None, help="warm-started models (default: OUTPUT_DIR/models)")
+    demo.add_argument("--cache-dir", default=None,
+                      help="warm-started models (default: $XDG_CACHE_HOME/poise-trl/bench)")  # fmt: skip
     real = parser.add_argument_group("real model and dataset (a GPU in practice)")
     real.add_argument(
         "--model",
@@ -260,6 +327,7 @@ def add_probe_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         f"or local .jsonl/.parquet (default: {SORT_DATASET} for the demo, else {DEFAULT_MATH_DATASET})",
     )
     add("--split", default=None, help="dataset split of a Hub id (default: the registry's split, else train)")
+    add("--task", choices=TASKS, default=None, help="with the demo model: its offline task (default: sort)")
     add("--reward-fn", default=None, help="MODULE:FUNCTION, a TRL reward (default: the task's or math_answer_reward)")
     add("--num-prompts", type=int, default=320, help="distinct prompts to sample")
     add("--k", type=int, default=8, help="rollouts per prompt (the paper's avg@8)")

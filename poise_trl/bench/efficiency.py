@@ -1,12 +1,13 @@
-"""`poise-trl bench efficiency`, the implementation; the method is `bench.EFFICIENCY_DESCRIPTION` (`--help`)."""
+"""One `poise-trl bench efficiency` run: a contender trained on one seed's task with a held-out curve on a grid of
+completions generated. The study around it (tuning, resuming, the report) is `bench.study`; the method is
+`bench.EFFICIENCY_DESCRIPTION` (`--help`)."""
 
 import argparse
 import dataclasses
 import gc
-import multiprocessing
+import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,37 +17,14 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
-from poise_trl.demo.model import evaluate_avg_at_k, prepare_demo_model
-from poise_trl.demo.tasks import MAX_COMPLETION_LENGTH, make_sort_splits, task_reward
+from poise_trl.demo.model import default_cache_dir, evaluate_avg_at_k, prepare_demo_model
+from poise_trl.demo.tasks import MAX_COMPLETION_LENGTH, make_splits, task_reward
 from poise_trl.rlvr.data import load_math_dataset
 from poise_trl.rlvr.evaluation import score_benchmark
 from poise_trl.rlvr.rewards import math_answer_reward
 
-from .common import (
-    CONTENDERS,
-    COUNTERS,
-    DEMO_LEARNING_RATE,
-    PAPER_LEARNING_RATE,
-    Contender,
-    default_jobs,
-    environment,
-    fmt,
-    quiet_libraries,
-    set_cpu_threads,
-    trainer_device_args,
-    write_json,
-)
-from .summary import (
-    TARGET_FRACTIONS,
-    _mean,
-    common_budget,
-    format_report,
-    plot_curves,
-    reference_gain,
-    summarize,
-    task_check,
-)
-from .trainers import TRAINERS, unavailable_reason
+from .common import COUNTERS, TASK_WARMUP_STEPS, Contender, mean_or_none, trainer_device_args
+from .trainers import TRAINERS
 
 # Logged every step. The `poise/` keys (value-probe quality, paper App. C) exist for POISE only, `dapo/` for DAPO-DS.
 PER_STEP_KEYS = (
@@ -61,6 +39,7 @@ PER_STEP_KEYS = (
     "poise/selection/prefill_tokens",
     "dapo/rounds",
     "dapo/capped",
+    "dapo/carried",
 )
 Evaluator = Callable[[Any, Any], float]  # (model, tokenizer) -> held-out avg@k
 
@@ -77,11 +56,16 @@ class SeedTask:
 
 
 class HeldOutCurve(TrainerCallback):
-    """Held-out avg@k before training and every `every` optimizer steps, with the compute counted so far; its time is
-    kept out of the train time."""
+    """Held-out avg@k before training and each time another `every` completions have been generated (the same grid
+    for every contender, whatever it generates per step), with the compute counted so far; training stops once
+    `budget` completions are generated. Its time is kept out of the train time.
 
-    def __init__(self, evaluate: Evaluator, every: int):
-        self.evaluate, self.every = evaluate, every
+    Evaluations happen at optimizer-step ends, so a contender that generates more than `every` in one step (DAPO-DS
+    refilling) is evaluated at the first step end past each grid point, at the count it reached.
+    """
+
+    def __init__(self, evaluate: Evaluator, every: int, budget: int):
+        self.evaluate, self.every, self.budget = evaluate, every, budget
         self.counts: dict[str, int] = dict.fromkeys(COUNTERS, 0)  # the trainer's bench_counts, set once it exists
         self.steps: list[int] = []
         self.avg_at_k: list[float] = []
@@ -99,8 +83,12 @@ class HeldOutCurve(TrainerCallback):
         self._record(0, model, processing_class)
 
     def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
-        if state.global_step % self.every == 0 or state.global_step == state.max_steps:
+        generated = self.counts["completions_generated"]
+        done = generated >= self.budget or state.global_step == state.max_steps
+        if done or generated // self.every > self.completions_generated[-1] // self.every:
             self._record(state.global_step, model, processing_class)
+        if generated >= self.budget:
+            control.should_training_stop = True
 
 
 def _sampling_evaluator(dataset: Dataset, k: int, max_new_tokens: int, batch_size: int, seed: int) -> Evaluator:
@@ -147,17 +135,22 @@ def _sampling_evaluator(dataset: Dataset, k: int, max_new_tokens: int, batch_siz
     return evaluate
 
 
-def _task_factory(args: argparse.Namespace) -> Callable[[int], SeedTask]:
-    """Seed -> SeedTask for the demo task (own warm start and splits per seed) or for a real model and dataset."""
+def warmup_steps(args: argparse.Namespace, task: str) -> int:
+    """The task's supervised warm-up steps: `--warmup-steps` if given, else the task's default."""
+    return args.warmup_steps if args.warmup_steps is not None else TASK_WARMUP_STEPS[task]
+
+
+def _task_factory(args: argparse.Namespace, task: str = "sort") -> Callable[[int], SeedTask]:
+    """Seed -> SeedTask for an offline demo task (own warm start and splits per seed) or a real model and dataset."""
     if args.model is None:
-        cache_dir = Path(args.cache_dir or Path(args.output_dir) / "models")
+        cache_dir = Path(args.cache_dir or default_cache_dir() / "bench")
         max_length = args.max_completion_length or MAX_COMPLETION_LENGTH
 
         def demo(seed: int) -> SeedTask:
-            # The warm start trains on make_sort_splits(seed=seed)'s train split, so its held-out split stays unseen.
-            splits = dict(min_digits=args.min_digits, max_digits=args.max_digits, seed=seed)
-            train, held_out = make_sort_splits(num_eval=args.num_eval, **splits)
-            path = prepare_demo_model(cache_dir, warmup_steps=args.warmup_steps, **splits)
+            # The warm start trains on the same splits' train part, so its held-out split stays unseen.
+            splits = dict(num_eval=args.num_eval, min_digits=args.min_digits, max_digits=args.max_digits, seed=seed)
+            train, held_out = make_splits(task, **splits)
+            path = prepare_demo_model(cache_dir, warmup_steps=warmup_steps(args, task), task=task, **splits)
 
             def evaluate(model: Any, tokenizer: Any) -> float:
                 result = evaluate_avg_at_k(
@@ -196,15 +189,19 @@ def micro_batching(completions_per_step: int, per_device: int | None) -> dict[st
     )
 
 
-def _config(contender: Contender, task: SeedTask, args: argparse.Namespace, seed: int, output_dir: Path):
-    """The contender's TRL config: everything but the algorithm's own knobs and its overrides is shared."""
+def _config(
+    contender: Contender, task: SeedTask, args: argparse.Namespace, seed: int, output_dir: Path, learning_rate: float
+):
+    """The contender's TRL config: everything but the algorithm's own knobs, its overrides and its (tuned) learning
+    rate is shared. `max_steps` is what B per step needs to reach the budget; a contender that generates more per step
+    (DAPO-DS) stops earlier, at the budget (HeldOutCurve)."""
     config_class = TRAINERS[contender.trainer][1]
     fields = {f.name for f in dataclasses.fields(config_class)}
     settings: dict[str, Any] = dict(
         output_dir=str(output_dir),
         num_generations=contender.group_size,
-        max_steps=args.steps,
-        learning_rate=args.learning_rate,
+        max_steps=-(-args.budget // args.completions_per_step),
+        learning_rate=learning_rate,
         lr_scheduler_type="constant",
         epsilon=args.epsilon,
         epsilon_high=args.epsilon_high,
@@ -216,9 +213,9 @@ def _config(contender: Contender, task: SeedTask, args: argparse.Namespace, seed
         **micro_batching(args.completions_per_step, args.per_device_batch_size),
         **trainer_device_args(args.gradient_checkpointing),
     )
-    if contender.trainer in ("poise", "grpo", "dapo_ds"):  # RLOOTrainer has no loss_type (sequence mean, fixed)
+    if contender.trainer != "rloo":  # RLOOTrainer has no loss_type (sequence mean, fixed)
         settings["loss_type"] = "dapo"
-    if contender.trainer in ("grpo", "dapo_ds"):
+    if contender.trainer in ("grpo", "dapo_ds", "dapo_ds_carry"):
         settings["scale_rewards"] = args.grpo_scale_rewards
     settings.update({key: value for key, value in contender.pins.items() if key in fields})
     settings.update(contender.overrides)
@@ -230,15 +227,18 @@ def _after_bootstrap(per_step: dict[str, list], key: str) -> list[float | None]:
     return [v for v, b in zip(per_step[key], per_step["poise/bootstrap"], strict=True) if b == 0]
 
 
-def run_one(contender: Contender, seed: int, task: SeedTask, args: argparse.Namespace) -> dict[str, Any]:
+def run_one(
+    contender: Contender, seed: int, task: SeedTask, args: argparse.Namespace, learning_rate: float
+) -> dict[str, Any]:
     """Train one contender on one seed; return its held-out curve, compute counts and per-step training metrics."""
-    output_dir = Path(args.output_dir) / "runs" / f"{contender.name}_seed{seed}"
     trainer_class = TRAINERS[contender.trainer][0]
-    curve = HeldOutCurve(task.evaluate, args.eval_every)
+    scratch = tempfile.TemporaryDirectory(prefix="poise-bench-")  # the trainer saves nothing (save_strategy="no")
+    output_dir = Path(scratch.name)
+    curve = HeldOutCurve(task.evaluate, args.eval_every, args.budget)
     trainer = trainer_class(
         model=task.model,
         reward_funcs=task.reward,
-        args=_config(contender, task, args, seed, output_dir),
+        args=_config(contender, task, args, seed, output_dir, learning_rate),
         train_dataset=task.train,
         callbacks=[curve],
     )
@@ -253,12 +253,14 @@ def run_one(contender: Contender, seed: int, task: SeedTask, args: argparse.Name
     counts = dict(trainer.bench_counts)
     counts["prefill_tokens"] += int(sum(v or 0 for v in per_step["poise/selection/prefill_tokens"]))
     del trainer
+    scratch.cleanup()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return {
         "contender": contender.name,
         "seed": seed,
+        "learning_rate": learning_rate,
         "completions_per_step": args.completions_per_step,
         "eval_steps": curve.steps,
         "eval_completions": curve.completions_generated,
@@ -266,127 +268,10 @@ def run_one(contender: Contender, seed: int, task: SeedTask, args: argparse.Name
         **counts,
         "train_seconds": wall - curve.seconds,
         "eval_seconds": curve.seconds,
-        "mean_grad_norm": _mean(per_step["grad_norm"]),
-        "mean_frac_zero_advantage_prompts": _mean(per_step["frac_zero_advantage_prompts"]),
-        "mean_frac_reward_zero_std": _mean(per_step["frac_reward_zero_std"]),
-        "probe_variance_reduction": _mean(_after_bootstrap(per_step, "poise/variance_reduction")),
-        "probe_pearson_r": _mean(_after_bootstrap(per_step, "poise/pearson_r")),
-        "per_step": per_step,
+        "mean_grad_norm": mean_or_none(per_step["grad_norm"]),
+        "mean_frac_zero_advantage_prompts": mean_or_none(per_step["frac_zero_advantage_prompts"]),
+        "mean_frac_reward_zero_std": mean_or_none(per_step["frac_reward_zero_std"]),
+        "probe_variance_reduction": mean_or_none(_after_bootstrap(per_step, "poise/variance_reduction")),
+        "probe_pearson_r": mean_or_none(_after_bootstrap(per_step, "poise/pearson_r")),
+        "per_step": {key: [None if v is None else round(v, 5) for v in values] for key, values in per_step.items()},
     }
-
-
-def _worker_setup(cpu_threads: int) -> None:
-    """Each worker process: its thread count and quiet libraries, once."""
-    set_cpu_threads(cpu_threads)
-    quiet_libraries()
-
-
-def _run_in_worker(name: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One (contender, seed) run in a worker process; the seed's task is rebuilt there from its cached files."""
-    run = run_one(CONTENDERS[name], seed, _task_factory(args)(seed), args)
-    print(
-        f"[bench efficiency] seed {seed} {CONTENDERS[name].label}: avg@{args.eval_k} {fmt(run['avg_at_k'][0])} -> "
-        f"{fmt(run['avg_at_k'][-1])}, {run['completions_generated']} completions generated, "
-        f"{run['train_seconds']:.0f} s (+{run['eval_seconds']:.0f} s eval)",
-        flush=True,
-    )
-    return run
-
-
-def run_all(args: argparse.Namespace, contenders: list[Contender]) -> list[dict[str, Any]]:
-    """Every (contender, seed) run, `args.jobs` at a time, each in a fresh-started worker process.
-
-    Runs are independent and each seeds itself, so the results do not depend on `--jobs`. The seeds' warm-started
-    models are prepared here first, one at a time, so parallel workers only read the cache and never race on it.
-    Workers are spawned (not forked) so none inherits this process's thread pools.
-    """
-    make_task = _task_factory(args)
-    for seed in args.seeds:
-        make_task(seed)
-    order = [(c.name, seed) for seed in args.seeds for c in contenders]
-    context = multiprocessing.get_context("spawn")
-    jobs = max(1, min(args.jobs, len(order)))
-    setup = dict(mp_context=context, initializer=_worker_setup, initargs=(args.cpu_threads,))
-    with ProcessPoolExecutor(jobs, **setup) as pool:
-        futures = [pool.submit(_run_in_worker, name, seed, args) for name, seed in order]
-        return [future.result() for future in futures]
-
-
-def _available(names: list[str]) -> tuple[list[Contender], dict[str, str]]:
-    """The contenders this library version can run, and why each other one cannot."""
-    available, unavailable = [], {}
-    for name in names:
-        reason = unavailable_reason(CONTENDERS[name])
-        if reason is None:
-            available.append(CONTENDERS[name])
-        else:
-            unavailable[name] = reason
-            print(f"[bench efficiency] {CONTENDERS[name].label} unavailable, not run: {reason}", flush=True)
-    return available, unavailable
-
-
-def run_efficiency(args: argparse.Namespace) -> int:
-    """Handler of `poise-trl bench efficiency`: train every contender on every seed, print and write the results."""
-    quiet_libraries()
-    set_cpu_threads(args.cpu_threads)
-    contenders, unavailable = _available(args.contenders)
-    if not contenders:
-        raise SystemExit("no contender can run with this library version")
-    for contender in contenders:
-        if args.completions_per_step % contender.group_size:
-            raise SystemExit(
-                f"--completions-per-step {args.completions_per_step} is not a multiple of {contender.label}'s group"
-            )
-    if args.learning_rate is None:
-        args.learning_rate = DEMO_LEARNING_RATE if args.model is None else PAPER_LEARNING_RATE
-    if args.gradient_checkpointing is None:
-        args.gradient_checkpointing = args.model is not None  # a real model's activations need it (OOM otherwise)
-    if args.jobs is None:
-        args.jobs = 1 if args.model is not None else default_jobs()  # one GPU: one run at a time
-    start = time.perf_counter()
-    runs = run_all(args, contenders)
-    budget = common_budget(runs)
-    full_gain = reference_gain(runs, "grpo8")
-    check = task_check(runs)
-    settings = {
-        key: getattr(args, key)
-        for key in (
-            "contenders", "seeds", "completions_per_step", "per_device_batch_size", "steps", "eval_every", "eval_k",
-            "eval_seed", "learning_rate", "epsilon", "epsilon_high", "grpo_scale_rewards", "dapo_max_rounds",
-            "gradient_checkpointing", "jobs", "model", "train_dataset", "eval_dataset", "warmup_steps", "min_digits",
-            "max_digits", "num_eval",
-        )
-    }  # fmt: skip
-    settings.update(
-        common_budget=budget,
-        reference_gain=full_gain,
-        target_rule="fraction x median over seeds of GRPO-8's (final - start), for fractions "
-        + ", ".join(map(str, TARGET_FRACTIONS)),
-        loss_aggregation={"poise/grpo/dapo_ds": "dapo (token mean)", "rloo": "sequence mean (fixed)"},
-        unavailable=unavailable,
-    )
-    summary = summarize(runs, contenders, full_gain, budget)
-    report = format_report(summary, settings)
-    output_dir = Path(args.output_dir)
-    json_path = write_json(
-        output_dir / "efficiency.json",
-        {
-            "command": "poise-trl bench efficiency",
-            "settings": settings,
-            "environment": environment(),
-            "wall_seconds": time.perf_counter() - start,
-            "task_check": check,
-            "summary": summary,
-            "headline": report.splitlines()[-1],
-            "runs": runs,
-        },
-    )
-    png_path = plot_curves(runs, contenders, output_dir / "efficiency.png", budget, args.eval_k)
-    print(f"wrote {json_path} and {png_path}\n")
-    degenerate = check["degenerate_g8_groups_at_start"]
-    print(
-        f"Task check: {fmt(degenerate, 2)} of G=8 groups tie at the start (GRPO-8/DAPO-DS, first 5 steps, median "
-        f"over seeds; want >= 0.25); best final avg@{args.eval_k} {fmt(check['best_final_avg_at_k'])} (want < 0.95)."
-    )
-    print(report)  # its last line is the headline
-    return 0

@@ -87,6 +87,12 @@ class DynamicSampling:
     batches per step (a step that hits the cap trains on what it has, topped up with tied groups, and logs
     `dapo/capped`). Every completion generated is counted (`_Accounting`), the surplus of the last round included.
 
+    DAPO's recipe drops the surplus informative groups of a step's last round. With `dapo_carry` they are kept and
+    trained on first at the next step (one step off-policy, with their own group's advantages; TRL runs no
+    old-log-prob pass here, so their ratio is taken against the current policy), so only tied groups are ever
+    discarded: the strongest dynamic sampling, beyond DAPO's own recipe. The sampler's batch is still generated every
+    step, so prompts keep flowing in the sampler's order.
+
     It overrides only `_generate_and_score_completions`, calling GRPOTrainer's once per round and concatenating the
     kept rows (prompts left-padded, completions right-padded to the widest round), so TRL's shuffling, buffering and
     loss run unchanged. A tie is read off the advantages: GRPO's `r - mean` is exactly 0 for every member of a tied
@@ -94,6 +100,7 @@ class DynamicSampling:
     """
 
     dapo_max_rounds: int = 8
+    dapo_carry: bool = False  # keep the last round's surplus informative groups for the next step
 
     def _generate_and_score_completions(self, inputs):
         if not self.model.training:
@@ -104,15 +111,21 @@ class DynamicSampling:
         wanted = len(inputs) // group
         kept: list[tuple[dict[str, Any], torch.Tensor]] = []  # (round output, its kept group indices)
         tied: list[tuple[dict[str, Any], torch.Tensor]] = []
-        found, rounds, batch = 0, 0, inputs
-        while found < wanted and rounds < self.dapo_max_rounds:
+        carried = getattr(self, "_dapo_carried", [])  # surplus of the previous step's last round (<= wanted)
+        kept.extend(carried)
+        found, rounds, batch = sum(groups.numel() for _, groups in carried), 0, inputs
+        self._dapo_carried = []
+        while rounds == 0 or (found < wanted and rounds < self.dapo_max_rounds):
             output = super()._generate_and_score_completions(batch)
             rounds += 1
-            informative = (output["advantages"].view(-1, group) != 0).any(1)
-            take = informative.nonzero().flatten()[: wanted - found]
+            mask = (output["advantages"].view(-1, group) != 0).any(1)
+            informative = mask.nonzero().flatten()
+            take = informative[: wanted - found]
             kept.append((output, take))
-            tied.append((output, (~informative).nonzero().flatten()))
+            tied.append((output, (~mask).nonzero().flatten()))
             found += take.numel()
+            if self.dapo_carry and informative.numel() > take.numel():
+                self._dapo_carried = [(output, informative[take.numel() :])]
             if found < wanted:
                 batch = [row for row in self._fresh_prompts(wanted) for _ in range(group)]
         capped = found < wanted
@@ -124,6 +137,7 @@ class DynamicSampling:
             found += groups.numel()
         self._metrics["train"]["dapo/rounds"].append(float(rounds))
         self._metrics["train"]["dapo/capped"].append(float(capped))
+        self._metrics["train"]["dapo/carried"].append(float(sum(groups.numel() for _, groups in carried)))
         return self._concatenate(kept, group)
 
     def _fresh_prompts(self, count: int) -> list[dict[str, Any]]:
@@ -184,11 +198,16 @@ class _BenchDAPOTrainer(_TrainedAccounting, DynamicSampling, _Accounting, GRPOTr
     pass
 
 
+class _BenchDAPOCarryTrainer(_BenchDAPOTrainer):
+    dapo_carry = True
+
+
 TRAINERS: dict[str, tuple[type, type]] = {
     "poise": (_BenchPOISETrainer, POISEConfig),
     "grpo": (_BenchGRPOTrainer, GRPOConfig),
     "rloo": (_BenchRLOOTrainer, RLOOConfig),
     "dapo_ds": (_BenchDAPOTrainer, GRPOConfig),
+    "dapo_ds_carry": (_BenchDAPOCarryTrainer, GRPOConfig),
 }
 
 

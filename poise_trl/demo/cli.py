@@ -3,7 +3,7 @@
 import argparse
 from typing import Any
 
-from .tasks import DEFAULT_DIFFICULTIES, DEMO_WARMUP_LR, DEMO_WARMUP_STEPS
+from .tasks import DEFAULT_DIFFICULTIES, DEMO_WARMUP_LR, DEMO_WARMUP_STEPS, TASKS
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
@@ -29,6 +29,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
         logging_steps=args.logging_steps,
         cache_dir=args.cache_dir,
         show_progress=not args.no_progress,
+        task=args.task,
     )
     return 0
 
@@ -42,10 +43,12 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
         "and summary.json.",
     )
     parser.add_argument("--output-dir", default="runs/demo", help="where the plot, summary and final model go")
+    parser.add_argument("--task", choices=TASKS, default="sort",
+                        help="sort: k digits (difficulty = length); hops: pointer chasing (one length)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=200, help="POISE training steps")
     parser.add_argument("--seed", type=int, default=0, help="seed of the task split, model init and training")
-    parser.add_argument("--min-digits", type=int, default=DEFAULT_DIFFICULTIES[0], help="easiest prompts")
-    parser.add_argument("--max-digits", type=int, default=DEFAULT_DIFFICULTIES[1], help="hardest prompts (<= 9)")
+    parser.add_argument("--min-digits", type=int, default=DEFAULT_DIFFICULTIES[0], help="easiest sort prompts")
+    parser.add_argument("--max-digits", type=int, default=DEFAULT_DIFFICULTIES[1], help="hardest sort prompts (<= 9)")
     parser.add_argument("--task-size", type=int, default=2000, help="training prompts")
     parser.add_argument("--eval-size", type=int, default=140, help="held-out prompts, never seen in training")
     parser.add_argument("--eval-k", type=int, default=8, help="samples per held-out prompt for avg@k")

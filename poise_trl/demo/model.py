@@ -16,14 +16,17 @@ from .tasks import (
     DEFAULT_DIFFICULTIES,
     DEMO_WARMUP_LR,
     DEMO_WARMUP_STEPS,
+    HOPS_DIGITS,
+    HOPS_MAX,
     MAX_COMPLETION_LENGTH,
-    make_sort_splits,
+    TASKS,
+    make_splits,
     target_completion,
     task_reward,
 )
 from .tiny import build_tiny_model, build_tiny_tokenizer
 
-CACHE_FORMAT = 1  # bump when the task or the warm start changes, so stale caches are rebuilt
+CACHE_FORMAT = 2  # bump when the task or the warm start changes, so stale caches are rebuilt
 
 
 def default_cache_dir() -> Path:
@@ -64,12 +67,15 @@ def warm_start(
     """
     rng = random.Random(seed)
     prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
+    reasoning = list(dataset["reasoning"]) if "reasoning" in dataset.column_names else [None] * len(prompts)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     losses = []
     for _ in range(steps):
         rows = [rng.randrange(len(prompts)) for _ in range(batch_size)]
-        batch = _supervised_batch(tokenizer, [prompts[i] for i in rows], [target_completion(answers[i]) for i in rows])
+        batch = _supervised_batch(
+            tokenizer, [prompts[i] for i in rows], [target_completion(answers[i], reasoning[i]) for i in rows]
+        )
         loss = model(**batch).loss
         optimizer.zero_grad()
         loss.backward()
@@ -138,28 +144,40 @@ def prepare_demo_model(
     min_digits: int = DEFAULT_DIFFICULTIES[0],
     max_digits: int = DEFAULT_DIFFICULTIES[1],
     num_train: int = 2000,
+    num_eval: int = 140,
+    task: str = "sort",
 ) -> Path:
-    """Build the tiny model, warm-start it on the sort task and `save_pretrained` it; reuse a matching cache.
+    """Build the tiny model, warm-start it on `task`'s train split and `save_pretrained` it; reuse a matching cache.
 
-    The cache directory name encodes every setting that changes the weights, and `warm_start.json` repeats them, so
-    a different setting never silently reuses a stale model. Returns the model directory (tokenizer saved alongside).
+    The splits are built with the caller's `num_eval`, so the warm start never sees a prompt the caller holds out
+    (the held-out prompts are drawn first, so their number changes the train split). The cache directory name
+    encodes every setting that changes the weights, and `warm_start.json` repeats them, so a different setting never
+    silently reuses a stale model. Returns the model directory (tokenizer saved alongside).
     """
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
+    if task == "sort":
+        shape = {"min_digits": min_digits, "max_digits": max_digits}
+    else:
+        shape = {"hops": HOPS_MAX, "digits": HOPS_DIGITS}
     settings = {
         "format": CACHE_FORMAT,
+        "task": task,
         "seed": seed,
         "warmup_steps": warmup_steps,
         "warmup_lr": warmup_lr,
-        "min_digits": min_digits,
-        "max_digits": max_digits,
+        **shape,
         "num_train": num_train,
+        "num_eval": num_eval,
     }
+    name = f"sort{min_digits}-{max_digits}" if task == "sort" else task
     path = Path(cache_dir) / (
-        f"sort{min_digits}-{max_digits}_n{num_train}_ws{warmup_steps}_lr{warmup_lr:g}_seed{seed}_v{CACHE_FORMAT}"
+        f"{name}_n{num_train}_e{num_eval}_ws{warmup_steps}_lr{warmup_lr:g}_seed{seed}_v{CACHE_FORMAT}"
     )
     info_file = path / "warm_start.json"
     if info_file.exists() and json.loads(info_file.read_text()).get("settings") == settings:
         return path
-    train, _ = make_sort_splits(num_train=num_train, min_digits=min_digits, max_digits=max_digits, seed=seed)
+    train, _ = make_splits(task, num_train, num_eval, seed, min_digits, max_digits)
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(tokenizer, seed=seed)
     start = time.perf_counter()

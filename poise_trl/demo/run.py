@@ -24,8 +24,9 @@ from .tasks import (
     DEFAULT_DIFFICULTIES,
     DEMO_WARMUP_LR,
     DEMO_WARMUP_STEPS,
+    HOPS_MAX,
     MAX_COMPLETION_LENGTH,
-    make_sort_splits,
+    make_splits,
     task_reward,
 )
 
@@ -122,6 +123,7 @@ def run_demo(
     cache_dir: str | Path | None = None,
     show_progress: bool = True,
     write: Callable[[str], None] = tqdm.write,
+    task: str = "sort",
 ) -> dict[str, Any]:
     """Run the demo and return the summary that is also written to `output_dir/summary.json`.
 
@@ -142,13 +144,16 @@ def run_demo(
         min_digits=min_digits,
         max_digits=max_digits,
         num_train=num_train,
+        num_eval=num_eval,
+        task=task,
     )
     model, tokenizer = load_demo_model(model_dir)
-    train, held_out = make_sort_splits(num_train, num_eval, min_digits, max_digits, seed=seed)
+    train, held_out = make_splits(task, num_train, num_eval, seed, min_digits, max_digits)
+    task_name = f"sort {min_digits}-{max_digits} digits" if task == "sort" else f"{task} (0-{HOPS_MAX} hops)"
 
-    write(f"[2/4] held-out avg@{eval_k} before RL ({len(held_out)} prompts, {min_digits}-{max_digits} digits)")
+    write(f"[2/4] held-out avg@{eval_k} before RL ({len(held_out)} prompts, {task_name})")
     before = evaluate_avg_at_k(model, tokenizer, held_out, k=eval_k, seed=seed)
-    write(f"      avg@{eval_k} = {before['avg_at_k']:.3f}  by digits: {_by_difficulty(before)}")
+    write(f"      avg@{eval_k} = {before['avg_at_k']:.3f}  by difficulty: {_by_difficulty(before)}")
 
     config = POISEConfig(
         output_dir=str(output_dir),
@@ -187,12 +192,10 @@ def run_demo(
     write(f"[4/4] held-out avg@{eval_k} after RL")
     after = evaluate_avg_at_k(trainer.model, tokenizer, held_out, k=eval_k, seed=seed)
     history = trainer.state.log_history
-    plot_path = plot_training_dynamics(
-        history, output_dir / PLOT_FILE, title=f"POISE on digit sorting ({min_digits}-{max_digits} digits, tiny Qwen3)"
-    )
+    plot_path = plot_training_dynamics(history, output_dir / PLOT_FILE, title=f"POISE on {task_name} (tiny Qwen3)")
     last = max(1, len([e for e in history if "reward" in e]) // 4)  # final quarter of the logged windows
     summary = {
-        "task": f"sort {min_digits}-{max_digits} digits",
+        "task": task_name,
         "model_dir": str(model_dir),
         "final_model_dir": str(output_dir / "final"),
         "steps": steps,
@@ -233,8 +236,8 @@ def _closing_summary(summary: dict[str, Any], before: dict[str, Any], after: dic
             "",
             f"held-out avg@{k}: {before['avg_at_k']:.3f} -> {after['avg_at_k']:.3f} "
             f"({after['avg_at_k'] - before['avg_at_k']:+.3f}) on {summary['held_out_prompts']} unseen prompts",
-            f"  by digits before: {_by_difficulty(before)}",
-            f"  by digits after:  {_by_difficulty(after)}",
+            f"  by difficulty before: {_by_difficulty(before)}",
+            f"  by difficulty after:  {_by_difficulty(after)}",
             f"probe, last quarter of training: value {fmt(final['poise/value_mean'])}, reward {fmt(final['reward'])}, "
             f"MAE {fmt(final['poise/mae'])}, variance reduction {fmt(final['poise/variance_reduction'], '+.3f')}, "
             f"Pearson r {fmt(final['poise/pearson_r'], '+.3f')}",

@@ -1,4 +1,6 @@
-"""A synthetic verifiable task for the tiny model whose prompts differ in difficulty: sort k digits.
+"""Synthetic verifiable tasks for the tiny model whose prompts differ in difficulty: `sort` and `hops`.
+
+`sort`: sort k digits.
 
 Prompt `"31513="`, target completion `"5</think>11335"` then EOS: a one-token "reasoning" span (how many digits
 will be written), the `</think>` marker, then the answer. The reward is 1 when the text after the last `</think>`
@@ -7,6 +9,12 @@ more chance to slip, so per-prompt success falls with k (after the default warm 
 0.33 overall). The value probe therefore has a real signal to learn, from the prompt (k, repeated digits) and from the
 reasoning span (a miscounted length predicts a wrong answer). `max(a, b)` is learned too uniformly and
 `(a + b) mod 10` not at all in minutes (DESIGN §4).
+
+`hops`: pointer chasing. The prompt `2:7152903846=` holds a hop count h (0-3) and ten digits d0..d9; start at
+x0 = d0, hop x_{i+1} = d[x_i], and answer x_h x_{h+1} (two digits), after a one-token reasoning span x0. Every prompt
+has 13 characters and every completion 4 tokens plus EOS, so difficulty is invisible in prompt and completion
+length: it comes from the content (h hops to compose). After 200 warm-up steps a tiny model gets h=0 mostly right
+and h=3 mostly wrong, so many G=8 groups tie at both ends.
 """
 
 import random
@@ -22,15 +30,19 @@ DEFAULT_DIFFICULTIES = (2, 8)
 MAX_COMPLETION_LENGTH = 12
 DEMO_WARMUP_STEPS = 100
 DEMO_WARMUP_LR = 1e-3
+HOPS_DIGITS = 10
+HOPS_MAX = 3
+TASKS = ("sort", "hops")
 
 
 def sorted_digits(digits: str) -> str:
     return "".join(sorted(digits))
 
 
-def target_completion(answer: str) -> str:
-    """The supervised completion (EOS excluded): digit count, the reasoning-end marker, the sorted digits."""
-    return f"{len(answer)}{REASONING_END}{answer}"
+def target_completion(answer: str, reasoning: str | None = None) -> str:
+    """The supervised completion (EOS excluded): the reasoning token (default: the digit count, as in `sort`), the
+    reasoning-end marker, the sorted digits."""
+    return f"{len(answer) if reasoning is None else reasoning}{REASONING_END}{answer}"
 
 
 def _sample_digits(rng: random.Random, k: int) -> str:
@@ -76,15 +88,78 @@ def make_sort_splits(
 
 
 def _to_dataset(digit_strings: list[str]) -> "Dataset":
+    return _dataset(digit_strings, [len(d) for d in digit_strings], [str(len(d)) for d in digit_strings])
+
+
+def _dataset(digit_strings: list[str], difficulty: list[int], reasoning: list[str]) -> "Dataset":
     from datasets import Dataset  # here, not at the top: the CLI reads this module's defaults and stays light
 
     return Dataset.from_dict(
         {
             "prompt": [d + PROMPT_SUFFIX for d in digit_strings],
             "answer": [sorted_digits(d) for d in digit_strings],
-            "k": [len(d) for d in digit_strings],
+            "k": difficulty,
+            "reasoning": reasoning,
         }
     )
+
+
+def hop_chain(digits: str, hops: int) -> list[int]:
+    """x0 = d0, x_{i+1} = d[x_i]: the positions visited, x0 .. x_{hops+1}."""
+    chain = [int(digits[0])]
+    for _ in range(hops + 1):
+        chain.append(int(digits[chain[-1]]))
+    return chain
+
+
+def _hops_dataset(rows: list[tuple[int, str]]) -> "Dataset":
+    from datasets import Dataset
+
+    chains = [hop_chain(digits, h) for h, digits in rows]
+    return Dataset.from_dict(
+        {
+            "prompt": [f"{h}:{digits}{PROMPT_SUFFIX}" for h, digits in rows],
+            "answer": [f"{chain[-2]}{chain[-1]}" for chain in chains],
+            "k": [h for h, _ in rows],
+            "reasoning": [str(chain[0]) for chain in chains],
+        }
+    )
+
+
+def make_hops_splits(num_train: int = 2000, num_eval: int = 140, seed: int = 0) -> tuple["Dataset", "Dataset"]:
+    """Train and held-out `hops` datasets (columns `prompt`, `answer`, `k` = hops, `reasoning`).
+
+    As for `sort`: deterministic in `seed`, held-out prompts distinct, balanced over h and never in train.
+    """
+    rng = random.Random(seed)
+    held_out: list[tuple[int, str]] = []
+    while len(held_out) < num_eval:
+        row = (len(held_out) % (HOPS_MAX + 1), _sample_digits(rng, HOPS_DIGITS))
+        if row not in held_out:
+            held_out.append(row)
+    excluded = set(held_out)
+    train: list[tuple[int, str]] = []
+    while len(train) < num_train:
+        row = (rng.randrange(HOPS_MAX + 1), _sample_digits(rng, HOPS_DIGITS))
+        if row not in excluded:
+            train.append(row)
+    return _hops_dataset(train), _hops_dataset(held_out)
+
+
+def make_splits(
+    task: str,
+    num_train: int = 2000,
+    num_eval: int = 140,
+    seed: int = 0,
+    min_digits: int = DEFAULT_DIFFICULTIES[0],
+    max_digits: int = DEFAULT_DIFFICULTIES[1],
+) -> tuple["Dataset", "Dataset"]:
+    """The splits of `task` ("sort" uses the digit range; "hops" has one length and ignores it)."""
+    if task == "sort":
+        return make_sort_splits(num_train, num_eval, min_digits, max_digits, seed=seed)
+    if task == "hops":
+        return make_hops_splits(num_train, num_eval, seed=seed)
+    raise ValueError(f"unknown task {task!r}; choose one of {', '.join(TASKS)}")
 
 
 def extract_answer(completion: str | list[dict[str, Any]]) -> str | None:

@@ -91,8 +91,9 @@ def test_cli_demo_passes_its_knobs_through(monkeypatch, tmp_path):
     seen = {}
     monkeypatch.setattr(run, "run_demo", lambda **kwargs: seen.update(kwargs))
     argv = ["demo", "--steps", "7", "--seed", "3", "--task-size", "99", "--min-digits", "3", "--max-digits", "6"]
-    argv += ["--output-dir", str(tmp_path), "--warmup-steps", "11", "--no-progress"]
+    argv += ["--output-dir", str(tmp_path), "--warmup-steps", "11", "--no-progress", "--task", "hops"]
     assert cli.main(argv) == 0
+    assert seen["task"] == "hops"
     assert seen["steps"] == 7 and seen["seed"] == 3 and seen["num_train"] == 99
     assert (seen["min_digits"], seen["max_digits"]) == (3, 6)
     assert seen["output_dir"] == str(tmp_path) and seen["warmup_steps"] == 11 and seen["show_progress"] is False

@@ -5,12 +5,16 @@ import json
 import pytest
 import torch
 
+from poise_trl.demo import model as demo_model
 from poise_trl.demo.model import evaluate_avg_at_k, load_demo_model, prepare_demo_model, warm_start
 from poise_trl.demo.tasks import (
     MAX_COMPLETION_LENGTH,
     REASONING_END,
     extract_answer,
+    hop_chain,
+    make_hops_splits,
     make_sort_splits,
+    make_splits,
     target_completion,
     task_reward,
 )
@@ -28,7 +32,8 @@ def test_splits_are_deterministic_in_seed():
 
 def test_splits_are_disjoint_well_formed_and_cover_the_difficulties():
     train, held_out = make_sort_splits(num_train=2000, num_eval=140, min_digits=2, max_digits=8, seed=0)
-    assert set(train.column_names) == {"prompt", "answer", "k"}
+    assert set(train.column_names) == {"prompt", "answer", "k", "reasoning"}
+    assert train["reasoning"] == [str(k) for k in train["k"]]  # sort's reasoning token: the digit count
     assert len(train) == 2000 and len(held_out) == 140
     assert not set(train["prompt"]) & set(held_out["prompt"])
     assert len(set(held_out["prompt"])) == len(held_out)
@@ -128,3 +133,48 @@ def test_prepare_demo_model_reuses_its_cache(tmp_path):
     assert tokenizer.padding_side == "left"
     assert tokenizer.convert_tokens_to_ids(REASONING_END) == 3
     assert model.config.num_hidden_layers == 4
+
+
+def test_prepare_demo_model_warm_starts_on_the_callers_train_split(tmp_path, monkeypatch):
+    """The held-out prompts are drawn first, so `num_eval` changes the train split: the warm start must use the
+    caller's, or held-out prompts leak into it (issue 16: with --num-eval 300, 33 did)."""
+    seen = []
+    monkeypatch.setattr(
+        demo_model, "warm_start", lambda model, tokenizer, dataset, **kw: seen.append(dataset) or [1.0]
+    )
+    kwargs = dict(seed=0, warmup_steps=1, num_train=400, min_digits=3, max_digits=5)
+    small = prepare_demo_model(tmp_path, num_eval=10, **kwargs)
+    large = prepare_demo_model(tmp_path, num_eval=300, **kwargs)
+    assert small != large  # the cache is keyed on num_eval
+    assert json.loads((large / "warm_start.json").read_text())["settings"]["num_eval"] == 300
+    _, held_out = make_sort_splits(num_train=400, num_eval=300, min_digits=3, max_digits=5, seed=0)
+    assert not set(seen[1]["prompt"]) & set(held_out["prompt"])
+    _, other_held_out = make_sort_splits(num_train=400, num_eval=10, min_digits=3, max_digits=5, seed=0)
+    assert set(seen[0]["prompt"]) != set(seen[1]["prompt"]) and other_held_out["prompt"] != held_out["prompt"]
+    hops = prepare_demo_model(tmp_path, num_eval=10, task="hops", **kwargs)
+    assert hops.name.startswith("hops_") and seen[2]["k"] and max(seen[2]["k"]) == 3
+    with pytest.raises(ValueError, match="unknown task"):
+        prepare_demo_model(tmp_path, task="nosuchtask")
+
+
+def test_hops_has_one_length_and_difficulty_in_the_content():
+    train, held_out = make_hops_splits(num_train=500, num_eval=40, seed=1)
+    assert make_hops_splits(num_train=500, num_eval=40, seed=1)[1].to_dict() == held_out.to_dict()
+    assert not set(train["prompt"]) & set(held_out["prompt"])
+    assert [held_out["k"].count(h) for h in range(4)] == [10, 10, 10, 10]
+    tokenizer = build_tiny_tokenizer()
+    lengths = set()
+    for rows in (train, held_out):
+        assert len({len(p) for p in rows["prompt"]}) == 1 and len({len(a) for a in rows["answer"]}) == 1
+        for prompt, answer, hops, reasoning in zip(rows["prompt"], rows["answer"], rows["k"], rows["reasoning"],
+                                                   strict=True):  # fmt: skip
+            digits = prompt[2:-1]
+            chain = hop_chain(digits, hops)
+            assert prompt[0] == str(hops) and answer == f"{chain[-2]}{chain[-1]}" and reasoning == digits[0]
+            lengths.add(len(tokenizer(target_completion(answer, reasoning))["input_ids"]))
+    assert lengths == {4}  # every completion is 4 tokens (+ EOS), whatever the difficulty
+    assert hop_chain("1234567890", 0) == [1, 2] and hop_chain("1234567890", 2) == [1, 2, 3, 4]
+    assert make_splits("hops", 500, 40, seed=1)[1].to_dict() == held_out.to_dict()
+    assert task_reward(
+        [f"{held_out['reasoning'][0]}{REASONING_END}{held_out['answer'][0]}"], held_out["answer"][:1]
+    ) == [1.0]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, safe_open, save_file
 
-from poise_trl.bench.common import DEFAULT_MATH_DATASET, DEFAULT_POOLS, DEMO_MODEL, SORT_DATASET
+from poise_trl.bench.common import DEFAULT_MATH_DATASET, DEFAULT_POOLS, DEMO_MODEL, SORT_DATASET, TASKS
 from poise_trl.features import (
     FEATURE_BLOCKS,
     assemble_features,
@@ -386,10 +386,10 @@ def load_reward_fn(spec: str) -> RewardFn:
 
 def load_prompts(dataset: str, num_prompts: int, seed: int, split: str | None) -> tuple[list[Prompt], dict[str, list]]:
     """Distinct prompts (duplicates would leak across the split) and the other dataset columns, for the reward."""
-    if dataset == SORT_DATASET:
-        from poise_trl.demo.tasks import make_sort_splits
+    if dataset in TASKS:  # the held-out split the demo model's warm start (same seed and num_eval) never saw
+        from poise_trl.demo.tasks import make_splits
 
-        _, rows = make_sort_splits(num_train=0, num_eval=num_prompts, seed=seed)
+        _, rows = make_splits(dataset, num_eval=num_prompts, seed=seed)
     else:
         from poise_trl.rlvr.data import load_math_dataset
 
@@ -422,13 +422,16 @@ def collect_from_args(args: argparse.Namespace, log: Log) -> Collection:
     if model_path == DEMO_MODEL:
         from poise_trl.demo.model import default_cache_dir, prepare_demo_model
 
-        log("[1/4] demo model: the tiny Qwen3 warm-started on digit sorting (built on first use, then cached)")
-        model_path = str(prepare_demo_model(args.cache_dir or default_cache_dir()))
-        dataset = dataset or SORT_DATASET
+        dataset = args.task or dataset or SORT_DATASET
+        if dataset not in TASKS:
+            raise SystemExit(f"the demo model is trained on one of {', '.join(TASKS)}, not --dataset {dataset!r}")
+        log(f"[1/4] demo model: the tiny Qwen3 warm-started on {dataset} (built on first use, then cached)")
+        cache = args.cache_dir or default_cache_dir()
+        model_path = str(prepare_demo_model(cache, seed=args.seed, num_eval=args.num_prompts, task=dataset))
     dataset = dataset or DEFAULT_MATH_DATASET
     if args.reward_fn:
         reward_fn = load_reward_fn(args.reward_fn)
-    elif dataset == SORT_DATASET:
+    elif dataset in TASKS:
         from poise_trl.demo.tasks import task_reward as reward_fn
     else:
         from poise_trl.rlvr.rewards import math_answer_reward as reward_fn
@@ -436,7 +439,7 @@ def collect_from_args(args: argparse.Namespace, log: Log) -> Collection:
     if max_new_tokens is None:
         from poise_trl.demo.tasks import MAX_COMPLETION_LENGTH
 
-        max_new_tokens = MAX_COMPLETION_LENGTH if dataset == SORT_DATASET else 8192
+        max_new_tokens = MAX_COMPLETION_LENGTH if dataset in TASKS else 8192
     device = _device(args.device)
     prompts, columns = load_prompts(dataset, args.num_prompts, args.seed, args.split)
     log(f"[2/4] sampling K={args.k} rollouts for {len(prompts)} prompts of {dataset} with {model_path}")

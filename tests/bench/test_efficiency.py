@@ -1,0 +1,228 @@
+"""`poise-trl bench efficiency` v3: the study's run files, learning-rate tuning, statistics and a smoke run.
+
+Timings are never asserted.
+"""
+
+import argparse
+import itertools
+import json
+import math
+
+import pytest
+import torch
+
+from poise_trl.bench.cli import add_bench_parser
+from poise_trl.bench.common import CONTENDERS, PAPER_PINS
+from poise_trl.bench.efficiency import HeldOutCurve, _config, micro_batching
+from poise_trl.bench.report import _log_ratio, _wilcoxon, holm, summarize_task, verdict
+from poise_trl.bench.study import run_path, validate
+from poise_trl.bench.summary import completions_to_gain, normalized_auc
+from poise_trl.bench.trainers import DynamicSampling, unavailable_reason
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="poise-trl")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(argv)
+
+
+def test_parser_defaults_size_the_study_per_the_issue():
+    args = _parse(["bench", "efficiency"])
+    assert len(args.seeds) >= 20 and len(args.lr_grid) >= 3 and not set(args.seeds) & set(args.tuning_seeds)
+    assert all(b / a == 2 for a, b in itertools.pairwise(sorted(args.lr_grid)))  # a factor of 2 apart
+    assert {"grpo8_noscale", "dapo_ds_carry", "dapo_ds", "rloo2", "poise", "poise_paper"} <= set(args.contenders)
+    args = _parse(["bench", "efficiency", "--task", "sort", "hops", "--task-seeds", "hops=0-9"])
+    assert args.task == ["sort", "hops"] and args.task_seeds == [("hops", list(range(10)))]
+    with pytest.raises(SystemExit):
+        _parse(["bench", "efficiency", "--task-seeds", "nosuchtask=0-3"])
+
+
+def test_tuning_and_evaluation_seeds_must_be_disjoint():
+    args = _parse(["bench", "efficiency", "--tune-lr", "--seeds", "0", "1", "--tuning-seeds", "1", "2"])
+    args.task_seeds = {}
+    with pytest.raises(SystemExit, match="overlap"):
+        validate(args, [CONTENDERS["grpo8"]])
+    args = _parse(["bench", "efficiency", "--tune-lr", "--seeds", "0", "--task", "sort", "hops"])
+    args.task_seeds = {"hops": [1000]}  # a task's own seeds count too
+    with pytest.raises(SystemExit, match="overlap"):
+        validate(args, [CONTENDERS["grpo8"]])
+
+
+def test_contender_configs(tmp_path):
+    args = _parse(["bench", "efficiency", "--completions-per-step", "8", "--budget", "20"])
+    args.gradient_checkpointing = False
+    task = argparse.Namespace(max_completion_length=4)
+    paper = _config(CONTENDERS["poise_paper"], task, args, 0, tmp_path, 3e-5)
+    assert paper.probe_preset == "paper" and paper.loss_type == "dapo" and paper.learning_rate == 3e-5
+    assert paper.max_steps == 3  # enough steps of 8 to reach the budget of 20
+    for key, value in PAPER_PINS.items():
+        assert getattr(paper, key, value) == value
+    assert _config(CONTENDERS["grpo8"], task, args, 0, tmp_path, 1e-5).scale_rewards == "group"
+    assert _config(CONTENDERS["grpo8_noscale"], task, args, 0, tmp_path, 1e-5).scale_rewards == "none"
+    carry = _config(CONTENDERS["dapo_ds_carry"], task, args, 0, tmp_path, 1e-5)
+    assert carry.num_generations == 8 and carry.loss_type == "dapo" and carry.scale_rewards == "group"
+    for name in ("poise_partner", "poise_shrunk", "poise_select"):
+        if unavailable_reason(CONTENDERS[name]) is None:
+            config = _config(CONTENDERS[name], task, args, 0, tmp_path, 1e-5)
+            assert all(getattr(config, k) == v for k, v in CONTENDERS[name].overrides.items())
+    assert micro_batching(32, 4)["gradient_accumulation_steps"] == 4 * 2
+
+
+class _ScriptedRounds:
+    """Stands in for GRPOTrainer under DynamicSampling: each call is one round whose groups have the scripted
+    advantages (0: a tied group), its rows tagged with the round's number."""
+
+    def _generate_and_score_completions(self, inputs):
+        groups = self.rounds.pop(0)
+        self.calls += 1
+        advantages = torch.tensor([[g, -g] for g in groups], dtype=torch.float).flatten()
+        ids = torch.full((advantages.numel(), 2), self.calls)
+        return {"prompt_ids": ids, "prompt_mask": torch.ones_like(ids), "completion_ids": ids,
+                "completion_mask": torch.ones_like(ids), "advantages": advantages}  # fmt: skip
+
+
+class _FakeRounds(DynamicSampling, _ScriptedRounds):
+    def __init__(self, rounds: list[list[float]], carry: bool):
+        self.rounds, self.dapo_carry, self.num_generations, self.calls = list(rounds), carry, 2, 0
+        self.model = argparse.Namespace(training=True)
+        self.accelerator = argparse.Namespace(num_processes=1)
+        self._metrics = {"train": {"dapo/rounds": [], "dapo/capped": [], "dapo/carried": []}}
+        self.processing_class = argparse.Namespace(pad_token_id=0)
+
+    def _fresh_prompts(self, count):
+        return [None] * count
+
+
+def test_dapo_carry_keeps_the_last_rounds_surplus():
+    # Step 1 wants 2 groups: round 1 has 1 informative, round 2 has 3 (1 taken, 2 surplus). Step 2: with carry, the
+    # 2 carried groups fill it and its own round's 2 informative groups are carried on; without, they are trained.
+    for carry, carried_at_step2 in ((False, 0.0), (True, 2.0)):
+        sampler = _FakeRounds([[1, 0], [0, 1, 1, 1], [1, 1]], carry)
+        first = sampler._generate_and_score_completions([None] * 4)
+        assert first["advantages"].numel() == 4 and sampler.calls == 2
+        second = sampler._generate_and_score_completions([None] * 4)
+        assert sampler.calls == 3  # the sampler's own batch is generated every step
+        assert sampler._metrics["train"]["dapo/carried"] == [0.0, carried_at_step2]
+        if carry:
+            assert second["prompt_ids"][:, 0].tolist() == [2, 2, 2, 2]  # both groups come from step 1's round 2
+            assert len(sampler._dapo_carried[0][1]) == 2  # and step 2's own round is carried on
+        else:
+            assert second["prompt_ids"][:, 0].tolist() == [3, 3, 3, 3]
+
+
+def test_curve_evaluates_on_a_grid_of_completions_and_stops_at_the_budget():
+    curve = HeldOutCurve(lambda model, tokenizer: 0.5, every=10, budget=30)
+    state, control = argparse.Namespace(global_step=0, max_steps=99), argparse.Namespace(should_training_stop=False)
+    curve.on_train_begin(None, state, control)
+    for generated in (4, 8, 12, 26, 34):  # a contender whose steps generate unevenly (DAPO-DS refills)
+        state.global_step += 1
+        curve.counts["completions_generated"] = generated
+        curve.on_step_end(None, state, control)
+    assert curve.completions_generated == [0, 12, 26, 34] and control.should_training_stop
+
+
+def test_auc_and_completions_to_target():
+    run = {"eval_completions": [0, 100, 200, 300], "avg_at_k": [0.2, 0.4, 0.4, 1.0]}
+    assert math.isclose(normalized_auc(run, 200), (0.3 * 100 + 0.4 * 100) / 200)
+    assert math.isclose(completions_to_gain(run, 0.5), 200 + 100 * 0.3 / 0.6)  # 0.7 crossed between 200 and 300
+    assert completions_to_gain(run, 0.9) is None
+
+
+def test_statistics_use_scipy_and_never_reached_counts_against():
+    assert _wilcoxon([0.01] * 10) < 0.01 and _wilcoxon([0.0, 0.0]) is None
+    assert holm({"a": 0.01, "b": 0.04, "c": None}) == {"a": 0.02, "b": 0.04, "c": None}
+    assert holm({"a": 0.03, "b": 0.02}) == {"a": 0.04, "b": 0.04}  # monotone: never below an earlier step
+    assert _log_ratio(None, 100.0) > 10 and _log_ratio(100.0, None) < -10 and _log_ratio(None, None) == 0
+    assert verdict([None, None, None], 0.5, better_below=True) == "loses"  # median never reached: it loses
+    assert verdict([0.01, 0.0, 0.02], 0.01) == "wins" and verdict([-0.01, -0.02, 0.0], 0.01) == "loses"
+    assert verdict([0.01, -0.01, 0.02], 0.2) == "undecided"
+
+
+def _fake_run(name: str, seed: int, curve: list[float], lr: float = 1e-4, role: str = "eval") -> dict:
+    return {
+        "task": "sort", "contender": name, "seed": seed, "learning_rate": lr, "role": role,
+        "eval_completions": [0, 100, 200], "avg_at_k": curve, "completions_generated": 200,
+        "completions_trained": 200, "mean_frac_zero_advantage_prompts": 0.1, "train_seconds": 1.0,
+        "per_step": {"frac_reward_zero_std": [0.3, 0.3]},
+    }  # fmt: skip
+
+
+def test_summary_pairs_seeds_and_reads_loses_for_a_target_never_reached():
+    runs = []
+    for seed in range(8):
+        start = 0.3 + 0.01 * seed
+        runs += [
+            _fake_run("grpo8", seed, [start, start + 0.1, start + 0.2]),
+            _fake_run("poise", seed, [start, start + 0.15, start + 0.25]),
+            _fake_run("rloo2", seed, [start, start, start + 0.01]),  # never reaches 75% of GRPO-8's gain
+        ]
+    runs.append(_fake_run("poise", 0, [0.0, 0.0, 0.0], lr=5e-5))  # another rate's run is not this contender's
+    runs.append(_fake_run("poise", 100, [0.0, 0.0, 0.0], role="tune"))
+    runs.append(_fake_run("grpo8", 8, [0.3, 0.9, 0.9]))  # a seed not every contender has finished: left out
+    summary = summarize_task("sort", runs, {"poise": {"learning_rate": 1e-4, "source": "tuned"}}, 200)
+    poise = summary["contenders"]["poise"]
+    assert poise["seeds"] == list(range(8)) and poise["learning_rate"] == 1e-4
+    assert set(poise["paired"]) == {"grpo8", "rloo2"} and summary["contenders"]["grpo8"]["paired"] == {}
+    paired = poise["paired"]["grpo8"]
+    assert paired["wins"] == 8 and paired["seeds"] == 8 and paired["p_wilcoxon"] < 0.01
+    assert paired["auc_gain_diff"][0] == pytest.approx(0.0375) and paired["completions_to_target_ratio"][0] < 1
+    assert (
+        summary["contenders"]["rloo2"]["reached_target"] == 0
+        and summary["contenders"]["grpo8"]["seeds"] == poise["seeds"]
+    )
+    assert poise["paired"]["rloo2"]["completions_to_target_ratio"][0] == 0.0  # the reference never got there
+    assert summary["check"]["tied_g8_groups_at_start"] == pytest.approx(0.3)
+
+
+def test_run_files_are_keyed_by_task_contender_rate_and_seed(tmp_path):
+    path = run_path(tmp_path, "hops", "poise", 2.5e-5, 3)
+    assert path.relative_to(tmp_path).as_posix() == "runs/hops/poise/lr2.5e-05_seed3.json"
+
+
+SMOKE = ("grpo8", "dapo_ds_carry", "poise_paper", "poise", "poise_shrunk")
+
+
+@pytest.mark.slow
+def test_efficiency_study_smoke_resumes_and_reports(tmp_path, capsys):
+    out = tmp_path / "study"
+    argv = ["bench", "efficiency", "--tune-lr", "--lr-grid", "5e-5", "1e-4", "--max-grid-extensions", "0"]
+    argv += ["--tuning-seeds", "100", "--seeds", "0", "1", "--budget", "16", "--eval-every", "8"]
+    argv += ["--completions-per-step", "8", "--eval-k", "2", "--num-eval", "8", "--warmup-steps", "5"]
+    argv += ["--dapo-max-rounds", "2", "--jobs", "2", "--output-dir", str(out), "--contenders", *SMOKE]
+    argv += ["--cache-dir", str(tmp_path / "models")]
+    args = _parse(argv)
+    assert args.func(args) == 0
+    files = sorted(out.glob("runs/sort/*/*.json"))
+    ran = {name for name in SMOKE if unavailable_reason(CONTENDERS[name]) is None}
+    tuned = ran - {"poise_shrunk"}
+    assert len(files) == 2 * len(tuned) + 2 * len(ran)  # two rates x one tuning seed, then two evaluation seeds
+    runs = [json.loads(f.read_text()) for f in files]
+    assert {r["seed"] for r in runs if r["role"] == "tune"} == {100}
+    assert {r["seed"] for r in runs if r["role"] == "eval"} == {0, 1}
+    for run in runs:
+        assert run["eval_completions"][0] == 0 and run["completions_generated"] >= 16
+        assert run["learning_rate"] in (5e-5, 1e-4)
+    result = json.loads((out / "efficiency.json").read_text())
+    sort = result["tasks"]["sort"]
+    tuning = json.loads((out / "tuning_sort.json").read_text())
+    assert tuning["poise_shrunk"]["learning_rate"] == tuning["poise_paper"]["learning_rate"]
+    assert [row["learning_rate"] for row in tuning["poise"]["table"]] == [5e-5, 1e-4]
+    for name, entry in sort["contenders"].items():
+        assert set(entry) >= {"learning_rate", "auc", "auc_ci", "completions_generated", "completions_trained",
+                              "final_avg_at_k", "paired"}  # fmt: skip
+        assert entry["learning_rate"] == tuning[name]["learning_rate"]
+        for paired in entry["paired"].values():
+            assert set(paired) >= {"wins", "seeds", "auc_gain_diff", "completions_to_target_ratio", "p_wilcoxon",
+                                   "p_holm"}  # fmt: skip
+    assert set(sort["contenders"]["poise"]["paired"]) == {"grpo8", "dapo_ds_carry"}
+    assert (out / "efficiency_sort.png").stat().st_size > 0 and "## sort" in (out / "report.md").read_text()
+    (out / "report.md").unlink()
+    summarize = _parse(["bench", "summarize", str(out)])
+    assert summarize.func(summarize) == 0 and "## sort" in (out / "report.md").read_text()
+    # A re-run finds every run on disk and trains nothing; other settings are refused.
+    stamps = {f: f.stat().st_mtime_ns for f in files}
+    assert args.func(_parse(argv)) == 0
+    assert {f: f.stat().st_mtime_ns for f in files} == stamps
+    with pytest.raises(SystemExit, match="other settings"):
+        args = _parse([*argv, "--eval-k", "4"])
+        args.func(args)
