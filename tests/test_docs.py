@@ -12,10 +12,10 @@ up). Every other block is executed in a fresh copy of the checkout, with `python
 
 import os
 import re
-import textwrap
 import shutil
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
