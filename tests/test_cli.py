@@ -28,7 +28,16 @@ def _options() -> list[tuple[argparse.ArgumentParser, argparse.Action]]:
 
 def test_the_walk_reaches_every_subcommand():
     progs = {parser.prog for parser in cli.iter_parsers(cli.build_parser())}
-    expected = {"demo", "plot", "eval", "probe-bench", "bench", "bench efficiency", "bench overhead"}
+    expected = {
+        "demo",
+        "plot",
+        "eval",
+        "probe-bench",
+        "bench",
+        "bench efficiency",
+        "bench overhead",
+        "bench summarize",
+    }
     assert progs == {"poise-trl"} | {f"poise-trl {name}" for name in expected}
     assert len(_options()) > 100
 
