@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .probe import OnlineProbe, ProbeBuffer, ValueProbe
     from .trainer import POISETrainer
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 _LAZY = {
     **dict.fromkeys(
