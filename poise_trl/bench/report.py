@@ -391,10 +391,19 @@ def plot_task(summary: dict[str, Any], report: dict[str, Any], path: Path) -> Pa
     grid = np.linspace(0, budget, 41)
     runs = [r for r in load_runs(path.parent) if r["task"] == summary["task"] and r["role"] == "eval"]
     fig, ax = plt.subplots(figsize=(8, 5))
-    for name, entry in summary["contenders"].items():
-        mine = [r for r in runs if r["contender"] == name and math.isclose(r["learning_rate"], entry["learning_rate"])]
+    colors = [*plt.get_cmap("tab10").colors, "black"]  # eleven contenders: the cycle of ten would repeat one
+    for index, (name, entry) in enumerate(summary["contenders"].items()):
+        mine = [
+            r
+            for r in runs
+            if r["contender"] == name
+            and r["seed"] in entry["seeds"]  # the seeds the tables count, so every curve starts from the same runs
+            and math.isclose(r["learning_rate"], entry["learning_rate"])
+        ]
         curves = np.array([[interpolate(r["eval_completions"], r["avg_at_k"], x) for x in grid] for r in mine])
-        line = ax.plot(grid, np.median(curves, 0), label=f"{entry['label']} (lr {entry['learning_rate']:g})")[0]
+        style = "-" if name.startswith("poise") else "--"
+        label = f"{entry['label']} (lr {entry['learning_rate']:g})"
+        line = ax.plot(grid, np.median(curves, 0), style, color=colors[index % len(colors)], label=label)[0]
         if len(mine) > 1:
             low, high = np.percentile(curves, [25, 75], axis=0)
             ax.fill_between(grid, low, high, color=line.get_color(), alpha=0.12)
