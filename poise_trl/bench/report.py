@@ -321,7 +321,13 @@ def format_task(summary: dict[str, Any], k: int = 8) -> str:
                 _p(p.get("p_holm_target")),
                 verdict(ratio, p.get("p_holm_target"), better_below=True) if has_target else "no target",
             ])  # fmt: skip
-    return "\n".join(lines) + "\n" + format_table(headers, rows) if rows else "\n".join(lines)
+    if not rows:
+        return "\n".join(lines)
+    legend = (
+        "\nTo-target ratio: completions the POISE row generated to reach the target over the comparator's, per seed; "
+        "0 means the comparator never reached it within the budget and the POISE row did, never the reverse.\n"
+    )
+    return "\n".join(lines) + "\n" + format_table(headers, rows) + legend
 
 
 def tuning_table(runs: list[dict[str, Any]], rates: dict[str, Any], budget: float) -> dict[str, Any]:
