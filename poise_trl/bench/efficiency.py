@@ -223,7 +223,7 @@ def _config(
 
 
 def _after_bootstrap(per_step: dict[str, list], key: str) -> list[float | None]:
-    """A POISE diagnostic on the steps whose baselines all came from the probe (not the RLOO bootstrap)."""
+    """A POISE diagnostic on the steps whose baselines all came from the probe (not the bootstrap)."""
     return [v for v, b in zip(per_step[key], per_step["poise/bootstrap"], strict=True) if b == 0]
 
 

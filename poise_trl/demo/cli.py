@@ -57,7 +57,7 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--learning-rate", type=float, default=1e-4, help="POISE learning rate")
     parser.add_argument("--num-generations", type=int, default=2, help="rollouts per prompt (G)")
     parser.add_argument("--prompts-per-step", type=int, default=32, help="prompts per optimisation step")
-    parser.add_argument("--probe-warmup-steps", type=int, default=16, help="RLOO bootstrap steps before the probe")
+    parser.add_argument("--probe-warmup-steps", type=int, default=16, help="bootstrap steps before the probe")
     parser.add_argument("--probe-preset", choices=("release", "paper"), default="release", help="probe settings")
     parser.add_argument(
         "--paper-rules",
