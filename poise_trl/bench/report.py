@@ -324,8 +324,8 @@ def format_task(summary: dict[str, Any], k: int = 8) -> str:
     if not rows:
         return "\n".join(lines)
     legend = (
-        "\nTo-target ratio: completions the POISE row generated to reach the target over the comparator's, per seed; "
-        "0 means the comparator never reached it within the budget and the POISE row did, never the reverse.\n"
+        "\n\nTo-target ratio: completions the POISE row generated to reach the target over the comparator's, per "
+        "seed; 0 means the comparator never reached it within the budget and the POISE row did, never the reverse.\n"
     )
     return "\n".join(lines) + "\n" + format_table(headers, rows) + legend
 
