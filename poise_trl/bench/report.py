@@ -41,6 +41,8 @@ ALPHA = 0.05
 BOOTSTRAP_RESAMPLES = 9999
 _LOG_NEVER = 50.0  # a log-ratio standing for "never reached" (ranks and medians only need it beyond any real one)
 _LOG_REAL = 20.0  # no real ratio of completion counts comes near e^20; a median or bound beyond it involves "never"
+GOAL_CONTENDER = "poise"
+GOAL_RATIO_BOUNDS = {"dapo_ds_carry": 0.6, "rloo2": 0.9}  # the study's goal: upper CI ends of completions to target
 
 
 def run_efficiency(args: argparse.Namespace) -> int:
@@ -238,6 +240,25 @@ def verdict(diff: list[float | None], p_holm: float | None, better_below: bool =
     return "wins" if good else "loses"
 
 
+def goal(summary: dict[str, Any]) -> dict[str, Any]:
+    """The study's goal for one task: POISE (default) wins on AUC above the start against every comparator
+    (p_holm < ALPHA), and its completions-to-target ratio's upper CI end is below each bound of GOAL_RATIO_BOUNDS."""
+    entry = summary["contenders"].get(GOAL_CONTENDER)
+    paired = entry["paired"] if entry else {}
+    auc_wins = {ref: verdict(p["auc_gain_diff"], p.get("p_holm")) == "wins" for ref, p in paired.items()}
+    ratio_below = {
+        ref: ref in paired and (high := paired[ref]["completions_to_target_ratio"][2]) is not None and high < bound
+        for ref, bound in GOAL_RATIO_BOUNDS.items()
+    }
+    complete = set(auc_wins) == set(REFERENCES)
+    return {
+        "auc_wins": auc_wins,
+        "ratio_bounds": GOAL_RATIO_BOUNDS,
+        "ratio_upper_below_bound": ratio_below,
+        "met": complete and all(auc_wins.values()) and all(ratio_below.values()),
+    }
+
+
 def build_report(results_dir: str | Path) -> dict[str, Any]:
     """Every task's summary from the run files, with Holm's correction across all headline tests of the report."""
     from .study import load_runs
@@ -266,6 +287,8 @@ def build_report(results_dir: str | Path) -> dict[str, Any]:
     for (task, name, ref, metric), p in adjusted.items():
         paired = report["tasks"][task]["contenders"][name]["paired"][ref]
         paired["p_holm" if metric == "auc" else "p_holm_target"] = p
+    for summary in report["tasks"].values():
+        summary["goal"] = goal(summary)
     report["holm_family"] = len([p for p in tests.values() if p is not None])
     return report
 
@@ -330,6 +353,40 @@ def format_task(summary: dict[str, Any], k: int = 8) -> str:
     return "\n".join(lines) + "\n" + format_table(headers, rows) + legend
 
 
+def format_headline(summary: dict[str, Any]) -> str:
+    """Plain words per POISE row and comparator (verdict, seeds won, Holm-corrected p), then the goal's verdict."""
+    contenders = summary["contenders"]
+    lines = []
+    for name in HEADLINE_CONTENDERS:
+        if name not in contenders or not contenders[name]["paired"]:
+            continue
+        auc, target = [], []
+        for ref, p in contenders[name]["paired"].items():
+            label, ratio = contenders[ref]["label"], p["completions_to_target_ratio"]
+            auc_verdict = verdict(p["auc_gain_diff"], p.get("p_holm"))
+            target_verdict = verdict(ratio, p.get("p_holm_target"), better_below=True)
+            auc.append(f"{auc_verdict} vs {label} ({p['wins']}/{p['seeds']} seeds, p_holm {_p(p.get('p_holm'))})")
+            target.append(f"{_ci(ratio, 2)}× {label}'s ({target_verdict}, p_holm {_p(p.get('p_holm_target'))})")
+        label = contenders[name]["label"]
+        lines.append(f"- **{label}**, AUC above the start: {'; '.join(auc)}. To the target: {'; '.join(target)}.")
+    if not lines:
+        return ""
+    result = summary["goal"]
+    missing = [f"AUC vs {CONTENDERS[ref].label}" for ref in REFERENCES if not result["auc_wins"].get(ref)]
+    missing += [
+        f"completions to target < {bound}× {CONTENDERS[ref].label}'s"
+        for ref, bound in result["ratio_bounds"].items()
+        if not result["ratio_upper_below_bound"][ref]
+    ]
+    state = "**met**" if result["met"] else f"**not met** (short of it: {'; '.join(missing)})"
+    bounds = " and ".join(f"{bound}× {CONTENDERS[ref].label}'s" for ref, bound in GOAL_RATIO_BOUNDS.items())
+    lines.append(
+        f"- **Goal** (POISE (default) wins on AUC above the start against every comparator, and reaches the target "
+        f"with at most {bounds} completions, the CI's upper end below): {state}."
+    )
+    return "\n".join(lines)
+
+
 def tuning_table(runs: list[dict[str, Any]], rates: dict[str, Any], budget: float) -> dict[str, Any]:
     """Per tuned contender: median AUC over the tuning seeds run so far at each rate, and the chosen rate (None
     until its tuning has finished), rebuilt from the run files so a partial study reports its tuning too."""
@@ -375,7 +432,8 @@ def write_report(results_dir: str | Path) -> str:
             f"{fmt(check['tied_g8_groups_at_start'], 2)} of G=8 groups tied in the first 5 steps (median), start "
             f"avg@8 {fmt(check['start_avg_at_k'])}, best final avg@8 {fmt(check['best_final_avg_at_k'])}. AUC over "
             f"the first {fmt(summary['budget'])} completions generated; target: 75% of GRPO-8's median gain "
-            f"({fmt(summary['target_gain'])}).\n\n{format_tuning(summary)}\n\n{format_task(summary)}\n"
+            f"({fmt(summary['target_gain'])}).\n\n{format_headline(summary)}\n\n{format_tuning(summary)}\n\n"
+            f"{format_task(summary)}\n"
         )
         plot_task(summary, report, results_dir / f"efficiency_{task}.png")
     markdown = "\n".join(parts) + f"\nHolm's correction across {report['holm_family']} headline tests.\n"

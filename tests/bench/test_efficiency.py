@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from poise_trl.bench.cli import add_bench_parser
-from poise_trl.bench.common import CONTENDERS, PAPER_PINS
+from poise_trl.bench.common import CONTENDERS, PAPER_PINS, REFERENCES
 from poise_trl.bench.efficiency import HeldOutCurve, _config, micro_batching
-from poise_trl.bench.report import _log_ratio, _wilcoxon, holm, summarize_task, verdict
+from poise_trl.bench.report import _log_ratio, _wilcoxon, goal, holm, summarize_task, verdict
 from poise_trl.bench.study import run_path, validate
 from poise_trl.bench.summary import completions_to_gain, normalized_auc
 from poise_trl.bench.trainers import DynamicSampling, unavailable_reason
@@ -174,6 +174,27 @@ def test_summary_pairs_seeds_and_reads_loses_for_a_target_never_reached():
     assert summary["check"]["tied_g8_groups_at_start"] == pytest.approx(0.3)
 
 
+def test_goal_needs_every_auc_win_and_both_completion_bounds():
+    def summary(**changes: dict) -> dict:
+        paired = {
+            ref: {"auc_gain_diff": [0.02, 0.01, 0.03], "p_holm": 0.01, "completions_to_target_ratio": [0.4, 0.3, 0.55]}
+            for ref in REFERENCES
+        }
+        for ref, change in changes.items():
+            paired[ref] = {**paired[ref], **change}
+        return {"contenders": {"poise": {"paired": paired}}}
+
+    assert goal(summary())["met"]
+    assert not goal(summary(grpo8={"p_holm": 0.06}))["met"]  # a win needs p_holm < 0.05
+    assert not goal(summary(rloo2={"auc_gain_diff": [-0.02, -0.03, -0.01]}))["met"]
+    result = goal(summary(dapo_ds_carry={"completions_to_target_ratio": [0.5, 0.4, 0.65]}))
+    assert not result["met"] and result["ratio_upper_below_bound"] == {"dapo_ds_carry": False, "rloo2": True}
+    assert not goal(summary(rloo2={"completions_to_target_ratio": [0.5, 0.4, None]}))["met"]  # "never" in the CI
+    partial = summary()
+    del partial["contenders"]["poise"]["paired"]["grpo8_noscale"]
+    assert not goal(partial)["met"]  # a comparator without runs is not beaten
+
+
 def test_run_files_are_keyed_by_task_contender_rate_and_seed(tmp_path):
     path = run_path(tmp_path, "hops", "poise", 2.5e-5, 3)
     assert path.relative_to(tmp_path).as_posix() == "runs/hops/poise/lr2.5e-05_seed3.json"
@@ -215,6 +236,8 @@ def test_efficiency_study_smoke_resumes_and_reports(tmp_path, capsys):
             assert set(paired) >= {"wins", "seeds", "auc_gain_diff", "completions_to_target_ratio", "p_wilcoxon",
                                    "p_holm"}  # fmt: skip
     assert set(sort["contenders"]["poise"]["paired"]) == {"grpo8", "dapo_ds_carry"}
+    assert sort["goal"]["met"] is False  # three comparators never ran
+    assert "- **Goal**" in (out / "report.md").read_text()
     assert (out / "efficiency_sort.png").stat().st_size > 0 and "## sort" in (out / "report.md").read_text()
     (out / "report.md").unlink()
     summarize = _parse(["bench", "summarize", str(out)])
