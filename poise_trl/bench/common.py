@@ -89,6 +89,16 @@ HEADLINE_CONTENDERS = ("poise", "poise_paper")
 # The one-change ablations of POISE (paper) skip learning-rate tuning and run at POISE (paper)'s rate.
 ABLATIONS = ("poise_partner", "poise_shrunk", "poise_select")
 DEFAULT_SEEDS = tuple(range(20))
+ALPHA = 0.05  # a verdict is "wins" or "loses" only where the Holm-corrected p-value is below it
+
+
+def smallest_p_holm(seeds: int, tests: int) -> float:
+    """The smallest Holm-corrected p-value any comparison over `seeds` paired seeds can reach among `tests` tests:
+    Wilcoxon's exact two-sided p is at least 2 / 2^seeds (every seed on one side), and Holm multiplies the smallest
+    p by the number of tests. At or above ALPHA, no verdict can be decided, whatever the runs show."""
+    return min(1.0, tests * 2.0 ** (1 - seeds))
+
+
 DEFAULT_TUNING_SEEDS = (1000, 1001, 1002)  # disjoint from any evaluation seed the defaults use
 DEFAULT_LR_GRID = (2.5e-5, 5e-5, 1e-4)
 MAX_GRID_EXTENSIONS = 3

@@ -20,11 +20,13 @@ import numpy as np
 from scipy import stats
 
 from .common import (
+    ALPHA,
     CONTENDERS,
     DEMO_LEARNING_RATE,
     HEADLINE_CONTENDERS,
     PAPER_LEARNING_RATE,
     REFERENCES,
+    TASKS,
     default_jobs,
     fmt,
     format_table,
@@ -32,12 +34,12 @@ from .common import (
     median,
     quiet_libraries,
     set_cpu_threads,
+    smallest_p_holm,
     write_json,
 )
 from .summary import completions_to_gain, interpolate, normalized_auc
 
 TARGET_FRACTION = 0.75
-ALPHA = 0.05
 BOOTSTRAP_RESAMPLES = 9999
 _LOG_NEVER = 50.0  # a log-ratio standing for "never reached" (ranks and medians only need it beyond any real one)
 _LOG_REAL = 20.0  # no real ratio of completion counts comes near e^20; a median or bound beyond it involves "never"
@@ -266,7 +268,9 @@ def build_report(results_dir: str | Path) -> dict[str, Any]:
     results_dir = Path(results_dir)
     settings = json.loads((results_dir / "study.json").read_text())["settings"]
     runs = load_runs(results_dir)
-    tasks = list(dict.fromkeys(r["task"] for r in runs))
+    tasks = sorted(
+        {r["task"] for r in runs}, key=lambda task: (TASKS.index(task) if task in TASKS else len(TASKS), task)
+    )
     report: dict[str, Any] = {"settings": settings, "tasks": {}, "runs_done": len(runs)}
     for task in tasks:
         tuning_file = results_dir / f"tuning_{task}.json"
@@ -425,15 +429,20 @@ def write_report(results_dir: str | Path) -> str:
     report = build_report(results_dir)
     parts = []
     for task, summary in report["tasks"].items():
-        check = summary["check"]
-        done = summary["runs_done"]
+        check, done = summary["check"], summary["runs_done"]
+        headline = format_headline(summary)
+        seeds = min((p["seeds"] for e in summary["contenders"].values() for p in e["paired"].values()), default=0)
+        if seeds and (floor := smallest_p_holm(seeds, max(report["holm_family"], 1))) >= ALPHA:
+            headline += (
+                f"\n\n**Undecidable as run:** with {seeds} paired seeds and {report['holm_family']} headline tests, "
+                f"no Holm-corrected p-value can fall below {floor:.2g}, so every verdict reads undecided; add seeds."
+            )
         parts.append(
             f"## {task}\n\nRuns done: {done['tune']} tuning, {done['eval']} evaluation. Task check: "
             f"{fmt(check['tied_g8_groups_at_start'], 2)} of G=8 groups tied in the first 5 steps (median), start "
             f"avg@8 {fmt(check['start_avg_at_k'])}, best final avg@8 {fmt(check['best_final_avg_at_k'])}. AUC over "
             f"the first {fmt(summary['budget'])} completions generated; target: 75% of GRPO-8's median gain "
-            f"({fmt(summary['target_gain'])}).\n\n{format_headline(summary)}\n\n{format_tuning(summary)}\n\n"
-            f"{format_task(summary)}\n"
+            f"({fmt(summary['target_gain'])}).\n\n{headline}\n\n{format_tuning(summary)}\n\n{format_task(summary)}\n"
         )
         plot_task(summary, report, results_dir / f"efficiency_{task}.png")
     markdown = "\n".join(parts) + f"\nHolm's correction across {report['holm_family']} headline tests.\n"

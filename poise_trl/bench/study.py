@@ -17,7 +17,20 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from .common import ABLATIONS, CONTENDERS, Contender, environment, fmt, median, quiet_libraries, set_cpu_threads
+from .common import (
+    ABLATIONS,
+    ALPHA,
+    CONTENDERS,
+    HEADLINE_CONTENDERS,
+    REFERENCES,
+    Contender,
+    environment,
+    fmt,
+    median,
+    quiet_libraries,
+    set_cpu_threads,
+    smallest_p_holm,
+)
 from .efficiency import _task_factory, run_one, warmup_steps
 from .summary import normalized_auc
 from .trainers import unavailable_reason
@@ -216,6 +229,14 @@ def validate(args: argparse.Namespace, contenders: list[Contender]) -> None:
                              "--task-seeds and --tuning-seeds")  # fmt: skip
         if len(args.lr_grid) < 2 or any(not math.isfinite(lr) or lr <= 0 for lr in args.lr_grid):
             raise SystemExit("--lr-grid needs at least two positive rates")
+    headline = [c.name for c in contenders if c.name in HEADLINE_CONTENDERS]
+    tests = 2 * len(headline) * sum(c.name in REFERENCES for c in contenders) * len(tasks_of(args))
+    for task in tasks_of(args):
+        seeds = len(eval_seeds(args, task))
+        if tests and (floor := smallest_p_holm(seeds, tests)) >= ALPHA:
+            print(f"[bench efficiency] warning: {task} has {seeds} evaluation seeds; across {tests} headline tests "
+                  f"no Holm-corrected p-value can fall below {floor:.2g}, so no verdict can be decided: run more "
+                  "seeds (--seeds, --task-seeds)", flush=True)  # fmt: skip
 
 
 def run_study(args: argparse.Namespace) -> dict[str, dict[str, Any]]:

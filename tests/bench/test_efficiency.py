@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from poise_trl.bench.cli import add_bench_parser
-from poise_trl.bench.common import CONTENDERS, PAPER_PINS, REFERENCES
+from poise_trl.bench.common import CONTENDERS, PAPER_PINS, REFERENCES, smallest_p_holm
 from poise_trl.bench.efficiency import HeldOutCurve, _config, micro_batching
 from poise_trl.bench.report import _log_ratio, _wilcoxon, goal, holm, summarize_task, verdict
 from poise_trl.bench.study import run_path, validate
@@ -174,6 +174,12 @@ def test_summary_pairs_seeds_and_reads_loses_for_a_target_never_reached():
     assert summary["check"]["tied_g8_groups_at_start"] == pytest.approx(0.3)
 
 
+def test_smallest_p_holm_says_when_no_verdict_can_be_decided():
+    assert _wilcoxon([0.01 * (i + 1) for i in range(10)]) == pytest.approx(smallest_p_holm(10, 1))  # 2 / 2^10
+    assert smallest_p_holm(10, 40) == pytest.approx(0.078125)  # 10 seeds cannot decide among 40 tests
+    assert smallest_p_holm(11, 40) < 0.05 and smallest_p_holm(2, 20) == 1.0
+
+
 def test_goal_needs_every_auc_win_and_both_completion_bounds():
     def summary(**changes: dict) -> dict:
         paired = {
@@ -213,6 +219,7 @@ def test_efficiency_study_smoke_resumes_and_reports(tmp_path, capsys):
     argv += ["--cache-dir", str(tmp_path / "models")]
     args = _parse(argv)
     assert args.func(args) == 0
+    assert "sort has 2 evaluation seeds; across 8 headline tests" in capsys.readouterr().out
     files = sorted(out.glob("runs/sort/*/*.json"))
     ran = {name for name in SMOKE if unavailable_reason(CONTENDERS[name]) is None}
     tuned = ran - {"poise_shrunk"}
@@ -237,7 +244,10 @@ def test_efficiency_study_smoke_resumes_and_reports(tmp_path, capsys):
                                    "p_holm"}  # fmt: skip
     assert set(sort["contenders"]["poise"]["paired"]) == {"grpo8", "dapo_ds_carry"}
     assert sort["goal"]["met"] is False  # three comparators never ran
-    assert "- **Goal**" in (out / "report.md").read_text()
+    assert (
+        "- **Goal**" in (out / "report.md").read_text()
+        and "**Undecidable as run:**" in (out / "report.md").read_text()
+    )
     assert (out / "efficiency_sort.png").stat().st_size > 0 and "## sort" in (out / "report.md").read_text()
     (out / "report.md").unlink()
     summarize = _parse(["bench", "summarize", str(out)])
