@@ -444,15 +444,17 @@ def write_report(results_dir: str | Path) -> str:
             f"the first {fmt(summary['budget'])} completions generated; target: 75% of GRPO-8's median gain "
             f"({fmt(summary['target_gain'])}).\n\n{headline}\n\n{format_tuning(summary)}\n\n{format_task(summary)}\n"
         )
-        plot_task(summary, report, results_dir / f"efficiency_{task}.png")
+        plot_task(summary, results_dir / f"efficiency_{task}.png")
     markdown = "\n".join(parts) + f"\nHolm's correction across {report['holm_family']} headline tests.\n"
     write_json(results_dir / "efficiency.json", report)
     (results_dir / "report.md").write_text(markdown)
     return markdown
 
 
-def plot_task(summary: dict[str, Any], report: dict[str, Any], path: Path) -> Path:
-    """Held-out avg@k against completions generated: median over evaluation seeds and the 25-75% band."""
+def plot_task(summary: dict[str, Any], path: Path) -> Path:
+    """Held-out avg@k against completions generated, median over evaluation seeds (left), and its gain above each
+    seed's start with the 25-75% band (right): seeds start at different levels, and the statistics are paired on the
+    gain, so the spread that matters is the gain's."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -463,7 +465,7 @@ def plot_task(summary: dict[str, Any], report: dict[str, Any], path: Path) -> Pa
     budget = summary["budget"]
     grid = np.linspace(0, budget, 41)
     runs = [r for r in load_runs(path.parent) if r["task"] == summary["task"] and r["role"] == "eval"]
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (level, gain) = plt.subplots(1, 2, figsize=(13, 5))
     colors = [*plt.get_cmap("tab10").colors, "black"]  # eleven contenders: the cycle of ten would repeat one
     for index, (name, entry) in enumerate(summary["contenders"].items()):
         mine = [
@@ -474,16 +476,20 @@ def plot_task(summary: dict[str, Any], report: dict[str, Any], path: Path) -> Pa
             and math.isclose(r["learning_rate"], entry["learning_rate"])
         ]
         curves = np.array([[interpolate(r["eval_completions"], r["avg_at_k"], x) for x in grid] for r in mine])
-        style = "-" if name.startswith("poise") else "--"
-        label = f"{entry['label']} (lr {entry['learning_rate']:g})"
-        line = ax.plot(grid, np.median(curves, 0), style, color=colors[index % len(colors)], label=label)[0]
+        gains = curves - curves[:, :1]
+        style = dict(linestyle="-" if name.startswith("poise") else "--", color=colors[index % len(colors)])
+        level.plot(grid, np.median(curves, 0), label=f"{entry['label']} (lr {entry['learning_rate']:g})", **style)
+        gain.plot(grid, np.median(gains, 0), **style)
         if len(mine) > 1:
-            low, high = np.percentile(curves, [25, 75], axis=0)
-            ax.fill_between(grid, low, high, color=line.get_color(), alpha=0.12)
-    ax.set_title(f"{summary['task']}: held-out avg@8 (median and 25-75% over seeds)")
-    ax.set_xlabel("completions generated")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+            low, high = np.percentile(gains, [25, 75], axis=0)
+            gain.fill_between(grid, low, high, color=style["color"], alpha=0.1)
+    seeds = len(next(iter(summary["contenders"].values()))["seeds"])
+    level.set_title(f"{summary['task']}: held-out avg@8, median over {seeds} seeds")
+    gain.set_title("gain above each seed's start: median and 25-75% over seeds")
+    for ax in (level, gain):
+        ax.set_xlabel("completions generated")
+        ax.grid(alpha=0.3)
+    level.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
