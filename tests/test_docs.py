@@ -10,6 +10,7 @@ up). Every other block is executed in a fresh copy of the checkout, with `python
 `poise-trl` the CLI of that copy.
 """
 
+import itertools
 import os
 import re
 import shutil
@@ -311,23 +312,31 @@ def test_glossary_documents_no_metric_the_code_does_not_name():
         assert re.search(rf"\b{re.escape(last)}\b", source), f"docs/metrics.md names {key}, which the code never logs"
 
 
-def _table_rows(text: str) -> dict[str, list[str]]:
-    rows = {}
-    for line in text.splitlines():
-        if line.startswith("| ") and not line.startswith("|---"):
-            cells = [cell.strip() for cell in line.strip("|").split("|")]
-            rows.setdefault(cells[0], cells[1:])
-    return rows
+STUDY_REPORT = ROOT / "benchmarks" / "efficiency-v3" / "report.md"
+
+
+def _table_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("|")]
+
+
+def _first_table_after(text: str, marker: str) -> list[str]:
+    assert marker in text, f"no {marker!r}"
+    lines = text.split(marker, 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    return list(itertools.takewhile(lambda line: line.startswith("|"), lines[start:]))
 
 
 def test_numbers_repeated_across_pages_agree():
-    """The README's headline table is a column subset of the benchmark page's full table, row by row."""
-    readme = _table_rows((ROOT / "README.md").read_text())
-    full = _table_rows((ROOT / "docs" / "benchmarks.md").read_text())
-    contenders = [name for name in readme if name.startswith(("GRPO", "DAPO", "RLOO", "POISE"))]
-    assert len(contenders) == 5
-    for name in contenders:
-        assert name in full, name
-        assert all(cell in full[name] for cell in readme[name]), (name, readme[name], full[name])
-    command = "poise-trl bench efficiency --contenders grpo8 dapo_ds rloo2 poise_paper poise --steps 100 --jobs 2"
-    assert command in (ROOT / "README.md").read_text() and command in (ROOT / "docs" / "benchmarks.md").read_text()
+    """The performance page quotes every table of the committed study's report, and the README's headline tables are
+    that report's POISE (default) rows, task by task: a figure that changes in one place and not the other fails."""
+    sections = dict(re.findall(r"(?ms)^## (\w+)\n(.*?)(?=^## |\Z)", STUDY_REPORT.read_text()))
+    assert set(sections) == {"sort", "hops"}
+    performance, readme = (ROOT / "docs" / "performance.md").read_text(), (ROOT / "README.md").read_text()
+    for task, section in sections.items():
+        missing = [line for line in _table_lines(section) if line not in performance]
+        assert not missing, f"docs/performance.md lacks {task} rows of {STUDY_REPORT.name}: {missing[:2]}"
+        quoted = _first_table_after(readme, f"**`{task}`**")
+        assert quoted[0] in section and quoted[0].startswith("| POISE row | vs |"), quoted[0]
+        rows = quoted[2:]
+        assert len(rows) == 5 and all(row.startswith("| POISE (default) G=2 |") for row in rows), rows
+        assert all(row in section for row in rows), f"README's {task} rows differ from {STUDY_REPORT.name}"
