@@ -89,7 +89,16 @@ HEADLINE_CONTENDERS = ("poise", "poise_paper")
 # The one-change ablations of POISE (paper) skip learning-rate tuning and run at POISE (paper)'s rate.
 ABLATIONS = ("poise_partner", "poise_shrunk", "poise_select")
 DEFAULT_SEEDS = tuple(range(20))
+DEFAULT_TUNING_SEEDS = (1000, 1001, 1002)  # disjoint from any evaluation seed the defaults use
+DEFAULT_LR_GRID = (2.5e-5, 5e-5, 1e-4)
+MAX_GRID_EXTENSIONS = 3
 ALPHA = 0.05  # a verdict is "wins" or "loses" only where the Holm-corrected p-value is below it
+DEFAULT_BUDGET = 3200  # completions generated per run: 100 steps of 32 for the methods that generate B per step
+DEFAULT_EVAL_EVERY = 320  # completions generated between held-out evaluations, the same grid for every contender
+# Supervised warm-up steps per offline task: each leaves >= 25% of G=8 groups tied at start avg@8 within 0.3-0.7.
+TASK_WARMUP_STEPS = {"sort": 200, "hops": 200}
+TASK_DIGITS = {"sort": (2, 9)}  # the sort task's digit range in the bench (hops has one length)
+DAPO_MAX_ROUNDS = 8  # DAPO's recipe caps dynamic sampling at a few generation batches per step (max_num_gen_batches)
 
 
 def smallest_p_holm(seeds: int, tests: int) -> float:
@@ -97,17 +106,6 @@ def smallest_p_holm(seeds: int, tests: int) -> float:
     Wilcoxon's exact two-sided p is at least 2 / 2^seeds (every seed on one side), and Holm multiplies the smallest
     p by the number of tests. At or above ALPHA, no verdict can be decided, whatever the runs show."""
     return min(1.0, tests * 2.0 ** (1 - seeds))
-
-
-DEFAULT_TUNING_SEEDS = (1000, 1001, 1002)  # disjoint from any evaluation seed the defaults use
-DEFAULT_LR_GRID = (2.5e-5, 5e-5, 1e-4)
-MAX_GRID_EXTENSIONS = 3
-DEFAULT_BUDGET = 3200  # completions generated per run: 100 steps of 32 for the methods that generate B per step
-DEFAULT_EVAL_EVERY = 320  # completions generated between held-out evaluations, the same grid for every contender
-# Supervised warm-up steps per offline task: each leaves >= 25% of G=8 groups tied at start avg@8 within 0.3-0.7.
-TASK_WARMUP_STEPS = {"sort": 200, "hops": 200}
-TASK_DIGITS = {"sort": (2, 9)}  # the sort task's digit range in the bench (hops has one length)
-DAPO_MAX_ROUNDS = 8  # DAPO's recipe caps dynamic sampling at a few generation batches per step (max_num_gen_batches)
 
 
 def device_kind() -> str:

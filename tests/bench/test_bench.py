@@ -11,31 +11,26 @@ import threading
 import pytest
 import torch
 
-from poise_trl.bench.cli import add_bench_parser
 from poise_trl.bench.common import CONTENDERS, spread
 from poise_trl.bench.efficiency import micro_batching
 from poise_trl.bench.overhead.timing import Baton
 from poise_trl.bench.trainers import DynamicSampling
 
-
-def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="poise-trl")
-    add_bench_parser(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(argv)
+from .conftest import parse_bench
 
 
 def test_parser_registers_both_subcommands():
-    efficiency = _parse(["bench", "efficiency"])
+    efficiency = parse_bench(["bench", "efficiency"])
     assert efficiency.bench_command == "efficiency" and callable(efficiency.func)
     assert efficiency.contenders == list(CONTENDERS) and len(efficiency.seeds) >= 10
     assert {"grpo8", "dapo_ds", "rloo2", "grpo2", "poise_paper", "poise"} <= set(efficiency.contenders)
     assert efficiency.jobs is None and efficiency.gradient_checkpointing is None  # resolved by --model at run time
-    assert _parse(["bench", "efficiency", "--no-gradient-checkpointing"]).gradient_checkpointing is False
-    overhead = _parse(["bench", "overhead"])
+    assert parse_bench(["bench", "efficiency", "--no-gradient-checkpointing"]).gradient_checkpointing is False
+    overhead = parse_bench(["bench", "overhead"])
     assert overhead.bench_command == "overhead" and callable(overhead.func) and overhead.func is not efficiency.func
     assert max(overhead.completion_lengths) >= 128 and overhead.extra_passes == [1, 0]
     with pytest.raises(SystemExit):
-        _parse(["bench"])
+        parse_bench(["bench"])
 
 
 def test_spread_counts_never_reached_as_infinite():
@@ -121,7 +116,7 @@ def test_efficiency_smoke_with_a_model_and_dataset(tmp_path, tiny_model_path, ca
     data = tmp_path / "math.jsonl"
     data.write_text("".join(json.dumps({"problem": f"{i}+{i}", "answer": str(2 * i)}) + "\n" for i in range(16)))
     out = tmp_path / "real"
-    args = _parse(
+    args = parse_bench(
         ["bench", "efficiency", "--model", str(tiny_model_path), "--train-dataset", str(data)]
         + ["--eval-dataset", str(data), "--eval-limit", "2", "--eval-k", "2", "--max-completion-length", "4"]
         + ["--contenders", "poise", "grpo8", "--seeds", "0", "--budget", "8", "--eval-every", "8"]
@@ -139,7 +134,7 @@ def test_efficiency_smoke_with_a_model_and_dataset(tmp_path, tiny_model_path, ca
 @pytest.mark.slow
 def test_overhead_smoke(tmp_path, capsys):
     out = tmp_path / "ovh"
-    args = _parse(
+    args = parse_bench(
         ["bench", "overhead", "--completion-lengths", "4", "--cycles", "1", "--warmup-cycles", "1"]
         + ["--memory-cycles", "1", "--completions-per-step", "4", "--per-device-batch-size", "2"]
         + ["--probe-fit-repeats", "1"]

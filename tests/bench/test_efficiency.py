@@ -11,7 +11,6 @@ import math
 import pytest
 import torch
 
-from poise_trl.bench.cli import add_bench_parser
 from poise_trl.bench.common import CONTENDERS, PAPER_PINS, REFERENCES, smallest_p_holm
 from poise_trl.bench.efficiency import HeldOutCurve, _config, micro_batching
 from poise_trl.bench.report import _log_ratio, _wilcoxon, goal, holm, summarize_task, verdict
@@ -19,37 +18,33 @@ from poise_trl.bench.study import run_path, validate
 from poise_trl.bench.summary import completions_to_gain, normalized_auc
 from poise_trl.bench.trainers import DynamicSampling, unavailable_reason
 
-
-def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="poise-trl")
-    add_bench_parser(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(argv)
+from .conftest import parse_bench
 
 
 def test_parser_defaults_size_the_study_per_the_issue():
-    args = _parse(["bench", "efficiency"])
+    args = parse_bench(["bench", "efficiency"])
     assert len(args.seeds) >= 20 and len(args.lr_grid) >= 3 and not set(args.seeds) & set(args.tuning_seeds)
     assert all(b / a == 2 for a, b in itertools.pairwise(sorted(args.lr_grid)))  # a factor of 2 apart
     assert {"grpo8_noscale", "dapo_ds_carry", "dapo_ds", "rloo2", "poise", "poise_paper"} <= set(args.contenders)
-    args = _parse(["bench", "efficiency", "--task", "sort", "hops", "--task-seeds", "hops=0-9"])
+    args = parse_bench(["bench", "efficiency", "--task", "sort", "hops", "--task-seeds", "hops=0-9"])
     assert args.task == ["sort", "hops"] and args.task_seeds == [("hops", list(range(10)))]
     with pytest.raises(SystemExit):
-        _parse(["bench", "efficiency", "--task-seeds", "nosuchtask=0-3"])
+        parse_bench(["bench", "efficiency", "--task-seeds", "nosuchtask=0-3"])
 
 
 def test_tuning_and_evaluation_seeds_must_be_disjoint():
-    args = _parse(["bench", "efficiency", "--tune-lr", "--seeds", "0", "1", "--tuning-seeds", "1", "2"])
+    args = parse_bench(["bench", "efficiency", "--tune-lr", "--seeds", "0", "1", "--tuning-seeds", "1", "2"])
     args.task_seeds = {}
     with pytest.raises(SystemExit, match="overlap"):
         validate(args, [CONTENDERS["grpo8"]])
-    args = _parse(["bench", "efficiency", "--tune-lr", "--seeds", "0", "--task", "sort", "hops"])
+    args = parse_bench(["bench", "efficiency", "--tune-lr", "--seeds", "0", "--task", "sort", "hops"])
     args.task_seeds = {"hops": [1000]}  # a task's own seeds count too
     with pytest.raises(SystemExit, match="overlap"):
         validate(args, [CONTENDERS["grpo8"]])
 
 
 def test_contender_configs(tmp_path):
-    args = _parse(["bench", "efficiency", "--completions-per-step", "8", "--budget", "20"])
+    args = parse_bench(["bench", "efficiency", "--completions-per-step", "8", "--budget", "20"])
     args.gradient_checkpointing = False
     task = argparse.Namespace(max_completion_length=4)
     paper = _config(CONTENDERS["poise_paper"], task, args, 0, tmp_path, 3e-5)
@@ -217,7 +212,7 @@ def test_efficiency_study_smoke_resumes_and_reports(tmp_path, capsys):
     argv += ["--completions-per-step", "8", "--eval-k", "2", "--num-eval", "8", "--warmup-steps", "5"]
     argv += ["--dapo-max-rounds", "2", "--jobs", "2", "--output-dir", str(out), "--contenders", *SMOKE]
     argv += ["--cache-dir", str(tmp_path / "models")]
-    args = _parse(argv)
+    args = parse_bench(argv)
     assert args.func(args) == 0
     assert "sort has 2 evaluation seeds; across 8 headline tests" in capsys.readouterr().out
     files = sorted(out.glob("runs/sort/*/*.json"))
@@ -250,12 +245,12 @@ def test_efficiency_study_smoke_resumes_and_reports(tmp_path, capsys):
     )
     assert (out / "efficiency_sort.png").stat().st_size > 0 and "## sort" in (out / "report.md").read_text()
     (out / "report.md").unlink()
-    summarize = _parse(["bench", "summarize", str(out)])
+    summarize = parse_bench(["bench", "summarize", str(out)])
     assert summarize.func(summarize) == 0 and "## sort" in (out / "report.md").read_text()
     # A re-run finds every run on disk and trains nothing; other settings are refused.
     stamps = {f: f.stat().st_mtime_ns for f in files}
-    assert args.func(_parse(argv)) == 0
+    assert args.func(parse_bench(argv)) == 0
     assert {f: f.stat().st_mtime_ns for f in files} == stamps
     with pytest.raises(SystemExit, match="other settings"):
-        args = _parse([*argv, "--eval-k", "4"])
+        args = parse_bench([*argv, "--eval-k", "4"])
         args.func(args)
