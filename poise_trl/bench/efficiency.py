@@ -17,13 +17,23 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
+from poise_trl.demo.arith import ARITH_MAX_COMPLETION_LENGTH, arith_reward, make_arith_splits
 from poise_trl.demo.model import default_cache_dir, evaluate_avg_at_k, prepare_demo_model
+from poise_trl.demo.real import resolve_model
 from poise_trl.demo.tasks import MAX_COMPLETION_LENGTH, make_splits, task_reward
 from poise_trl.rlvr.data import load_math_dataset
 from poise_trl.rlvr.evaluation import score_benchmark
 from poise_trl.rlvr.rewards import math_answer_reward
 
-from .common import COUNTERS, TASK_WARMUP_STEPS, Contender, mean_or_none, trainer_device_args
+from .common import (
+    ARITH_DATASET,
+    ARITH_EVAL_PROMPTS,
+    COUNTERS,
+    TASK_WARMUP_STEPS,
+    Contender,
+    mean_or_none,
+    trainer_device_args,
+)
 from .trainers import TRAINERS
 
 # Logged every step. The `poise/` keys (value-probe quality, paper App. C) exist for POISE only, `dapo/` for DAPO-DS.
@@ -162,13 +172,38 @@ def _task_factory(args: argparse.Namespace, task: str = "sort") -> Callable[[int
 
         return demo
 
+    model = resolve_model(args.model)
+    if args.train_dataset == ARITH_DATASET:
+        return _arith_factory(args, model)
     if args.train_dataset is None or args.eval_dataset is None:
-        raise SystemExit("--model needs --train-dataset and --eval-dataset")
+        raise SystemExit(f"--model needs --train-dataset and --eval-dataset (or --train-dataset {ARITH_DATASET})")
     train = load_math_dataset(args.train_dataset, limit=args.train_limit)
     held_out = load_math_dataset(args.eval_dataset, limit=args.eval_limit)
     max_length = args.max_completion_length or 2048
     evaluate = _sampling_evaluator(held_out, args.eval_k, max_length, args.eval_batch_size, args.eval_seed)
-    return lambda seed: SeedTask(args.model, train, math_answer_reward, evaluate, max_length)
+    return lambda seed: SeedTask(model, train, math_answer_reward, evaluate, max_length)
+
+
+def _arith_factory(args: argparse.Namespace, model: str) -> Callable[[int], SeedTask]:
+    """A real model on `arith`: one split for every seed (seed 0), so every run is evaluated on the same held-out
+    prompts; the seed changes the data order and the sampling."""
+    train, held_out = make_arith_splits(args.train_limit or 2000, args.eval_limit or ARITH_EVAL_PROMPTS, seed=0)
+    max_length = args.max_completion_length or ARITH_MAX_COMPLETION_LENGTH
+
+    def evaluate(policy: Any, tokenizer: Any) -> float:
+        result = evaluate_avg_at_k(
+            policy,
+            tokenizer,
+            held_out,
+            k=args.eval_k,
+            max_new_tokens=max_length,
+            batch_size=args.eval_batch_size,
+            seed=args.eval_seed,
+            reward=arith_reward,
+        )
+        return result["avg_at_k"]
+
+    return lambda seed: SeedTask(model, train, arith_reward, evaluate, max_length)
 
 
 def micro_batching(completions_per_step: int, per_device: int | None) -> dict[str, int]:

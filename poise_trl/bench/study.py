@@ -20,6 +20,7 @@ from typing import Any
 from .common import (
     ABLATIONS,
     ALPHA,
+    ARITH_DATASET,
     CONTENDERS,
     HEADLINE_CONTENDERS,
     REFERENCES,
@@ -86,7 +87,10 @@ def check_settings(results_dir: Path, settings: dict[str, Any]) -> None:
 
 
 def tasks_of(args: argparse.Namespace) -> list[str]:
-    return list(args.task) if args.model is None else ["model"]
+    """The offline tasks, or with `--model` one task named after its training data (`arith`) or "model"."""
+    if args.model is None:
+        return list(args.task)
+    return [ARITH_DATASET] if args.train_dataset == ARITH_DATASET else ["model"]
 
 
 def eval_seeds(args: argparse.Namespace, task: str) -> list[int]:

@@ -3,6 +3,9 @@
 import argparse
 from typing import Any
 
+from .defaults import REAL_DEFAULTS as REAL
+from .defaults import TOY_DEFAULTS as TOY
+from .real import REAL_MODELS
 from .tasks import DEFAULT_DIFFICULTIES, DEMO_WARMUP_LR, DEMO_WARMUP_STEPS, TASKS
 
 
@@ -30,6 +33,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         show_progress=not args.no_progress,
         task=args.task,
+        model=args.model,
     )
     return 0
 
@@ -37,27 +41,56 @@ def run_demo_command(args: argparse.Namespace) -> int:
 def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "demo",
-        help="train the tiny model with POISE on digit sorting (CPU, a few minutes)",
-        description="Warm-start a tiny Qwen3 on sorting 2-8 digits, measure held-out avg@k, train it with "
-        "POISETrainer while printing the probe's diagnostics, measure again, and write a training-dynamics plot "
-        "and summary.json.",
+        help="train the tiny model with POISE on digit sorting (CPU, a few minutes), or a real model on arith",
+        description="Warm-start a tiny Qwen3 on sorting 2-8 digits (or, with --model, prepare a real pretrained "
+        "model for the arith task), measure held-out avg@k, train it with POISETrainer while printing the probe's "
+        "diagnostics, measure again, and write a training-dynamics plot and summary.json.",
     )
     parser.add_argument("--output-dir", default="runs/demo", help="where the plot, summary and final model go")
+    parser.add_argument("--model", default=None,
+                        help=f"a real model ({', '.join(REAL_MODELS)}) or a model folder, trained on arith "
+                        "(default: the tiny Qwen3 on --task)")  # fmt: skip
     parser.add_argument("--task", choices=TASKS, default="sort",
                         help="sort: k digits (difficulty = length); hops: pointer chasing (one length)")  # fmt: skip
-    parser.add_argument("--steps", type=int, default=200, help="POISE training steps")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"POISE training steps (default: {TOY.steps}; real model: {REAL.steps})",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the task split, model init and training")
     parser.add_argument("--min-digits", type=int, default=DEFAULT_DIFFICULTIES[0], help="easiest sort prompts")
     parser.add_argument("--max-digits", type=int, default=DEFAULT_DIFFICULTIES[1], help="hardest sort prompts (<= 9)")
     parser.add_argument("--task-size", type=int, default=2000, help="training prompts")
-    parser.add_argument("--eval-size", type=int, default=140, help="held-out prompts, never seen in training")
+    parser.add_argument(
+        "--eval-size",
+        type=int,
+        default=None,
+        help=f"held-out prompts, never seen in training (default: {TOY.num_eval}; real model: {REAL.num_eval})",
+    )
     parser.add_argument("--eval-k", type=int, default=8, help="samples per held-out prompt for avg@k")
     parser.add_argument("--warmup-steps", type=int, default=DEMO_WARMUP_STEPS, help="supervised warm-start steps")
     parser.add_argument("--warmup-lr", type=float, default=DEMO_WARMUP_LR, help="warm-start learning rate")
-    parser.add_argument("--learning-rate", type=float, default=1e-4, help="POISE learning rate")
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        default=None,
+        help=f"POISE learning rate (default: {TOY.learning_rate:g}; real model: {REAL.learning_rate:g})",
+    )
     parser.add_argument("--num-generations", type=int, default=2, help="rollouts per prompt (G)")
-    parser.add_argument("--prompts-per-step", type=int, default=32, help="prompts per optimisation step")
-    parser.add_argument("--probe-warmup-steps", type=int, default=16, help="bootstrap steps before the probe")
+    parser.add_argument(
+        "--prompts-per-step",
+        type=int,
+        default=None,
+        help=f"prompts per optimisation step (default: {TOY.prompts_per_step}; real model: {REAL.prompts_per_step})",
+    )
+    parser.add_argument(
+        "--probe-warmup-steps",
+        type=int,
+        default=None,
+        help=f"bootstrap steps before the probe (default: {TOY.probe_warmup_steps}; real model: "
+        f"{REAL.probe_warmup_steps})",
+    )
     parser.add_argument("--probe-preset", choices=("release", "paper"), default="release", help="probe settings")
     parser.add_argument(
         "--paper-rules",
@@ -65,7 +98,12 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the paper's probe input g(φ) and RLOO bootstrap instead of the library's partner-aware probe and shrunk "
         "bootstrap",
     )
-    parser.add_argument("--logging-steps", type=int, default=10, help="steps per table row / plot point")
+    parser.add_argument(
+        "--logging-steps",
+        type=int,
+        default=None,
+        help=f"steps per table row / plot point (default: {TOY.logging_steps}; real model: {REAL.logging_steps})",
+    )
     parser.add_argument(
         "--cache-dir", default=None, help="warm-started model cache (default: $XDG_CACHE_HOME/poise-trl)"
     )

@@ -5,6 +5,7 @@ import os
 import random
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,21 +96,31 @@ def evaluate_avg_at_k(
     max_new_tokens: int = MAX_COMPLETION_LENGTH,
     batch_size: int = 64,
     seed: int = 0,
+    reward: Callable[..., list[float]] = task_reward,
 ) -> dict[str, Any]:
     """avg@k: sample k completions per prompt (full distribution, no top-k/top-p) and average the rewards.
 
-    Returns `avg_at_k` (mean over prompts of the per-prompt success rate), `per_prompt` rates in dataset order, and
-    `by_difficulty` (mean rate per number of digits) to show that difficulty is real. The global RNG is untouched.
+    Chat prompts (lists of messages) go through the tokenizer's chat template, as TRL renders them. Returns `avg_at_k`
+    (mean over prompts of the per-prompt success rate), `per_prompt` rates in dataset order, and `by_difficulty` (mean
+    rate per value of the `family` column, else of `k`) to show that difficulty is real. The global RNG is untouched.
     """
     was_training = model.training
     model.eval()
     prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
+    texts = [p if isinstance(p, str) else tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+             for p in prompts]  # fmt: skip
     rates: list[float] = []
-    with torch.random.fork_rng(devices=[]):
+    devices = [model.device] if model.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        for start in range(0, len(prompts), batch_size):
-            chunk = prompts[start : start + batch_size]
-            inputs = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
+        for start in range(0, len(texts), batch_size):
+            inputs = tokenizer(
+                texts[start : start + batch_size],
+                return_tensors="pt",
+                padding=True,
+                padding_side="left",
+                add_special_tokens=False,
+            )
             sequences = model.generate(
                 **inputs.to(model.device),
                 do_sample=True,
@@ -121,18 +132,21 @@ def evaluate_avg_at_k(
                 pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id,
             )
-            texts = tokenizer.batch_decode(sequences[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-            rewards = task_reward(texts, [a for a in answers[start : start + batch_size] for _ in range(k)])
+            completions = tokenizer.batch_decode(
+                sequences[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True
+            )
+            rewards = reward(completions, [a for a in answers[start : start + batch_size] for _ in range(k)])
             rates.extend(sum(rewards[i : i + k]) / k for i in range(0, len(rewards), k))
     model.train(was_training)
-    by_difficulty: dict[int, list[float]] = defaultdict(list)
-    for difficulty, rate in zip(dataset["k"], rates, strict=True):
-        by_difficulty[difficulty].append(rate)
+    by_difficulty: dict[Any, list[float]] = defaultdict(list)
+    groups = dataset["family"] if "family" in dataset.column_names else dataset["k"]
+    for group, rate in zip(groups, rates, strict=True):
+        by_difficulty[group].append(rate)
     return {
         "avg_at_k": sum(rates) / len(rates),
         "k": k,
         "per_prompt": rates,
-        "by_difficulty": {d: sum(v) / len(v) for d, v in sorted(by_difficulty.items())},
+        "by_difficulty": {d: sum(v) / len(v) for d, v in by_difficulty.items()},
     }
 
 

