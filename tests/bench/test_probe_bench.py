@@ -282,3 +282,29 @@ def test_beyond_the_paper_tables_on_a_collection_with_a_value_signal():
     assert exact["value: top-k"]["degenerate share"] == 0 < exact["random"]["degenerate share"]
     lines = "\n".join(format_beyond(out))
     assert "| shrunk RLOO |" in lines and "| value: top-k |" in lines
+
+
+def test_variance_reduction_interval_pools_the_resampled_prompts_rollouts():
+    """Each resample's VR is the pooled formula over its prompts' rollouts: the identity resample gives the point
+    estimate exactly, a resample of one prompt twice gives that prompt's own VR, and the interval holds the point."""
+    from poise_trl.bench.value.score import ValueBenchmark
+
+    collection = _synthetic(num_prompts=40, k=4)
+    g = torch.Generator().manual_seed(2)
+    p = torch.rand(40, generator=g)
+    collection.rewards = (torch.rand(160, generator=g) < p.repeat_interleave(4)).float()
+    bench = ValueBenchmark(collection, 0.25, seed=0, n_bootstrap=200)
+    values = (p.repeat_interleave(4) + 0.1 * torch.randn(160, generator=g))[bench.test_rows]  # held-out rows
+    point = bench.variance_reduction(values)
+    low, high = bench.variance_reduction_ci(values)
+    assert low <= point <= high and low < high
+
+    scored = int(bench.scored.sum())
+    bench.bootstrap_index = np.arange(scored)[None].repeat(2, 0)  # two identity resamples
+    assert bench.variance_reduction_ci(values) == pytest.approx([point, point], abs=1e-12)
+    r, b, _ = bench._held_out_baselines(values)
+    mixed = next(i for i in range(scored) if 0 < r[i].mean() < 1)  # a prompt whose rewards vary
+    bench.bootstrap_index = np.full((2, scored), mixed)
+    a = (r[mixed] - b[mixed]).numpy()
+    own = 1 - a.var() / r[mixed].numpy().var()
+    assert bench.variance_reduction_ci(values) == pytest.approx([own, own], abs=1e-12)

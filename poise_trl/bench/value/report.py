@@ -58,24 +58,24 @@ def format_report(results: dict[str, Any]) -> str:
         f"{c['num_prompts']} prompts x K={c['k']} rollouts; {c['train_prompts']} train / {c['held_out_prompts']} "
         f"held-out prompts; mean held-out avg@{c['k']} {avg:.3f}. Features {'+'.join(s['features'])}, layer "
         f"{c['default_layer']} of {c['num_layers']}, last-{c['default_pool']} pooling; sweeps use the "
-        f"{s['preset']} preset. MAE and r compare each held-out prompt's mean prediction with its avg@{c['k']} "
-        f"(95% bootstrap CIs over prompts); VR = 1 - Var(r - b)/Var(r) with b the cross-rollout baseline at "
-        f"G={s['vr_group_size']}.",
+        f"{s['preset']} preset. MAE and r compare each held-out prompt's mean prediction with its avg@{c['k']}"
+        f"; VR = 1 - Var(r - b)/Var(r) over held-out rollouts with b the cross-rollout baseline at "
+        f"G={s['vr_group_size']} (95% bootstrap CIs over prompts for all three).",
     ]
     for key, rows in results["sections"].items():
         lines += [
             "",
             f"### {SECTION_TITLES[key]}",
             "",
-            f"| {FIRST_COLUMN[key]} | MAE ↓ | 95% CI | Pearson r ↑ | 95% CI | VR ↑ | fit s |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            f"| {FIRST_COLUMN[key]} | MAE ↓ | 95% CI | Pearson r ↑ | 95% CI | VR ↑ | 95% CI | fit s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for row in rows:
             name = "+".join(row["features"]) if key == "Feature ablation" and row["name"] == "full" else row["name"]
             lines.append(
                 f"| {name} | {_num(row['mae'])} | {_ci(row['mae_ci'])} | {_num(row['pearson_r'])} | "
                 f"{_ci(row['pearson_r_ci'])} | {_num(row['variance_reduction'], '{:+.3f}')} | "
-                f"{_num(row['fit_seconds'], '{:.2f}')} |"
+                f"{_ci(row.get('variance_reduction_ci', [math.nan] * 2))} | {_num(row['fit_seconds'], '{:.2f}')} |"
             )
     if results.get("beyond_paper"):
         lines += format_beyond(results["beyond_paper"])

@@ -98,9 +98,9 @@ class ValueBenchmark:
         pool = meta["default_pool"] if pool is None else pool
         return self.collection.columns(blocks, layer, pool)
 
-    def variance_reduction(self, values: torch.Tensor | None) -> float:
-        """1 - Var(r - b)/Var(r) on held-out rollouts split into groups of `vr_group_size`, b the cross-rollout
-        baseline of `values` (None: the RLOO baseline, mean reward of the other rollouts of the group)."""
+    def _held_out_baselines(self, values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Held-out rewards, cross-rollout baselines and predictions, (prompts, used rollouts) each: rollouts split
+        into groups of `vr_group_size`, b from `values` (None: the RLOO baseline, the group's other rewards)."""
         g, k = self.vr_group_size, self.collection.k
         used = (k // g) * g
         r = self.test_rewards[:, :used].reshape(-1)
@@ -110,13 +110,37 @@ class ValueBenchmark:
         else:
             v = values.double().view(-1, k)[:, :used].reshape(-1)
             b = cross_rollout_baselines(v, g)
-        return float(baseline_diagnostics(r, b, v, g)["variance_reduction"])
+        return r.view(-1, used), b.view(-1, used), v.view(-1, used)
+
+    def variance_reduction(self, values: torch.Tensor | None) -> float:
+        """1 - Var(r - b)/Var(r) on held-out rollouts (see `_held_out_baselines` for b)."""
+        r, b, v = self._held_out_baselines(values)
+        return float(
+            baseline_diagnostics(r.flatten(), b.flatten(), v.flatten(), self.vr_group_size)["variance_reduction"]
+        )
+
+    def variance_reduction_ci(self, values: torch.Tensor | None) -> list[float]:
+        """95% percentile interval of the variance reduction over the same resampled held-out prompts as MAE and r:
+        per prompt the sums of r, r^2, A, A^2 over its valid rollouts, pooled per resample (population variances,
+        as `baseline_diagnostics`)."""
+        r, b, _ = self._held_out_baselines(values)
+        valid = torch.isfinite(r) & torch.isfinite(b)
+        r, a = torch.where(valid, r, 0.0), torch.where(valid, r - b, 0.0)
+        sums = torch.stack([valid.sum(1), r.sum(1), r.pow(2).sum(1), a.sum(1), a.pow(2).sum(1)], 1).numpy()
+        n, sr, srr, sa, saa = sums[self.scored][self.bootstrap_index].sum(1).T
+        with np.errstate(invalid="ignore", divide="ignore"):
+            var_r, var_a = srr / n - (sr / n) ** 2, saa / n - (sa / n) ** 2
+            samples = np.where(var_r > 0, 1 - var_a / var_r, np.nan)
+        return _percentile_ci(samples)
 
     def score(self, name: str, values: torch.Tensor | None, seconds: float = math.nan, **info: Any) -> dict[str, Any]:
         """Scores of per-rollout held-out predictions `values` (prompt-major); None scores only the RLOO row."""
-        row: dict[str, Any] = {"name": name, **info, "fit_seconds": seconds, "variance_reduction": math.nan}
+        row: dict[str, Any] = {"name": name, **info, "fit_seconds": seconds}
         row.update(mae=math.nan, mae_ci=[math.nan] * 2, pearson_r=math.nan, pearson_r_ci=[math.nan] * 2)
-        row["variance_reduction"] = self.variance_reduction(values)
+        row.update(
+            variance_reduction=self.variance_reduction(values),
+            variance_reduction_ci=self.variance_reduction_ci(values),
+        )
         if values is None:
             return row
         per_prompt = values.double().view(-1, self.collection.k).mean(1).numpy()[self.scored]
