@@ -92,7 +92,9 @@ Offline tasks (`--task`, `poise_trl.demo.tasks`): `sort` (2-9 digits; difficulty
 chasing; one prompt and completion length, difficulty in the content), each warm-started so that over a quarter of
 G=8 groups start tied (the task check). With `--model`, `--train-dataset` and `--eval-dataset` the same command
 trains a real model on a math dataset, one run at a time on one GPU, with gradient checkpointing on and
-`--per-device-batch-size` micro-batches.
+`--per-device-batch-size` micro-batches. With `--train-dataset arith` it trains a real model (e.g. `--model
+smollm2-135m`, prepared from its package) on the arith task, every seed evaluated on the same `--eval-limit`
+held-out arith prompts (default 96).
 """
 
 OVERHEAD_DESCRIPTION = """POISE's per-step time and peak memory against plain GRPO, and the probe fit's cost.
@@ -248,12 +250,14 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     real.add_argument(
         "--model",
         default=None,
-        help="Hub id or local path; every contender starts from it (default: the demo task's tiny model)",
+        help=f"Hub id, local path or a real model ({', '.join(REAL_MODELS)}); every contender starts from it "
+        "(default: the demo task's tiny model)",
     )
     real.add_argument(
         "--train-dataset",
         default=None,
-        help="poise_trl.rlvr.data registry key, Hub id or local file; required with --model",
+        help=f"{ARITH_DATASET} (the arith task, held-out split included), or a poise_trl.rlvr.data registry key, "
+        "Hub id or local file; required with --model",
     )
     real.add_argument("--train-limit", type=int, default=None, help="first N training rows (default: all)")
     real.add_argument(
@@ -299,9 +303,12 @@ def add_overhead_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", default="runs/bench/overhead", help="overhead.json, run folders, memory logs")
     parser.add_argument("--cache-dir", default=None, help="warm-started demo model (default: OUTPUT_DIR/models)")
     parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads on CPU; 0 lets torch choose")
-    parser.add_argument("--model", default=None, help="Hub id or local path (default: the demo's tiny model)")
+    parser.add_argument("--model", default=None,
+                        help=f"Hub id, local path or a real model ({', '.join(REAL_MODELS)}) (default: the demo's "
+                        "tiny model)")  # fmt: skip
     parser.add_argument("--train-dataset", default=None,
-                        help="prompts for --model (registry key, Hub id, file); required with --model")  # fmt: skip
+                        help=f"prompts for --model ({ARITH_DATASET}, registry key, Hub id, file); required with "
+                        f"--model (default for a real model: {ARITH_DATASET})")  # fmt: skip
     parser.add_argument("--train-limit", type=int, default=None, help="first N prompts (default: all)")
     parser.set_defaults(func=_run_overhead)
     return parser

@@ -11,7 +11,19 @@ from typing import Any
 
 import torch
 
-from ..common import environment, fmt, fmt_spread, format_table, quiet_libraries, ratio, set_cpu_threads, write_json
+from poise_trl.demo.real import is_real_model
+
+from ..common import (
+    ARITH_DATASET,
+    environment,
+    fmt,
+    fmt_spread,
+    format_table,
+    quiet_libraries,
+    ratio,
+    set_cpu_threads,
+    write_json,
+)
 from .memory import measure_memory
 from .probe_fit import probe_fit_benchmark
 from .timing import Row, model_and_prompts, time_row
@@ -93,6 +105,8 @@ def run_overhead(args: argparse.Namespace) -> int:
         raise SystemExit("--completions-per-step must be a multiple of --per-device-batch-size")
     if args.gradient_checkpointing is None:
         args.gradient_checkpointing = args.model is not None  # a real model's activations need it (OOM otherwise)
+    if args.model is not None and is_real_model(args.model) and args.train_dataset is None:
+        args.train_dataset = ARITH_DATASET  # the task the real models are measured on
     output_dir = Path(args.output_dir)
     settings = {
         key: getattr(args, key)

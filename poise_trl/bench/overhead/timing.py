@@ -17,12 +17,14 @@ from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from poise_trl.config import POISEConfig
+from poise_trl.demo.arith import make_arith_splits
 from poise_trl.demo.model import prepare_demo_model
+from poise_trl.demo.real import resolve_model
 from poise_trl.demo.tasks import make_sort_splits
 from poise_trl.rlvr.data import load_math_dataset
 from poise_trl.trainer import POISETrainer
 
-from ..common import spread, trainer_device_args
+from ..common import ARITH_DATASET, spread, trainer_device_args
 
 
 def any_text_reward(completions: list, **kwargs: Any) -> list[float]:
@@ -76,12 +78,16 @@ def _config(algorithm: str, row: Row, settings: dict[str, Any], max_steps: int, 
 
 
 def model_and_prompts(settings: dict[str, Any]) -> tuple[str, Dataset]:
-    """The model and prompts: the warm-started demo model on sort prompts, or `--model` on `--train-dataset`."""
+    """The model and prompts: the warm-started demo model on sort prompts, or `--model` (a real model's name is
+    prepared from its package) on `--train-dataset` (`arith`: the arith task's training split)."""
     if settings["model"] is None:
         path = prepare_demo_model(settings["cache_dir"], seed=settings["seed"])
         train, _ = make_sort_splits(seed=settings["seed"])
         return str(path), train
-    return settings["model"], load_math_dataset(settings["train_dataset"], limit=settings["train_limit"])
+    model = resolve_model(settings["model"])
+    if settings["train_dataset"] == ARITH_DATASET:
+        return model, make_arith_splits(settings["train_limit"] or 2000, seed=settings["seed"])[0]
+    return model, load_math_dataset(settings["train_dataset"], limit=settings["train_limit"])
 
 
 def build_trainer(algorithm: str, row: Row, settings: dict[str, Any], cycles: int, model: str, prompts: Dataset):
