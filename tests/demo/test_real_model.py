@@ -94,3 +94,18 @@ def test_probe_bench_collects_and_scores_on_the_real_model(real_model_path, tmp_
     assert results["collection"]["num_layers"] == 30 and results["collection"]["hidden_size"] == 576
     assert {row["layer"] for row in results["sections"]["Layer sweep"]} == {3, 16}
     assert "Probe vs critic" in (out / "results.md").read_text()
+
+
+def test_the_training_script_trains_the_real_model_on_arith(real_model_path, tmp_path):
+    """`examples/train_poise.py --model_name_or_path FOLDER --dataset_name arith`: the folder works as a Hub id does,
+    and arith brings its own reward; the saved model's card names POISE."""
+    from tests.rlvr.test_recipes import train_poise
+
+    argv = ["--model_name_or_path", str(real_model_path), "--dataset_name", "arith", "--max_train_samples", "8"]
+    argv += ["--output_dir", str(tmp_path / "out"), "--use_cpu", "true", "--bf16", "false", "--report_to", "none"]
+    argv += ["--gradient_checkpointing", "false", "--save_strategy", "no", "--disable_tqdm", "true"]
+    argv += ["--per_device_train_batch_size", "4", "--max_steps", "1", "--max_completion_length", "4"]
+    script_args, args, model_args = train_poise.parse_args(argv)
+    trainer = train_poise.main(script_args, args, model_args)
+    assert trainer.state.global_step == 1 and trainer.reward_funcs[0].__name__ == "arith_reward"
+    assert "POISE" in (tmp_path / "out" / "README.md").read_text()
