@@ -44,7 +44,8 @@ def changed_defaults() -> dict[str, tuple[Any, Any]]:
         return f.default_factory() if f.default_factory is not MISSING else f.default
 
     trl = {f.name: default(f) for f in fields(GRPOConfig)}
-    return {f.name: (trl[f.name], default(f)) for f in fields(POISEConfig) if f.name in trl and trl[f.name] != default(f)}
+    poise = {f.name: default(f) for f in fields(POISEConfig) if f.name in trl}
+    return {name: (trl[name], value) for name, value in poise.items() if trl[name] != value}
 
 
 @dataclass
@@ -55,10 +56,10 @@ class POISEConfig(GRPOConfig):
     Inherits every parameter of [`~trl.GRPOConfig`] and changes three defaults to the paper's Table 4: two rollouts per
     prompt (`num_generations=2`), asymmetric clipping (`epsilon_high=0.28`) and unscaled advantages
     (`scale_rewards="none"`), since POISE's advantage is `r - b` with no std normalisation. Token-mean aggregation
-    (`loss_type="dapo"`) and no KL (`beta=0.0`) are TRL's defaults already. `from_grpo_config` converts an existing
-    `GRPOConfig`, and `POISETrainer` does so itself when given one. `scale_rewards="batch"` divides by the std of the rewards of earlier training steps (1 at
-    the first step), a constant given the past, so the gradient stays unbiased; `"group"` is rejected because a
-    per-group std includes the rollout's own reward.
+    (`loss_type="dapo"`) and no KL (`beta=0.0`) are TRL's defaults already. `scale_rewards="batch"` divides by the
+    std of the rewards of earlier training steps (1 at the first step), a constant given the past, so the gradient
+    stays unbiased; `"group"` is rejected because a per-group std includes the rollout's own reward.
+    `from_grpo_config` converts an existing `GRPOConfig`, and `POISETrainer` does so itself when given one.
 
     The `probe_*` fields configure the value probe that predicts each rollout's expected reward from the policy's
     hidden states; docs/configuration.md lists paper and release values.
