@@ -303,6 +303,8 @@ class POISEConfig(GRPOConfig):
         if values["steps_per_generation"] == values["gradient_accumulation_steps"]:
             values["steps_per_generation"] = None
         values.update(vllm_importance_sampling_cap=None, use_transformers_paged=False)
+        if isinstance(config, POISEConfig) and config.pca_dims_from_preset:
+            values["probe_pca_dims"] = None  # filled in from the preset: filled in (and capped) again
         changed = []
         if not isinstance(config, POISEConfig):
             for name, (trl_default, poise_default) in changed_defaults().items():

@@ -123,6 +123,8 @@ def test_a_poise_config_converts_without_default_changes(caplog):
         copy = POISEConfig.from_grpo_config(source)
     assert not _conversion_lines(caplog)
     assert all(getattr(copy, name) == getattr(source, name) for name in _init_fields(POISEConfig))
+    assert copy.pca_dims_from_preset  # the preset's dims stay capped at a small model's width
+    assert not POISEConfig.from_grpo_config(POISEConfig(**{**CPU_ARGS, "probe_pca_dims": [4, 0]})).pca_dims_from_preset
 
 
 def test_fields_poise_config_lacks_are_refused():
