@@ -1,15 +1,32 @@
-"""mkdocs hook: the configuration reference is generated from `POISEConfig`'s dataclass fields at build time.
+"""mkdocs hooks: tables generated from the code, MathJax served by the site, and TRL's docstring conventions rendered.
 
-A page marks the spot with `<!-- poise-config-fields -->`; the hook replaces it with one table row per field that
-POISE adds or whose default it changes, taking the text from the field's `help` metadata, so the page cannot drift
-from the code.
+- A page marks the spot with `<!-- poise-config-fields -->`; the hook replaces it with one table row per field that
+  POISE adds or whose default it changes, taking the text from the field's `help` metadata, so the page cannot drift
+  from the code. The API page gets the same fields as `POISEConfig`'s parameters (`TRLDocstrings`).
+- MathJax's es5 bundle, its fonts and its TeX extensions are copied from the installed `django-static-mathjax`
+  package (MathJax 3.2, Apache-2.0) into the site at build time, so the math renders offline and the repository
+  carries no copy.
+- `TRLDocstrings` is a Griffe extension for mkdocstrings: docstrings follow TRL's doc-builder conventions
+  (``[`POISETrainer`]``, ``[`~trl.GRPOConfig`]``), which it turns into links, and it puts the blank line Markdown
+  needs before a list that follows a paragraph.
 """
 
 import dataclasses
+import importlib.util
+import re
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+import griffe
+from mkdocs.structure.files import File
 
 MARKER = "<!-- poise-config-fields -->"
 PRESETS_MARKER = "<!-- poise-probe-presets -->"
+MATHJAX_DIR = "assets/mathjax"  # where the site serves MathJax; mkdocs.yml's extra_javascript names the bundle in it
+MATHJAX_FILES = ("tex-mml-chtml.js", "output/chtml/fonts/woff-v2/*.woff", "input/tex/extensions/*.js")
+TRL_DOCS = "https://huggingface.co/docs/trl"
+TRL_PAGES = {"GRPOConfig": "grpo_trainer", "GRPOTrainer": "grpo_trainer"}  # TRL names our docstrings reference
 
 
 def _default(field: dataclasses.Field) -> Any:
@@ -19,17 +36,18 @@ def _default(field: dataclasses.Field) -> Any:
 
 
 def _cell(text: str) -> str:
-    return " ".join(str(text).split()).replace("|", "\\|")
+    """One table cell: one line, `|` escaped outside code spans (inside them Python-Markdown keeps it literal)."""
+    return re.sub(r"(`[^`]*`)|\|", lambda m: m.group(1) or "\\|", " ".join(str(text).split()))
 
 
-def config_fields_table() -> str:
-    """Markdown table of POISE's own fields (added ones, then those whose default differs from `GRPOConfig`'s)."""
+def poise_fields() -> Iterator[tuple[str, str, str, str]]:
+    """(name, type, default, help) of POISE's own fields, then of those whose default differs from `GRPOConfig`'s
+    (the default with TRL's in brackets)."""
     from trl import GRPOConfig
 
     from poise_trl import POISEConfig
 
     parent = {f.name: f for f in dataclasses.fields(GRPOConfig)}
-    rows = ["| field | type | default | description |", "|---|---|---|---|"]
     for field in dataclasses.fields(POISEConfig):
         if field.name in parent and _default(parent[field.name]) == _default(field):
             continue
@@ -38,10 +56,19 @@ def config_fields_table() -> str:
         help_text = field.metadata.get("help")
         if not help_text:
             raise ValueError(f"POISEConfig.{field.name} has no `help` metadata: the reference would be empty")
-        changed = f" (GRPOConfig: `{_default(parent[field.name])!r}`)" if field.name in parent else ""
+        default = f"`{_default(field)!r}`"
+        if field.name in parent:
+            default += f" (GRPOConfig: `{_default(parent[field.name])!r}`)"
         # `list[str]` is an alias whose __name__ is just "list": print generics in full.
         type_name = field.type.__name__ if isinstance(field.type, type) else str(field.type).replace("typing.", "")
-        rows.append(f"| `{field.name}` | `{_cell(type_name)}` | `{_default(field)!r}`{changed} | {_cell(help_text)} |")
+        yield field.name, type_name, default, " ".join(help_text.split())
+
+
+def config_fields_table() -> str:
+    """Markdown table of POISE's own fields (added ones, then those whose default differs from `GRPOConfig`'s)."""
+    rows = ["| field | type | default | description |", "|---|---|---|---|"]
+    for name, type_name, default, help_text in poise_fields():
+        rows.append(f"| `{name}` | `{type_name}` | {default} | {_cell(help_text)} |")
     return "\n".join(rows)
 
 
@@ -60,3 +87,67 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     if PRESETS_MARKER in markdown:
         markdown = markdown.replace(PRESETS_MARKER, presets_table())
     return markdown
+
+
+def mathjax_root() -> Path:
+    spec = importlib.util.find_spec("mathjax")
+    root = Path(next(iter(spec.submodule_search_locations))) / "static" / "mathjax" if spec else None
+    if root is None or not (root / "es5" / MATHJAX_FILES[0]).is_file():
+        raise FileNotFoundError(
+            "MathJax is served by the site from the `django-static-mathjax` package: install the docs tools with "
+            "`pip install -e '.[dev]'`."
+        )
+    return root
+
+
+def on_files(files, config):
+    """Add MathJax (bundle, fonts, autoloaded TeX extensions, licence) to the site's files."""
+    root = mathjax_root()
+    sources = [root / "LICENSE"] + [path for pattern in MATHJAX_FILES for path in sorted((root / "es5").glob(pattern))]
+    for source in sources:
+        relative = source.relative_to(root / "es5") if source.name != "LICENSE" else Path("LICENSE")
+        files.append(File.generated(config, f"{MATHJAX_DIR}/{relative.as_posix()}", abs_src_path=str(source)))
+    return files
+
+
+def _reference(match: re.Match) -> str:
+    """A doc-builder reference as a Markdown link: TRL's names to TRL's docs, ours to the API page (autorefs)."""
+    import poise_trl
+
+    tilde, path = match.group(1), match.group(2)
+    shown = path.rsplit(".", 1)[-1] if tilde else path
+    if path.startswith("trl."):
+        name = path.removeprefix("trl.")
+        if name not in TRL_PAGES:
+            raise ValueError(f"[`{tilde}{path}`]: add {name}'s TRL docs page to TRL_PAGES in docs/hooks.py")
+        return f"[`{shown}`]({TRL_DOCS}/{TRL_PAGES[name]}#trl.{name})"
+    target = getattr(poise_trl, path.rsplit(".", 1)[-1])  # AttributeError: not a public name of poise_trl
+    return f"[`{shown}`][{target.__module__}.{target.__qualname__}]"
+
+
+def markdown_docstring(text: str) -> str:
+    """Doc-builder references linked; a blank line before a list that directly follows a paragraph line."""
+    text = re.sub(r"\[`(~?)([\w.]+)`\](?![\[(])", _reference, text)
+    lines, in_list = [], False
+    for line in text.splitlines():
+        item = re.match(r"\s*(?:[-*]|\d+\.)\s", line) is not None
+        if item and not in_list and lines and lines[-1].strip():
+            lines.append("")
+        in_list = (item or in_list) and bool(line.strip())
+        lines.append(line)
+    return "\n".join(lines)
+
+
+class TRLDocstrings(griffe.Extension):
+    """Render docstrings written in TRL's conventions, and list `POISEConfig`'s parameters from its field help."""
+
+    def on_object(self, *, obj: griffe.Object, **kwargs: Any) -> None:
+        if obj.is_alias or obj.docstring is None:
+            return
+        obj.docstring.value = markdown_docstring(obj.docstring.value)
+        if obj.path == "poise_trl.config.POISEConfig":
+            entries = [
+                f"    {name} ({type_name}): {help_text} Default: {default}."
+                for name, type_name, default, help_text in poise_fields()
+            ]
+            obj.docstring.value += "\n\nParameters:\n" + "\n".join(entries)

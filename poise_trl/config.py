@@ -1,7 +1,8 @@
 """`POISEConfig`: `GRPOConfig` plus the probe's fields, with the paper's defaults."""
 
+import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from functools import partial
 from typing import Any
 
@@ -15,6 +16,8 @@ from .features import (
     pca_blocks,
     resolve_layer_index,
 )
+
+logger = logging.getLogger(__name__)
 
 # (alpha, [prompt PCA dims, reasoning PCA dims]); 0 dims means "no PCA on that block".
 PROBE_PRESETS: dict[str, tuple[float, list[int]]] = {
@@ -34,17 +37,29 @@ def _probe_settings(blocks: list[str], hidden_size: int, probe: Any) -> str:
     return f"probe_alpha={probe.alpha}, probe_pca_dims={pca}, probe_clip_range={clip}"
 
 
+def changed_defaults() -> dict[str, tuple[Any, Any]]:
+    """Field -> (GRPOConfig's default, POISEConfig's) for the defaults POISE changes."""
+
+    def default(f):
+        return f.default_factory() if f.default_factory is not MISSING else f.default
+
+    trl = {f.name: default(f) for f in fields(GRPOConfig)}
+    poise = {f.name: default(f) for f in fields(POISEConfig) if f.name in trl}
+    return {name: (trl[name], value) for name, value in poise.items() if trl[name] != value}
+
+
 @dataclass
 class POISEConfig(GRPOConfig):
     r"""
     Configuration class for [`POISETrainer`].
 
-    Inherits every parameter of [`~trl.GRPOConfig`] and changes four defaults to the paper's Table 4: two rollouts per
-    prompt (`num_generations=2`), asymmetric clipping (`epsilon_high=0.28`), token-mean aggregation
-    (`loss_type="dapo"`) and unscaled advantages (`scale_rewards="none"`), since POISE's advantage is `r - b` with
-    no std normalisation. `scale_rewards="batch"` divides by the std of the rewards of earlier training steps (1 at
-    the first step), a constant given the past, so the gradient stays unbiased; `"group"` is rejected because a
-    per-group std includes the rollout's own reward.
+    Inherits every parameter of [`~trl.GRPOConfig`] and changes three defaults to the paper's Table 4: two rollouts per
+    prompt (`num_generations=2`), asymmetric clipping (`epsilon_high=0.28`) and unscaled advantages
+    (`scale_rewards="none"`), since POISE's advantage is `r - b` with no std normalisation. Token-mean aggregation
+    (`loss_type="dapo"`) and no KL (`beta=0.0`) are TRL's defaults already. `scale_rewards="batch"` divides by the
+    std of the rewards of earlier training steps (1 at the first step), a constant given the past, so the gradient
+    stays unbiased; `"group"` is rejected because a per-group std includes the rollout's own reward.
+    `from_grpo_config` converts an existing `GRPOConfig`, and `POISETrainer` does so itself when given one.
 
     The `probe_*` fields configure the value probe that predicts each rollout's expected reward from the policy's
     hidden states; docs/configuration.md lists paper and release values.
@@ -270,6 +285,39 @@ class POISEConfig(GRPOConfig):
         self._check_layer_fields()
         self._check_domain_fields()
         self._check_beyond_paper_fields()
+
+    @classmethod
+    def from_grpo_config(cls, config: GRPOConfig, **overrides: Any) -> "POISEConfig":
+        """The `POISEConfig` of a TRL script's `GRPOConfig`: every value is kept, except that the fields whose default
+        POISE changes take POISE's default where `config` holds TRL's (TRL's G = 8 becomes 2, so the same
+        `per_device_train_batch_size` of completions covers 4x the prompts); one warning lists what changed.
+        `overrides` (any `POISEConfig` field, e.g. `num_generations=8` to keep TRL's G) are applied last."""
+        names = {f.name for f in fields(config) if f.init}
+        foreign = sorted(names - {f.name for f in fields(cls)})
+        if foreign:
+            raise TypeError(f"{type(config).__name__} fields {foreign} have no POISEConfig counterpart.")
+        values = {name: getattr(config, name) for name in names}
+        # GRPOConfig.__post_init__ fills both of these from whichever was given, and refuses both given: passing the
+        # steps alone rebuilds the same pair. Deprecated aliases were already copied to their successors.
+        del values["generation_batch_size"]
+        if values["steps_per_generation"] == values["gradient_accumulation_steps"]:
+            values["steps_per_generation"] = None
+        values.update(vllm_importance_sampling_cap=None, use_transformers_paged=False)
+        if isinstance(config, POISEConfig) and config.pca_dims_from_preset:
+            values["probe_pca_dims"] = None  # filled in from the preset: filled in (and capped) again
+        changed = []
+        if not isinstance(config, POISEConfig):
+            for name, (trl_default, poise_default) in changed_defaults().items():
+                if name not in overrides and values[name] == trl_default:
+                    values[name] = poise_default
+                    changed.append(f"{name} {trl_default!r} -> {poise_default!r}")
+            logger.warning(
+                "Converted %s to POISEConfig; fields at TRL's default take POISE's: %s (pass "
+                "POISEConfig.from_grpo_config(config, name=value) to keep a value).",
+                type(config).__name__,
+                ", ".join(changed) or "none",
+            )
+        return cls(**{**values, **overrides})
 
     def estimator_settings(self, num_layers: int, hidden_size: int) -> dict[str, Any]:
         """`POISEEstimator` keyword arguments for a model with `num_layers` decoder layers of width `hidden_size`."""

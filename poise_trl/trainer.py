@@ -16,7 +16,7 @@ from datasets import IterableDataset
 from huggingface_hub import ModelCard
 from packaging.version import Version
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-from trl import GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id
 
@@ -96,15 +96,14 @@ class POISETrainer(ValueGuidedSelection, GRPOTrainer):
             }"""),
     }
 
-    def __init__(self, model, reward_funcs=None, args: POISEConfig | None = None, **kwargs):
+    def __init__(self, model, reward_funcs=None, args: POISEConfig | GRPOConfig | None = None, **kwargs):
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = POISEConfig(f"{model_name.split('/')[-1]}-POISE")
+        if isinstance(args, GRPOConfig) and not isinstance(args, POISEConfig):
+            args = POISEConfig.from_grpo_config(args)  # a TRL script switches by changing the trainer class only
         if not isinstance(args, POISEConfig):
-            raise TypeError(
-                f"POISETrainer needs a POISEConfig, got {type(args).__name__}: build the config with "
-                "`POISEConfig(**your_grpo_config.to_dict())` or pass the same arguments to POISEConfig."
-            )
+            raise TypeError(f"POISETrainer needs a POISEConfig or a GRPOConfig, got {type(args).__name__}.")
         super().__init__(model, reward_funcs, args=args, **kwargs)
         base = self.accelerator.unwrap_model(self.model)
         self.hidden_size = base.config.get_text_config().hidden_size

@@ -80,9 +80,9 @@ UNIQUE_RUN_BLOCKS = list({block.text: block for block in reversed(RUN_BLOCKS)}.v
 
 def test_pages_have_runnable_blocks_and_every_fence_is_known():
     """The extraction sees the blocks (a broken fence would silently test nothing)."""
-    assert {page.name for page in PAGES} >= {"README.md", "index.md", "quickstart.md", "recipes.md", "benchmarks.md"}
+    assert {page.name for page in PAGES} >= {"README.md", "index.md", "quickstart.md", "recipes.md", "from-grpo.md"}
     assert len(RUN_BLOCKS) >= 5 and len(CODE_BLOCKS) > len(RUN_BLOCKS)
-    unknown = {block.lang for block in ALL_BLOCKS} - RUNNABLE - {"", "text", "bibtex", "yaml"}
+    unknown = {block.lang for block in ALL_BLOCKS} - RUNNABLE - {"", "text", "bibtex", "yaml", "diff"}
     assert not unknown, f"fenced blocks of an unknown language: {unknown}"
     marks = {need for block in ALL_BLOCKS for need in block.requires}
     assert marks <= {"gpu", "hub", "network", "long", "sketch"}, marks
@@ -91,6 +91,22 @@ def test_pages_have_runnable_blocks_and_every_fence_is_known():
 @pytest.mark.parametrize("block", [b for b in CODE_BLOCKS if b.lang == "python"], ids=lambda b: b.id)
 def test_python_blocks_compile(block: Block):
     compile(block.text, block.id, "exec")
+
+
+def test_diff_blocks_are_one_step_migrations_of_python_scripts():
+    """A ```diff block shows a TRL script before and after the switch: both sides compile, the change is the trainer
+    class and its import, and the after side is what the CPU variant on the same page runs with POISETrainer."""
+    diffs = [block for block in ALL_BLOCKS if block.lang == "diff"]
+    assert diffs, "the migration page lost its before/after diff"
+    for block in diffs:
+        lines = block.text.splitlines()
+        before = "\n".join(line[1:] for line in lines if not line.startswith("+"))
+        after = "\n".join(line[1:] for line in lines if not line.startswith("-"))
+        compile(before, f"{block.id} (before)", "exec")
+        compile(after, f"{block.id} (after)", "exec")
+        changed = [line for line in lines if line[:1] in "+-" and line[1:].strip()]
+        assert len(changed) <= 5, f"{block.id}: {len(changed)} changed lines is not one step"
+        assert "GRPOTrainer(" in before and "POISETrainer(" in after and "GRPOConfig(" in after
 
 
 @pytest.fixture(scope="module")
@@ -340,3 +356,67 @@ def test_numbers_repeated_across_pages_agree():
         rows = quoted[2:]
         assert len(rows) == 5 and all(row.startswith("| POISE (default) G=2 |") for row in rows), rows
         assert all(row in section for row in rows), f"README's {task} rows differ from {STUDY_REPORT.name}"
+
+
+def _number_tokens(text: str) -> set[str]:
+    return set(re.findall(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.]*\d)", text.replace(",", "")))
+
+
+def test_readme_prose_figures_agree_with_the_performance_page():
+    """Every figure in the prose of the README's headline (tables and commands aside) is on the performance page;
+    the study's time is given with its caveat; and the completions half of the goal names as misses exactly the
+    upper ends that lie above their bounds in the committed report."""
+    readme = (ROOT / "README.md").read_text()
+    headline = readme.split("## Headline results", 1)[1].split("\n## ", 1)[0]
+    prose = "\n".join(line for line in headline.splitlines() if not line.startswith(("|", "![")))
+    prose = re.sub(r"(?s)```.*?```", "", prose)
+    performance = (ROOT / "docs" / "performance.md").read_text()
+    missing = sorted(_number_tokens(prose) - _number_tokens(performance))
+    assert not missing, f"README headline figures not on docs/performance.md: {missing}"
+    for figure in ("2 h 55 min", "5.2 h", "17.0 s per run"):
+        assert figure in prose and figure in performance, figure
+    assert "extrapolation" in prose
+
+    report = STUDY_REPORT.read_text()
+    goal = re.search(r"at most ([\d.]+)× (.+?)'s and ([\d.]+)× (.+?)'s completions", report)
+    bounds = {goal.group(2): float(goal.group(1)), goal.group(4): float(goal.group(3))}
+    misses, met = [], []
+    for section in re.findall(r"(?ms)^## \w+\n(.*?)(?=^## |\Z)", report):
+        for comparator, bound in bounds.items():
+            row = next(r for r in _table_lines(section) if r.startswith(f"| POISE (default) G=2 | {comparator} |"))
+            upper = float(re.search(r"\[[^,]+, ([\d.]+)\]", row.split("|")[7]).group(1))
+            (misses if upper >= bound else met).append(f"{upper:.2f}")
+    clause = re.search(r"The completions half misses[^;]*;", " ".join(prose.split()))
+    assert clause, "the README no longer says where the completions half of the goal misses"
+    assert sorted(re.findall(r"\d\.\d\d", clause.group(0))) == sorted(misses), (clause.group(0), misses)
+    assert met and all(f"upper end, {value}, is below its bound" in " ".join(prose.split()) for value in met)
+
+
+GRPO_CONFIG_OPTIONS_OUTSIDE_ITS_FIELDS = ("use_liger_kernel",)  # a TrainingArguments field GRPOTrainer reads
+
+
+def test_support_matrix_lists_every_grpo_config_option():
+    """Each field GRPOConfig defines, and each TrainingArguments default it changes, has a row with a status
+    (tested, configured only, refused); a tested row names its test."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+    from trl import GRPOConfig
+
+    base = {f.name: f for f in dataclasses.fields(TrainingArguments)}
+    options = [
+        f.name
+        for f in dataclasses.fields(GRPOConfig)
+        if f.name not in base or (f.default, f.default_factory) != (base[f.name].default, base[f.name].default_factory)
+    ] + list(GRPO_CONFIG_OPTIONS_OUTSIDE_ITS_FIELDS)
+    rows = [
+        [cell.strip() for cell in line.split("|")[1:-1]]
+        for line in (ROOT / "docs" / "support-matrix.md").read_text().splitlines()
+        if line.startswith("| `")
+    ]
+    for name in options:
+        row = next((r for r in rows if re.search(rf"`{name}[`=]", r[0])), None)
+        assert row, f"docs/support-matrix.md has no row for GRPOConfig.{name}"
+        assert row[1].startswith(("tested", "configured", "refused")), (name, row[1])
+        if row[1].startswith("tested"):
+            assert re.search(r"test_\w+|\[\w+\]", row[2]), f"{name}: a tested row names its test"

@@ -1,6 +1,7 @@
 """Every GRPOTrainer training option composes with POISE: each loss type, GSPO's sequence-level ratio, the
-off-policy mask, the entropy-quantile mask, several optimisation steps per generation and batch reward scaling.
-Each run trains 2+ steps and checks that POISE's advantages are what TRL's loss received."""
+off-policy mask, the entropy-quantile mask, several optimisation steps per generation, batch reward scaling, and the
+`GRPOConfig` options of the sampling, loss, reference-model, model and logging groups (docs/support-matrix.md names
+each option's test). Each run trains 2+ steps and checks that POISE's advantages are what TRL's loss received."""
 
 import pytest
 import torch
@@ -17,9 +18,9 @@ def model_path(tmp_path_factory):
     return save_causal_lm(tmp_path_factory.mktemp("options") / "qwen3", "qwen3")
 
 
-def _train(model_path, tmp_path, **overrides) -> SpyTrainer:
+def _train(model_path, tmp_path, conversational: bool = False, **overrides) -> SpyTrainer:
     args = short_args(tmp_path, **overrides)
-    trainer = SpyTrainer(str(model_path), code_reward, args=args, train_dataset=prompts())
+    trainer = SpyTrainer(str(model_path), code_reward, args=args, train_dataset=prompts(conversational=conversational))
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
@@ -57,6 +58,50 @@ def test_training_options(model_path, tmp_path, option):
     # With several optimiser steps per generation TRL runs its old-log-prob pass, and POISE captures inside it.
     reused = option.get("num_iterations", 1) * option.get("steps_per_generation", 1) > 1
     assert trainer.feature_passes == (0 if reused else len(trainer.scored))
+
+
+# GRPOConfig options that do not interact, trained together in one run per group.
+OPTION_GROUPS = {
+    "sampling": dict(
+        temperature=0.9,
+        top_p=0.95,
+        top_k=5,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        generation_kwargs={"no_repeat_ngram_size": 3},
+    ),
+    "clipping_and_entropy_bonus": dict(delta=1.5, epsilon=0.1, epsilon_high=0.3, entropy_coef=0.01),
+    "adaptive_entropy": dict(
+        use_adaptive_entropy=True,
+        entropy_coef=0.01,
+        entropy_coef_min=0.0,
+        entropy_coef_max=0.05,
+        entropy_coef_delta=0.01,
+        entropy_target=0.5,
+        max_steps=3,
+    ),
+    "reference_model_sync": dict(
+        beta=0.04, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5, use_bias_correction_kl=False
+    ),
+    "model_and_batching": dict(
+        disable_dropout=True, cast_lm_head_to_fp32=True, pad_to_multiple_of=8, shuffle_dataset=False
+    ),
+    "logging": dict(log_completions=True, num_completions_to_print=2, log_unique_prompts=True),
+    "continuous_batching": dict(  # transformers' generation engine, not vLLM; a small cache keeps it fast on a CPU
+        use_transformers_continuous_batching=True,
+        transformers_continuous_batching_config={"page_size": 16, "num_blocks": 16, "max_batch_tokens": 64},
+    ),
+    "chat_template": dict(chat_template_kwargs={"enable_thinking": False}),  # on a conversational dataset
+}
+
+
+@pytest.mark.parametrize("group", list(OPTION_GROUPS))
+def test_grpo_config_option_groups(model_path, tmp_path, group):
+    trainer = _train(model_path, tmp_path, conversational=group == "chat_template", **OPTION_GROUPS[group])
+    for name, value in OPTION_GROUPS[group].items():
+        assert getattr(trainer.args, name) == value, name  # the option reached the trainer as set
+    if group == "reference_model_sync":
+        assert any(type(c).__name__ == "SyncRefModelCallback" for c in trainer.callback_handler.callbacks)
 
 
 def test_batch_scaling_divides_by_the_std_of_earlier_steps_rewards(model_path, tmp_path):
