@@ -58,6 +58,7 @@ DIAGNOSTICS = (
     "pearson_r",
     "brier_skill",
     "variance_reduction",
+    "variance_reduction_bound",
     "sign_accuracy",
     "clip_fraction",
 )
@@ -97,6 +98,14 @@ def diagnostic_tensors(
     spread = var_r > 0
     brier = torch.where(spread, 1 - advantages.pow(2).sum() / count / var_r, nan)
     variance_reduction = torch.where(spread, 1 - advantage_var / var_r, nan)
+    # The best unbiased baseline is the prompt's value V(x): its advantage variance is the mean within-prompt reward
+    # variance, estimated without bias by each group's sample variance (n - 1); no baseline can reduce more.
+    in_group = valid.view(-1, num_generations)
+    sizes = in_group.sum(1)
+    grouped = r.view(-1, num_generations)
+    centred = torch.where(in_group, grouped - grouped.sum(1, keepdim=True) / sizes.clamp(min=1)[:, None], 0.0)
+    within = _masked_mean(centred.pow(2).sum(1) / (sizes - 1).clamp(min=1), sizes >= 2)
+    variance_reduction_bound = torch.where(spread, 1 - within / var_r, nan)
 
     full = valid.view(-1, num_generations).all(1) & predicted.view(-1, num_generations).all(1)
     group_r = torch.where(full[:, None], rewards.view(-1, num_generations).double(), 0.0)
@@ -116,6 +125,7 @@ def diagnostic_tensors(
         pearson,
         brier,
         variance_reduction,
+        variance_reduction_bound,
         sign_accuracy,
         clip_fraction,
     ]
@@ -134,7 +144,9 @@ def baseline_diagnostics(
 
     Keys: reward_mean, value_mean (mean probe prediction), baseline_mean, mae (|b - r|), group_mae (paper Fig. 4:
     |mean value - mean reward| per prompt), pearson_r (b vs r), brier_skill (1 - MSE(b, r)/Var(r)),
-    variance_reduction (1 - Var(A)/Var(R)), sign_accuracy (within groups whose rewards differ, the fraction of
+    variance_reduction (1 - Var(A)/Var(R)), variance_reduction_bound (that of the best unbiased baseline, the prompt's
+    value V(x): 1 - mean within-group reward variance / Var(R), from the groups' sample variances, so noisy and
+    possibly negative on one small batch), sign_accuracy (within groups whose rewards differ, the fraction of
     pairs the values order like the rewards), clip_fraction (predictions the reward-range clip changed).
     Undefined quantities (e.g. zero variance) are NaN, which TRL's logger drops.
     """

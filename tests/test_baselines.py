@@ -53,6 +53,22 @@ def test_diagnostics_by_hand():
     assert d["sign_accuracy"] == 1.0  # only group 0 is decided, and 0.8 > 0.4 like 1 > 0
     assert d["clip_fraction"] == 0.25
     assert d["pearson_r"] == pytest.approx(torch.corrcoef(torch.stack([baselines, rewards]))[0, 1].item(), abs=1e-6)
+    # One pair per prompt: within-group sample variances 0.5 and 0; Var(r) = 3/16.
+    assert d["variance_reduction_bound"] == pytest.approx(1 - 0.25 / (3 / 16))
+
+
+def test_variance_reduction_bound_is_what_the_true_value_baseline_reaches():
+    """Rollouts drawn with known per-prompt success rates p: the bound estimates 1 - mean p(1-p) / Var(r), the
+    variance reduction of the baseline b = p, and no feasible baseline (here: the true p) exceeds it."""
+    generator = torch.Generator().manual_seed(0)
+    p = torch.rand(4000, generator=generator).repeat_interleave(2)
+    rewards = torch.bernoulli(p, generator=generator)
+    d = baseline_diagnostics(rewards, p, p, 2)
+    expected = 1 - (p * (1 - p)).mean() / rewards.var(unbiased=False)
+    assert d["variance_reduction_bound"] == pytest.approx(expected.item(), abs=0.02)
+    assert d["variance_reduction"] == pytest.approx(d["variance_reduction_bound"], abs=0.03)
+    noisy = (p + 0.3 * torch.randn(p.shape, generator=generator)).clamp(0, 1)
+    assert baseline_diagnostics(rewards, noisy, noisy, 2)["variance_reduction"] < d["variance_reduction_bound"] - 0.05
 
 
 def test_diagnostics_with_constant_rewards_are_nan_not_errors():

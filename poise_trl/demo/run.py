@@ -41,6 +41,7 @@ TABLE_COLUMNS = (
     ("poise/value_mean", "value", "{:.3f}"),
     ("poise/mae", "MAE", "{:.3f}"),
     ("poise/variance_reduction", "var.red", "{:+.3f}"),
+    ("poise/variance_reduction_bound", "bound", "{:+.3f}"),
     ("poise/pearson_r", "r", "{:+.3f}"),
     ("entropy", "entropy", "{:.3f}"),
 )
@@ -264,7 +265,14 @@ def run_demo(
         "by_difficulty_after": after["by_difficulty"],
         "final_window": {
             key: _window_mean(history, key, last)
-            for key in ("reward", "poise/value_mean", "poise/mae", "poise/variance_reduction", "poise/pearson_r")
+            for key in (
+                "reward",
+                "poise/value_mean",
+                "poise/mae",
+                "poise/variance_reduction",
+                "poise/variance_reduction_bound",
+                "poise/pearson_r",
+            )
         },
         "probe_feature_passes": trainer.feature_passes,
         "train_seconds": train_seconds,
@@ -295,7 +303,8 @@ def _closing_summary(summary: dict[str, Any], before: dict[str, Any], after: dic
             f"  by difficulty before: {_by_difficulty(before)}",
             f"  by difficulty after:  {_by_difficulty(after)}",
             f"probe, last quarter of training: value {fmt(final['poise/value_mean'])}, reward {fmt(final['reward'])}, "
-            f"MAE {fmt(final['poise/mae'])}, variance reduction {fmt(final['poise/variance_reduction'], '+.3f')}, "
+            f"MAE {fmt(final['poise/mae'])}, variance reduction {fmt(final['poise/variance_reduction'], '+.3f')} "
+            f"(a perfect value baseline: {fmt(final['poise/variance_reduction_bound'], '+.3f')}), "
             f"Pearson r {fmt(final['poise/pearson_r'], '+.3f')}",
             f"training {summary['train_seconds']:.0f} s, total {summary['total_seconds']:.0f} s",
             f"wrote {summary['plot']} and {Path(summary['plot']).with_name(SUMMARY_FILE)}",

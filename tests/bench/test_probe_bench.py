@@ -308,3 +308,20 @@ def test_variance_reduction_interval_pools_the_resampled_prompts_rollouts():
     a = (r[mixed] - b[mixed]).numpy()
     own = 1 - a.var() / r[mixed].numpy().var()
     assert bench.variance_reduction_ci(values) == pytest.approx([own, own], abs=1e-12)
+
+
+def test_variance_reduction_bound_is_the_true_value_baselines_on_held_out_prompts():
+    """With rewards drawn from known per-prompt rates, the bound matches 1 - mean p(1-p) / Var(r) on the held-out
+    prompts, and a probe given the true rates gets no more than it (up to sampling noise)."""
+    from poise_trl.bench.value.score import ValueBenchmark
+
+    collection = _synthetic(num_prompts=400, k=8)
+    g = torch.Generator().manual_seed(3)
+    p = torch.rand(400, generator=g)
+    collection.rewards = (torch.rand(3200, generator=g) < p.repeat_interleave(8)).float()
+    bench = ValueBenchmark(collection, 0.25, seed=0)
+    held_out = p.repeat_interleave(8)[bench.test_rows]
+    r = collection.rewards[bench.test_rows]
+    expected = 1 - (held_out * (1 - held_out)).mean() / r.var(unbiased=False)
+    assert bench.variance_reduction_bound() == pytest.approx(expected.item(), abs=0.03)
+    assert bench.variance_reduction(held_out) <= bench.variance_reduction_bound() + 0.03

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from poise_trl import POISEConfig, POISETrainer, cli
+from poise_trl.bench.value.report import SECTION_TITLES
 from poise_trl.demo import real
 from poise_trl.demo.arith import make_arith_splits
 from poise_trl.demo.real import INFO_FILE, prepare_real_model, resolve_model
@@ -93,7 +94,7 @@ def test_probe_bench_collects_and_scores_on_the_real_model(real_model_path, tmp_
     results = json.loads((out / "results.json").read_text())
     assert results["collection"]["num_layers"] == 30 and results["collection"]["hidden_size"] == 576
     assert {row["layer"] for row in results["sections"]["Layer sweep"]} == {3, 16}
-    assert "Probe vs critic" in (out / "results.md").read_text()
+    assert SECTION_TITLES["Probe vs critic"] in (out / "results.md").read_text()
 
 
 def test_the_training_script_trains_the_real_model_on_arith(real_model_path, tmp_path):

@@ -52,6 +52,7 @@ def format_report(results: dict[str, Any]) -> str:
     """Markdown: a header with the setting, then one table per section (MAE, r with 95% CIs, VR, fit time)."""
     c, s = results["collection"], results["settings"]
     avg = float(np.mean(c["held_out_avg_at_k"]))
+    bound = _num(c.get("held_out_variance_reduction_bound", math.nan), "{:+.3f}")
     lines = [
         f"# probe-bench: {c['model_name']} on {c.get('dataset', '?')}",
         "",
@@ -60,7 +61,9 @@ def format_report(results: dict[str, Any]) -> str:
         f"{c['default_layer']} of {c['num_layers']}, last-{c['default_pool']} pooling; sweeps use the "
         f"{s['preset']} preset. MAE and r compare each held-out prompt's mean prediction with its avg@{c['k']}"
         f"; VR = 1 - Var(r - b)/Var(r) over held-out rollouts with b the cross-rollout baseline at "
-        f"G={s['vr_group_size']} (95% bootstrap CIs over prompts for all three).",
+        f"G={s['vr_group_size']} (95% bootstrap CIs over prompts for all three). The best unbiased baseline, each "
+        f"held-out prompt's true value, would reach VR {bound} "
+        "(1 - mean within-prompt reward variance / Var(r)): no estimator can beat it.",
     ]
     for key, rows in results["sections"].items():
         lines += [

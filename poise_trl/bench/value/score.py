@@ -119,6 +119,18 @@ class ValueBenchmark:
             baseline_diagnostics(r.flatten(), b.flatten(), v.flatten(), self.vr_group_size)["variance_reduction"]
         )
 
+    def variance_reduction_bound(self) -> float:
+        """The variance reduction of the best unbiased baseline, each held-out prompt's true value: 1 - (mean of the
+        prompts' sample reward variances over their k rollouts) / Var(r). No estimator's VR can exceed it (in
+        expectation)."""
+        r = self.test_rewards[torch.from_numpy(self.scored)]
+        valid = torch.isfinite(r)
+        n = valid.sum(1)
+        centred = torch.where(valid, r - r.nanmean(1, keepdim=True), 0.0)
+        within = (centred.pow(2).sum(1) / (n - 1).clamp(min=1))[n >= 2].mean()
+        total = r[valid].var(unbiased=False)
+        return float(1 - within / total) if total > 0 else math.nan
+
     def variance_reduction_ci(self, values: torch.Tensor | None) -> list[float]:
         """95% percentile interval of the variance reduction over the same resampled held-out prompts as MAE and r:
         per prompt the sums of r, r^2, A, A^2 over its valid rollouts, pooled per resample (population variances,
@@ -355,6 +367,7 @@ def run_benchmark(
             "mean_reward": float(collection.rewards.nanmean()),
             "unscored_rollouts": int((~torch.isfinite(collection.rewards)).sum()),
             "held_out_avg_at_k": [float(v) for v in bench.avg_at_k[bench.scored]],
+            "held_out_variance_reduction_bound": bench.variance_reduction_bound(),
             "held_out_prompt_index": bench.test_prompts[torch.from_numpy(bench.scored)].tolist(),
             **{k: v for k, v in meta.items() if k != "prompts"},
         },
