@@ -35,6 +35,7 @@ def test_the_walk_reaches_every_subcommand():
         "probe-bench",
         "bench",
         "bench efficiency",
+        "bench gradient",
         "bench overhead",
         "bench summarize",
     }

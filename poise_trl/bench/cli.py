@@ -23,6 +23,9 @@ from .common import (
     DEFAULT_TUNING_SEEDS,
     DEMO_LEARNING_RATE,
     DEMO_MODEL,
+    GRADIENT_BUDGETS,
+    GRADIENT_CONTENDERS,
+    GRADIENT_REFERENCE_BUDGET,
     MAX_GRID_EXTENSIONS,
     PAPER_LEARNING_RATE,
     PROBE_FIT_ROWS,
@@ -97,6 +100,26 @@ smollm2-135m`, prepared from its package) on the arith task, every seed evaluate
 held-out arith prompts (default 96).
 """
 
+GRADIENT_DESCRIPTION = f"""Does POISE need fewer completions? The error of each method's policy-gradient estimate per
+completion, at one fixed policy (run it at the start model and at a trained one).
+
+A pool of NUM_PROMPTS prompts x K rollouts is sampled and scored once; each rollout's gradient of log pi(y|x) is taken
+once in two subspaces: the B matrices of a rank-r LoRA on every linear layer (zero at init, so dL/dB is a fixed random
+sketch of every layer's weight gradient) and the exact gradient of every norm gain (a check that the ranking does not
+depend on the sketch). A contender's batch gradient is a weighted sum of those, so thousands of batches per budget
+cost little:
+  - GRPO G=8 with and without std scaling, DAPO-DS-carry G=8 (every completion generated counts, the
+    uninformative groups it drops included), RLOO k=2, POISE (paper) and POISE (default) at G=2, whose probe for a
+    prompt is fitted on rollouts of the pool's other prompts (K folds), never on the batch's own;
+  - reference: the unbiased leave-one-out estimate from all rollouts of every prompt;
+  - reported per contender and budget: relative MSE against the reference, its bias and variance parts, the cosine
+    with the reference (95% CIs over bootstrap resamples of the prompts), and the completions each contender needs
+    to reach POISE (default)'s error at {GRADIENT_REFERENCE_BUDGET}, read off the measured curves (log-log
+    interpolation, no 1/n law assumed).
+Batch prompts are drawn with replacement, a group's rollouts without replacement from the prompt's K: for large
+groups this understates within-prompt variance (conservative against POISE's G = 2).
+"""
+
 OVERHEAD_DESCRIPTION = """POISE's per-step time and peak memory against plain GRPO, and the probe fit's cost.
 
 Time. POISETrainer and trl.GRPOTrainer, built from the same model with the same G, completions per step, max
@@ -160,15 +183,15 @@ def _run_overhead(args: argparse.Namespace) -> int:
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register `bench` with its `efficiency`, `summarize` and `overhead` subcommands; each stores its handler as
-    `func`."""
+    """Register `bench` with its `efficiency`, `summarize`, `overhead` and `gradient` subcommands; each stores its
+    handler as `func`."""
     parser = subparsers.add_parser(
         "bench",
         help="training-efficiency and overhead benchmarks (POISE vs GRPO vs RLOO)",
         description="Training-efficiency and overhead benchmarks of POISE against TRL's GRPOTrainer and RLOOTrainer.",
     )
     bench_subparsers = parser.add_subparsers(
-        dest="bench_command", required=True, metavar="{efficiency,summarize,overhead}"
+        dest="bench_command", required=True, metavar="{efficiency,summarize,overhead,gradient}"
     )
     add_efficiency_parser(bench_subparsers)
     summarize = bench_subparsers.add_parser(
@@ -180,6 +203,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     summarize.add_argument("results_dir", help="the --output-dir of a `bench efficiency` study")
     summarize.set_defaults(func=_run_summarize)
     add_overhead_parser(bench_subparsers)
+    add_gradient_parser(bench_subparsers)
     return parser
 
 
@@ -314,6 +338,34 @@ def add_overhead_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def _run_gradient(args: argparse.Namespace) -> int:
+    from .gradient import run_gradient
+
+    return run_gradient(args)
+
+
+def add_gradient_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "gradient",
+        help="policy-gradient error per completion at a fixed policy: POISE vs GRPO, RLOO, DAPO",
+        description=GRADIENT_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_collection_arguments(parser, num_prompts=64, k=16)
+    add = parser.add_argument
+    add("--contenders", nargs="+", choices=GRADIENT_CONTENDERS, default=list(GRADIENT_CONTENDERS), metavar="NAME",
+        help=f"any of {', '.join(GRADIENT_CONTENDERS)}")  # fmt: skip
+    add("--budgets", nargs="+", type=int, default=list(GRADIENT_BUDGETS), help="completions generated per batch")
+    add("--batches", type=int, default=2000, help="batches drawn per contender and budget")
+    add("--bootstrap", type=int, default=100, help="bootstrap resamples of the pool's prompts for the CIs")
+    add("--bootstrap-batches", type=int, default=200, help="batches per contender and budget in each resample")
+    add("--folds", type=int, default=4, help="POISE's probe for a prompt is fitted on the other folds' prompts")
+    add("--lora-rank", type=int, default=1, help="rank of the LoRA sketch (its B gradients are stored per rollout)")
+    add("--output-dir", default="runs/bench/gradient", help="results.json, results.md, gradient.png")
+    parser.set_defaults(func=_run_gradient, layers="", pools="")
+    return parser
+
+
 def _run_probe_bench(args: argparse.Namespace, log: Callable[[str], None] = print) -> int:
     from .value.report import run_probe_bench
 
@@ -328,46 +380,16 @@ def add_probe_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=PROBE_BENCH_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_collection_arguments(parser, num_prompts=320, k=8)
     add = parser.add_argument
-    add("model", nargs="?", default=DEMO_MODEL,
-        help=f"HF model id or path; 'demo': the cached tiny sort model; {', '.join(REAL_MODELS)}: a real model "
-        "prepared from its package (dataset: arith)")  # fmt: skip
-    add(
-        "--dataset",
-        default=None,
-        help=f"'{SORT_DATASET}' (the demo task), '{ARITH_DATASET}' (arithmetic chat prompts), a poise_trl.rlvr.data "
-        f"registry name, Hub id or local .jsonl/.parquet (default: {SORT_DATASET} for the demo, {ARITH_DATASET} for "
-        f"a real model, else {DEFAULT_MATH_DATASET})",
-    )
-    add("--split", default=None, help="dataset split of a Hub id (default: the registry's split, else train)")
-    add("--task", choices=TASKS, default=None, help="with the demo model: its offline task (default: sort)")
-    add("--reward-fn", default=None, help="MODULE:FUNCTION, a TRL reward (default: the task's or math_answer_reward)")
-    add("--num-prompts", type=int, default=320, help="distinct prompts to sample")
-    add("--k", type=int, default=8, help="rollouts per prompt (the paper's avg@8)")
-    add("--temperature", type=float, default=1.0, help="sampling temperature (POISE training samples at 1.0)")
-    add("--top-p", type=float, default=1.0, help="nucleus sampling mass (POISE training samples at 1.0)")
-    add(
-        "--max-new-tokens",
-        type=int,
-        default=None,
-        help="longest completion (default: the demo task's length, else 8192)",
-    )
-    add("--backend", choices=("auto", "hf", "vllm"), default="auto", help="auto: vLLM if installed, else HF generate")
-    add("--vllm-gpu-memory-utilization", type=float, default=0.5, help="vLLM's share; the HF model needs the rest")
-    add("--device", default="auto", help="auto: cuda if available, else cpu")
-    add("--batch-size", type=int, default=32, help="prompts per HF generate call (each expanded to K samples)")
-    add("--feature-batch-size", type=int, default=64, help="rollouts per teacher-forced pass (use ~4 at 8k tokens)")
     add(
         "--layers",
         default="auto",
         help="comma-separated layers to sweep, or all (auto: all up to 16 layers, else odd)",
     )
     add("--pools", default=",".join(map(str, DEFAULT_POOLS)), help="pooling windows to sweep")
-    add("--layer", type=int, default=None, help="probe layer (default: POISEConfig's, round(0.53 * num_layers))")
-    add("--pool-tokens", type=int, default=None, help="pooling window n (default: POISEConfig's, 10)")
     add("--features", nargs="+", default=None, metavar="BLOCK",
         help="any of prompt, reasoning, entropy, length (default: POISEConfig's)")  # fmt: skip
-    add("--reasoning-end-marker", default=None, help="'none' for no marker (default: POISEConfig's, </think>)")
     add("--preset", choices=("release", "paper"), default=None, help="probe for the sweeps (default: POISEConfig's)")
     add("--test-fraction", type=float, default=0.25, help="share of prompts held out")
     add("--bootstrap", type=int, default=1000, help="bootstrap resamples of held-out prompts for the CIs")
@@ -382,7 +404,6 @@ def add_probe_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="critic learning rate (default: 1e-5 above 100M parameters, else 3e-4)",
     )
     add("--critic-batch-size", type=int, default=16, help="critic training batch, in rollouts")
-    add("--seed", type=int, default=0, help="prompt choice, sampling, split, bootstrap and fits")
     add("--splits", type=int, default=10, help="prompt splits of the beyond-the-paper tables; 0 skips them")
     add("--output-dir", default="runs/probe_bench", help="collection, results.json, results.md, figure1.png")
     add(
@@ -395,6 +416,44 @@ def add_probe_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="write the release-preset probe here, for POISEConfig(probe_init_path=...) (default: no export)",
     )
-    add("--cache-dir", default=None, help="demo model cache (default: $XDG_CACHE_HOME/poise-trl)")
     parser.set_defaults(func=_run_probe_bench)
     return parser
+
+
+def add_collection_arguments(parser: argparse.ArgumentParser, num_prompts: int, k: int) -> None:
+    """What `collect_from_args` reads: the model, prompts, reward, sampling and feature capture (probe-bench and
+    bench gradient sample their rollouts the same way)."""
+    add = parser.add_argument
+    add("model", nargs="?", default=DEMO_MODEL,
+        help=f"HF model id or path; 'demo': the cached tiny sort model; {', '.join(REAL_MODELS)}: a real model "
+        "prepared from its package (dataset: arith)")  # fmt: skip
+    add(
+        "--dataset",
+        default=None,
+        help=f"'{SORT_DATASET}' (the demo task), '{ARITH_DATASET}' (arithmetic chat prompts), a poise_trl.rlvr.data "
+        f"registry name, Hub id or local .jsonl/.parquet (default: {SORT_DATASET} for the demo, {ARITH_DATASET} for "
+        f"a real model, else {DEFAULT_MATH_DATASET})",
+    )
+    add("--split", default=None, help="dataset split of a Hub id (default: the registry's split, else train)")
+    add("--task", choices=TASKS, default=None, help="with the demo model: its offline task (default: sort)")
+    add("--reward-fn", default=None, help="MODULE:FUNCTION, a TRL reward (default: the task's or math_answer_reward)")
+    add("--num-prompts", type=int, default=num_prompts, help="distinct prompts to sample")
+    add("--k", type=int, default=k, help="rollouts per prompt")
+    add("--temperature", type=float, default=1.0, help="sampling temperature (POISE training samples at 1.0)")
+    add("--top-p", type=float, default=1.0, help="nucleus sampling mass (POISE training samples at 1.0)")
+    add(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="longest completion (default: the demo task's length, else 8192)",
+    )
+    add("--backend", choices=("auto", "hf", "vllm"), default="auto", help="auto: vLLM if installed, else HF generate")
+    add("--vllm-gpu-memory-utilization", type=float, default=0.5, help="vLLM's share; the HF model needs the rest")
+    add("--device", default="auto", help="auto: cuda if available, else cpu")
+    add("--batch-size", type=int, default=32, help="prompts per HF generate call (each expanded to K samples)")
+    add("--feature-batch-size", type=int, default=64, help="rollouts per teacher-forced pass (use ~4 at 8k tokens)")
+    add("--layer", type=int, default=None, help="probe layer (default: POISEConfig's, round(0.53 * num_layers))")
+    add("--pool-tokens", type=int, default=None, help="pooling window n (default: POISEConfig's, 10)")
+    add("--reasoning-end-marker", default=None, help="'none' for no marker (default: POISEConfig's, </think>)")
+    add("--seed", type=int, default=0, help="prompt choice, sampling, split, bootstrap and fits")
+    add("--cache-dir", default=None, help="demo model cache (default: $XDG_CACHE_HOME/poise-trl)")
