@@ -325,3 +325,23 @@ def test_variance_reduction_bound_is_the_true_value_baselines_on_held_out_prompt
     expected = 1 - (held_out * (1 - held_out)).mean() / r.var(unbiased=False)
     assert bench.variance_reduction_bound() == pytest.approx(expected.item(), abs=0.03)
     assert bench.variance_reduction(held_out) <= bench.variance_reduction_bound() + 0.03
+
+
+def test_pair_fitted_probe_learns_from_partner_rewards_as_the_online_buffer_does(monkeypatch):
+    """One pair a prompt: the fit sees 2 rows per train prompt (the first two rollouts), each with its partner's
+    reward as target; all pairs: K rows per prompt with partner targets, never the mean of the K - 1 others."""
+    from poise_trl.bench.value.beyond import pair_fitted_probe
+    from poise_trl.bench.value.score import ValueBenchmark
+    from poise_trl.probe import ValueProbe
+
+    collection = _synthetic(num_prompts=20, k=4)
+    collection.rewards = torch.tensor([1.0, 0.0, 1.0, 1.0] * 20)
+    bench = ValueBenchmark(collection, 0.25, seed=0)
+    seen = []
+    fit = ValueProbe.fit
+    monkeypatch.setattr(ValueProbe, "fit", lambda self, x, y: (seen.append(y.clone()), fit(self, x, y))[1])
+    pair_fitted_probe(bench, ["prompt"], "paper", 1)
+    pair_fitted_probe(bench, ["prompt"], "paper", None)
+    train = len(bench.train_prompts)
+    assert seen[0].tolist() == [0.0, 1.0] * train  # rollout 0's partner is 1 (reward 0), and the reverse
+    assert seen[1].tolist() == [0.0, 1.0, 1.0, 1.0] * train  # pairs (0, 1) and (2, 3)

@@ -43,6 +43,22 @@ def partner_aware_probe(bench: ValueBenchmark, blocks: Sequence[str], preset: st
     return bench.probe(x, bench.preset_probe(blocks, preset))
 
 
+def pair_fitted_probe(bench: ValueBenchmark, blocks: Sequence[str], preset: str, pairs: int | None) -> torch.Tensor:
+    """The POISE probe fitted on targets as the online buffer holds them at G = 2: each train rollout's target is
+    its pair partner's reward, not the mean of its K - 1 others; `pairs` per prompt (None: all K / 2). Against the
+    offline probe this separates target noise and fewer rows from what online training adds (policy drift)."""
+    c, k = bench.collection, bench.collection.k
+    used = 2 * (k // 2 if pairs is None else min(pairs, k // 2))
+    grouped = c.rewards.view(-1, k)[:, :used].reshape(-1)
+    targets = torch.full((c.num_prompts, k), math.nan)
+    targets[:, :used] = leave_one_out_targets(grouped, 2, torch.isfinite(grouped)).view(-1, used)
+    targets = targets.view(-1)
+    rows = bench.train_rows & torch.isfinite(c.rewards) & torch.isfinite(targets)
+    x, probe = bench.x(blocks), bench.preset_probe(blocks, preset)
+    probe.fit(x[rows], targets[rows])
+    return probe.predict(x[bench.test_rows])
+
+
 def baseline_rules(bench: ValueBenchmark, blocks: Sequence[str], preset: str) -> dict[str, float]:
     """Held-out VR of each baseline rule on one split."""
     intercept, weight = shrunk_line(bench)
@@ -52,7 +68,14 @@ def baseline_rules(bench: ValueBenchmark, blocks: Sequence[str], preset: str) ->
         "shrunk RLOO": bench.variance_reduction(intercept + weight * held_out),
         "shrunk weight w": weight,
         "POISE probe g(φ_j)": bench.variance_reduction(bench.probe_preset(blocks, preset)),
+        "POISE probe, pair targets (K/2 pairs a prompt)": bench.variance_reduction(
+            pair_fitted_probe(bench, blocks, preset, None)
+        ),
+        "POISE probe, one pair a prompt (as online)": bench.variance_reduction(
+            pair_fitted_probe(bench, blocks, preset, 1)
+        ),
         "partner-aware probe h(φ_j, r_j)": bench.variance_reduction(partner_aware_probe(bench, blocks, preset)),
+        "best unbiased baseline V(x) (bound)": bench.variance_reduction_bound(),
     }
 
 
