@@ -350,8 +350,8 @@ def collect(
         completion_ids=completion_ids.int(),
         completion_mask=completion_mask.bool(),
         meta={
-            **(meta or {}),
             "model_name": getattr(model.config, "_name_or_path", ""),
+            **(meta or {}),
             "k": k,
             "hidden_size": config.hidden_size,
             "num_layers": num_layers,
@@ -509,6 +509,6 @@ def collect_from_args(args: argparse.Namespace, log: Log) -> Collection:
         feature_batch_size=args.feature_batch_size,
         seed=args.seed,
         completions=completions,
-        meta={"model_path": str(model_path), "dataset": dataset, "device": device},
+        meta={"model_name": args.model, "model_path": str(model_path), "dataset": dataset, "device": device},
         log=log,
     )

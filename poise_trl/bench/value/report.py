@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from poise_trl.baselines import append_reward_column, leave_one_out_targets
+from poise_trl.bench.common import DEMO_MODEL
 from poise_trl.features import FEATURE_BLOCKS, pca_blocks
 from poise_trl.probe import ValueProbe
 
@@ -161,6 +162,8 @@ def run_probe_bench(args: argparse.Namespace, log: Log = print) -> int:
     if args.from_collection:
         log(f"[1/4] loading rollouts and features from {args.from_collection} (no generation)")
         collection = Collection.load(args.from_collection)
+        if args.model != DEMO_MODEL:  # the name the user gave, for the report (the collection keeps its path)
+            collection.meta["model_name"] = args.model
     else:
         collection = collect_from_args(args, log)
         log(f"      saved {collection.save(output_dir / COLLECTION_FILE)}")
