@@ -44,6 +44,7 @@ PER_STEP_KEYS = (
     "frac_zero_advantage_prompts",
     "poise/bootstrap",
     "poise/variance_reduction",
+    "poise/variance_reduction_bound",
     "poise/pearson_r",
     "poise/mae",
     "poise/selection/prefill_tokens",
@@ -307,6 +308,7 @@ def run_one(
         "mean_frac_zero_advantage_prompts": mean_or_none(per_step["frac_zero_advantage_prompts"]),
         "mean_frac_reward_zero_std": mean_or_none(per_step["frac_reward_zero_std"]),
         "probe_variance_reduction": mean_or_none(_after_bootstrap(per_step, "poise/variance_reduction")),
+        "probe_variance_reduction_bound": mean_or_none(_after_bootstrap(per_step, "poise/variance_reduction_bound")),
         "probe_pearson_r": mean_or_none(_after_bootstrap(per_step, "poise/pearson_r")),
         "per_step": {key: [None if v is None else round(v, 5) for v in values] for key, values in per_step.items()},
     }
