@@ -245,8 +245,10 @@ def append_reward_column(features: torch.Tensor, rewards: torch.Tensor) -> torch
     """
     if rewards.shape != features.shape[:1]:
         raise ValueError(f"Got {rewards.shape[0]} rewards for {features.shape[0]} feature rows.")
-    column = rewards.to(features.dtype).view(-1, *([1] * (features.ndim - 1)))
-    return torch.cat([features, column.expand(*features.shape[:-1], 1)], dim=-1)
+    # At least fp32: in bf16 a reward of 0.3 reads 0.30078125, and in fp16 a reward of 70,000 overflows to inf.
+    dtype = torch.promote_types(features.dtype, torch.float32)
+    column = rewards.to(dtype).view(-1, *([1] * (features.ndim - 1)))
+    return torch.cat([features.to(dtype), column.expand(*features.shape[:-1], 1)], dim=-1)
 
 
 def shrunk_rloo_line(partner_means: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from typing import Any
 
 from trl import GRPOConfig
 
+from .estimator import check_settings
 from .features import (
     FEATURE_BLOCKS,
     HIDDEN_BLOCKS,
@@ -18,6 +19,21 @@ from .features import (
 )
 
 logger = logging.getLogger(__name__)
+
+# `POISEEstimator` argument -> the POISEConfig field that sets it: both are checked by `check_settings`.
+ESTIMATOR_FIELDS = {
+    "num_generations": "num_generations",
+    "scale_rewards": "scale_rewards",
+    "bootstrap": "probe_bootstrap",
+    "alpha": "probe_alpha",
+    "clip": "probe_clip_range",
+    "buffer_size": "probe_buffer_size",
+    "domain_buffer_sizes": "probe_domain_buffer_sizes",
+    "warmup_steps": "probe_warmup_steps",
+    "layer_select_every": "probe_layer_select_every",
+    "layer_switch_margin": "probe_layer_switch_margin",
+    "layer_folds": "probe_layer_folds",
+}
 
 # (alpha, [prompt PCA dims, reasoning PCA dims]); 0 dims means "no PCA on that block".
 PROBE_PRESETS: dict[str, tuple[float, list[int]]] = {
@@ -227,17 +243,8 @@ class POISEConfig(GRPOConfig):
     )
 
     def __post_init__(self):
-        if self.num_generations is None or self.num_generations < 2:
-            raise ValueError(
-                f"num_generations={self.num_generations}: POISE's cross-rollout baseline needs at least 2 rollouts "
-                "per prompt. Set num_generations=2 (the paper's value) or more."
-            )
+        check_settings({"num_generations": self.num_generations})  # before TRL divides batches by it
         super().__post_init__()
-        if self.scale_rewards not in ("none", "batch"):
-            raise ValueError(
-                f"scale_rewards={self.scale_rewards!r} is not supported by POISE: a per-group std includes the "
-                "rollout's own reward and biases the gradient. Use 'none' (paper) or 'batch'."
-            )
         if self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 f"multi_objective_aggregation={self.multi_objective_aggregation!r} is not supported by POISE: it "
@@ -263,28 +270,16 @@ class POISEConfig(GRPOConfig):
         self.pca_dims_from_preset = self.probe_pca_dims is None
         self.probe_alpha = preset_alpha if self.probe_alpha is None else float(self.probe_alpha)
         self.probe_pca_dims = list(preset_dims if self.probe_pca_dims is None else self.probe_pca_dims)
-        if self.probe_alpha <= 0:
-            raise ValueError(f"probe_alpha={self.probe_alpha} must be > 0 (ridge needs a positive penalty).")
         if len(self.probe_pca_dims) != 2 or any(int(k) < 0 for k in self.probe_pca_dims):
             raise ValueError(
                 f"probe_pca_dims={self.probe_pca_dims}: give two non-negative ints, [prompt dims, reasoning dims]; "
                 "0 disables PCA on a block."
             )
         self.probe_pca_dims = [int(k) for k in self.probe_pca_dims]
-        if self.probe_clip_range is not None and (
-            len(self.probe_clip_range) != 2 or not self.probe_clip_range[0] < self.probe_clip_range[1]
-        ):
-            raise ValueError(f"probe_clip_range={self.probe_clip_range}: give [low, high] with low < high, or None.")
-        if self.probe_buffer_size < 2 * self.num_generations:
-            raise ValueError(
-                f"probe_buffer_size={self.probe_buffer_size} must hold at least two groups "
-                f"({2 * self.num_generations} examples)."
-            )
-        if self.probe_warmup_steps < 0:
-            raise ValueError(f"probe_warmup_steps={self.probe_warmup_steps} must be >= 0.")
         self._check_layer_fields()
         self._check_domain_fields()
         self._check_beyond_paper_fields()
+        check_settings({name: getattr(self, field) for name, field in ESTIMATOR_FIELDS.items()}, ESTIMATOR_FIELDS)
 
     @classmethod
     def from_grpo_config(cls, config: GRPOConfig, **overrides: Any) -> "POISEConfig":
@@ -418,12 +413,6 @@ class POISEConfig(GRPOConfig):
                     f"probe_layer_candidates={self.probe_layer_candidates}: give a non-empty list of ints."
                 )
             self.probe_layer_candidates = [int(c) for c in self.probe_layer_candidates]
-        if self.probe_layer_select_every < 1:
-            raise ValueError(f"probe_layer_select_every={self.probe_layer_select_every} must be >= 1.")
-        if not 0 <= self.probe_layer_switch_margin < 1:
-            raise ValueError(f"probe_layer_switch_margin={self.probe_layer_switch_margin} must be in [0, 1).")
-        if self.probe_layer_folds < 2:
-            raise ValueError(f"probe_layer_folds={self.probe_layer_folds} must be >= 2.")
 
     def _check_domain_fields(self) -> None:
         if self.probe_domain_column == "":
@@ -439,13 +428,7 @@ class POISEConfig(GRPOConfig):
             raise ValueError(
                 f"probe_domain_buffer_sizes={sizes!r}: give a dict or a JSON object, e.g. '{{\"math\": 4096}}'."
             )
-        for name, size in sizes.items():
-            if isinstance(size, bool) or not isinstance(size, int) or size < 2 * self.num_generations:
-                raise ValueError(
-                    f"probe_domain_buffer_sizes[{name!r}]={size!r} must be an int holding at least two groups "
-                    f"({2 * self.num_generations} examples)."
-                )
-        self.probe_domain_buffer_sizes = {str(name): int(size) for name, size in sizes.items()}
+        self.probe_domain_buffer_sizes = {str(name): size for name, size in sizes.items()}  # sizes: check_settings
 
     def _check_beyond_paper_fields(self) -> None:
         if not isinstance(self.probe_partner_reward, bool):  # a string such as "no" would count as True
@@ -453,8 +436,6 @@ class POISEConfig(GRPOConfig):
                 f"probe_partner_reward={self.probe_partner_reward!r}: give True (partner-aware probe) or False "
                 "(the paper's g(φ))."
             )
-        if self.probe_bootstrap not in ("rloo", "shrunk"):
-            raise ValueError(f"probe_bootstrap={self.probe_bootstrap!r}: choose 'rloo' (paper) or 'shrunk'.")
         if not (isinstance(self.prompt_selection_oversample, int | float) and 1 < self.prompt_selection_oversample):
             raise ValueError(
                 f"prompt_selection_oversample={self.prompt_selection_oversample!r} must be a number > 1: it is the "

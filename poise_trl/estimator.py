@@ -48,6 +48,57 @@ from .probe import OnlineProbe, ProbeBuffer, ValueProbe, choose_layer
 FORMAT = "poise-estimator/1"
 
 
+def check_settings(settings: dict[str, Any], names: dict[str, str] | None = None) -> None:
+    """The rules every POISE estimator obeys, in one place: `POISEEstimator` checks its arguments with them and
+    `POISEConfig` its fields (`names` maps an argument to the field that sets it, so each error names what the
+    caller wrote). Only the keys present are checked."""
+
+    name = (names or {}).get
+
+    def bad(key: str, rule: str) -> ValueError:
+        return ValueError(f"{name(key, key)}={settings[key]!r} {rule}")
+
+    g = settings.get("num_generations", 2)
+    if "num_generations" in settings and (isinstance(g, bool) or not isinstance(g, int) or g < 2):
+        raise bad(
+            "num_generations",
+            "is too small: POISE's cross-rollout baseline needs at least 2 rollouts per prompt. Set "
+            "num_generations=2 (the paper's value) or more.",
+        )
+    if "scale_rewards" in settings and settings["scale_rewards"] not in ("none", "batch"):
+        raise bad(
+            "scale_rewards",
+            "is not supported by POISE: a per-group std includes the rollout's own reward and biases the gradient. "
+            "Use 'none' (paper) or 'batch'.",
+        )
+    if "bootstrap" in settings and settings["bootstrap"] not in ("rloo", "shrunk"):
+        raise bad("bootstrap", "is not a bootstrap: choose 'rloo' (paper) or 'shrunk'.")
+    if "alpha" in settings and not settings["alpha"] > 0:
+        raise bad("alpha", "must be > 0 (ridge needs a positive penalty).")
+    clip = settings.get("clip")
+    if clip is not None and (len(clip) != 2 or not clip[0] < clip[1]):
+        raise bad("clip", "is not a range: give [low, high] with low < high, or None.")
+    sizes = [(name("buffer_size", "buffer_size"), settings.get("buffer_size", 2 * g))]
+    domain_sizes = settings.get("domain_buffer_sizes") or {}
+    sizes += [(f"{name('domain_buffer_sizes', 'domain_buffer_sizes')}[{d!r}]", n) for d, n in domain_sizes.items()]
+    for shown, size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 2 * g:
+            raise ValueError(f"{shown}={size!r} must be an int holding at least two groups ({2 * g} examples).")
+    if settings.get("warmup_steps", 0) < 0:
+        raise bad("warmup_steps", "must be >= 0.")
+    if settings.get("layer_select_every") is not None and settings["layer_select_every"] < 1:
+        raise bad("layer_select_every", "must be >= 1 (steps between layer choices).")
+    if not 0 <= settings.get("layer_switch_margin", 0) < 1:
+        raise bad("layer_switch_margin", "must be in [0, 1) (a relative improvement).")
+    if settings.get("layer_folds", 2) < 2:
+        raise bad("layer_folds", "must be >= 2 (prompt-grouped K-fold needs two folds).")
+    layers = settings.get("layers", [0])
+    if not layers or not 0 <= settings.get("layer_index", 0) < len(layers):
+        raise bad("layer_index", f"is not a slice of the {len(layers)} hooked layers {list(layers)}.")
+    if settings.get("prompt_pca_dims", 0) < 0:
+        raise bad("prompt_pca_dims", "must be >= 0 (0: no PCA).")
+
+
 @dataclass
 class AdvantageResult:
     """One batch's advantages (N,), baselines (N,, NaN where a row got none), the rows that received a baseline, the
@@ -89,6 +140,7 @@ class POISEEstimator:
     Args:
         num_generations: G, rollouts per prompt (>= 2).
         alpha, pca_dims, clip: the ridge probe's settings (`ValueProbe`); clip None means the observed reward range.
+            The partner-reward column (`partner_reward`) is never part of a PCA block, whatever `pca_dims` says.
         buffer_size: rows in each domain's sliding buffer; `domain_buffer_sizes` overrides it per domain.
         warmup_steps: observed steps before a domain's probe is trusted.
         partner_reward: the probe input of rollout j is [φ_j, r_j] (beyond the paper) instead of φ_j.
@@ -127,11 +179,10 @@ class POISEEstimator:
         broadcast: Callable[[torch.Tensor], torch.Tensor] | None = None,
         describe: Callable[[ValueProbe], str] | None = None,
     ):
-        if num_generations < 2:
-            raise ValueError(f"num_generations={num_generations}: the cross-rollout baseline needs G >= 2.")
-        if bootstrap not in ("rloo", "shrunk") or scale_rewards not in ("none", "batch"):
-            raise ValueError(f"bootstrap={bootstrap!r} / scale_rewards={scale_rewards!r}: see POISEConfig's help.")
+        check_settings({k: v for k, v in locals().items() if k not in ("self", "broadcast", "describe")})  # the args
         self.num_generations = num_generations
+        if partner_reward and isinstance(pca_dims, int) and pca_dims > 0:
+            pca_dims = [(0, -1, pca_dims)]  # the PCA of every feature column; the partner's reward stays outside
         self.probe_template = ValueProbe(alpha=alpha, pca_dims=pca_dims, clip="observed" if clip is None else clip)
         self.buffer_size, self.domain_buffer_sizes = buffer_size, dict(domain_buffer_sizes or {})
         self.warmup_steps, self.partner_reward, self.bootstrap = warmup_steps, partner_reward, bootstrap
@@ -185,13 +236,18 @@ class POISEEstimator:
             torch.ones_like(rewards, dtype=torch.bool) if has_completion is None else has_completion.to(device)
         )
         features = features.to(device)
-        feature_ok = has_completion & torch.isfinite(features).flatten(1).all(1)
         scorable = torch.isfinite(rewards)
         if self.partner_reward:
-            usable = feature_ok & scorable
-            features = append_reward_column(features, torch.where(usable, rewards, torch.zeros_like(rewards)))
-        else:
-            usable = feature_ok
+            blocks, width = self.probe_template.pca_dims, features.size(-1)
+            if not isinstance(blocks, int | None) and any(k > 0 and int(b) > width for _, b, k in blocks):
+                raise ValueError(
+                    f"pca_dims={blocks} covers column {width}, the partner-reward column: PCA blocks must lie within "
+                    f"the {width} feature columns."
+                )
+            features = append_reward_column(features, torch.where(scorable, rewards, torch.zeros_like(rewards)))
+        # Non-finite anywhere in a row (a feature, or a reward too large for the column's dtype) drops the row.
+        feature_ok = has_completion & torch.isfinite(features).flatten(1).all(1)
+        usable = feature_ok & scorable if self.partner_reward else feature_ok
         return {
             "features": features,
             "rewards": rewards,

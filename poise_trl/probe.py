@@ -14,17 +14,19 @@ import torch
 PCABlock = tuple[int, int, int]  # (start column, stop column, n_components)
 
 
-EXACT_SVD_MAX_DIM = 512
-
-
 def _principal_axes(block: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k principal axes (k, D) of a centred block: exact SVD for small blocks, seeded randomized SVD beyond
-    `EXACT_SVD_MAX_DIM` (as sklearn's PCA 'auto' solver does), which is ~7x faster at the Qwen3-4B size on CPU."""
-    if min(block.shape) <= EXACT_SVD_MAX_DIM:
+    """Top-k principal axes (k, D) of a centred (N, D) block, with scikit-learn's PCA `svd_solver="auto"` choice, so
+    the probe captures the subspace its reference would: an exact SVD for tall-and-narrow or small blocks, otherwise
+    (every real model's width) a seeded randomized SVD with 10 oversamples and 7 power iterations when k is under
+    10% of the smaller side (4 otherwise); about 7x faster than the exact SVD at the Qwen3-4B size on CPU."""
+    rows, cols = block.shape
+    tall_and_narrow = cols <= 1000 and rows >= 10 * cols  # sklearn: "covariance_eigh", exact
+    if tall_and_narrow or max(rows, cols) <= 500 or not 1 <= k < 0.8 * min(rows, cols):
         return torch.linalg.svd(block, full_matrices=False)[2][:k]
     with torch.random.fork_rng(devices=[block.device] if block.is_cuda else []):
         torch.manual_seed(0)
-        _, _, v = torch.svd_lowrank(block, q=min(k + 10, *block.shape), niter=4)
+        niter = 7 if k < 0.1 * min(rows, cols) else 4
+        _, _, v = torch.svd_lowrank(block, q=min(k + 10, rows, cols), niter=niter)
     return v[:, :k].T
 
 
@@ -46,9 +48,9 @@ class ValueProbe:
 
     Args:
         alpha: ridge penalty.
-        pca_dims: None (no PCA), an int (PCA of all columns), or (start, stop, k) blocks: columns [start, stop) are
-            replaced by their top-k principal components; other columns pass through. k is capped by the number of
-            rows and columns available at fit time (`fitted_pca_dims` records what was used).
+        pca_dims: None (no PCA), an int (PCA of all columns), or (start, stop, k) blocks: columns [start, stop)
+            (negative: counted from the end) are replaced by their top-k principal components; others pass through.
+            k is capped by the number of rows and columns available at fit time (`fitted_pca_dims` records it).
         clip: None, a (low, high) pair, or "observed" to clip to the range of targets seen in `fit`.
     """
 
@@ -77,7 +79,11 @@ class ValueProbe:
             return []
         if isinstance(self.pca_dims, int):
             return [(0, n_features, self.pca_dims)] if self.pca_dims > 0 else []
-        blocks = sorted((int(a), int(b), int(k)) for a, b, k in self.pca_dims if k > 0)
+
+        def column(c) -> int:  # negative counts from the end, as in a slice: (0, -1, k) leaves the last column out
+            return int(c) + n_features if int(c) < 0 else int(c)
+
+        blocks = sorted((column(a), column(b), int(k)) for a, b, k in self.pca_dims if k > 0)
         for (_, stop, _), (start, _, _) in zip(blocks, blocks[1:], strict=False):
             if start < stop:
                 raise ValueError(f"PCA blocks overlap: {blocks}")

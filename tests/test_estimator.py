@@ -10,10 +10,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from poise_trl import files
+from poise_trl import POISEConfig, files
+from poise_trl.config import ESTIMATOR_FIELDS
 from poise_trl.estimator import POISEEstimator
 from poise_trl.files import read_state
 
+from .conftest import CPU_ARGS
 from .host_sync import HostSyncCounter
 
 LEGACY = Path(__file__).parent / "fixtures" / "legacy"
@@ -243,3 +245,66 @@ def test_the_trainer_resumes_a_0_1_checkpoint_and_warns_without_one(tmp_path):
     empty.mkdir()
     with pytest.warns(UserWarning, match="checkpoint-9.*holds no POISE state"):
         trainer._load_optimizer_and_scheduler(str(empty))
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"),
+    [
+        ("num_generations", 1),
+        ("warmup_steps", -3),
+        ("layer_folds", 1),
+        ("clip", [1.0, 0.0]),
+        ("buffer_size", 0),
+        ("domain_buffer_sizes", {"math": 3}),
+        ("layer_switch_margin", -0.1),
+        ("layer_select_every", 0),
+        ("alpha", 0.0),
+        ("bootstrap", "mean"),
+        ("scale_rewards", "group"),
+    ],
+)
+def test_the_estimator_refuses_what_the_config_refuses_in_the_same_words(argument, value):
+    field = ESTIMATOR_FIELDS[argument]
+    with pytest.raises(ValueError) as refused_by_estimator:
+        POISEEstimator(**{"num_generations": G, argument: value})
+    extra = {"probe_domain_column": "domain"} if argument == "domain_buffer_sizes" else {}
+    with pytest.raises(ValueError) as refused_by_config:
+        POISEConfig(output_dir="unused", per_device_train_batch_size=4, **{**CPU_ARGS, field: value, **extra})
+    assert str(refused_by_config.value) == str(refused_by_estimator.value).replace(argument, field, 1)
+
+
+def test_a_layer_index_past_the_hooked_layers_is_refused():
+    with pytest.raises(ValueError, match=r"layer_index=2 is not a slice of the 2 hooked layers \[8, 12\]"):
+        POISEEstimator(G, layers=(8, 12), layer_index=2)
+
+
+def test_the_partner_reward_column_stays_outside_an_integer_pca():
+    """pca_dims=4 is the PCA of the 6 feature columns; the reward (column 7) passes through it untouched."""
+    estimator = _trained(steps=2, pca_dims=4)
+    probe = estimator.probes["default"].probe
+    assert probe._pca_blocks == [(0, 6)] and probe.fitted_pca_dims == [4]
+    with pytest.raises(ValueError, match=r"covers column 6, the partner-reward column"):
+        _trained(steps=1, pca_dims=[(0, 7, 4)])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_reward_column_keeps_fp32_whatever_the_features_dtype(dtype):
+    x, r, groups, _ = _batch(0)
+    r = torch.where(r > 0, 70_000.3, 0.3)  # 0.3 reads 0.30078125 in bf16; 70,000 overflows fp16
+    estimator = POISEEstimator(G, alpha=1.0, warmup_steps=1)
+    result = estimator.advantages(x.to(dtype), r)
+    estimator.observe(x.to(dtype), r, groups)
+    buffered = estimator.probes["default"].buffer.features[:, 0, -1]
+    assert buffered.dtype == torch.float32 and set(buffered.tolist()) == set(r.float().tolist())
+    assert result.metrics()["feature_rows_dropped"] == 0.0
+
+
+def test_rows_whose_reward_overflows_the_column_are_dropped_and_counted():
+    x, r, groups, _ = _batch(0)
+    r = r.double()
+    r[0] = 1e39  # finite in float64, inf in the fp32 column
+    estimator = POISEEstimator(G, alpha=1.0, warmup_steps=1)
+    metrics = estimator.advantages(x, r).metrics()
+    estimator.observe(x, r, groups)
+    assert metrics["feature_rows_dropped"] == 1.0
+    assert torch.isfinite(estimator.probes["default"].buffer.features).all()
