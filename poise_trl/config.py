@@ -29,6 +29,7 @@ ESTIMATOR_FIELDS = {
     "clip": "probe_clip_range",
     "buffer_size": "probe_buffer_size",
     "domain_buffer_sizes": "probe_domain_buffer_sizes",
+    "max_domains": "probe_max_domains",
     "warmup_steps": "probe_warmup_steps",
     "layer_select_every": "probe_layer_select_every",
     "layer_switch_margin": "probe_layer_switch_margin",
@@ -242,6 +243,16 @@ class POISEConfig(GRPOConfig):
         },
     )
 
+    probe_max_domains: int = field(
+        default=64,
+        metadata={
+            "help": "Most distinct values of `probe_domain_column` a run may have; more is an error at start-up "
+            "(map the column to fewer values). Each domain's buffer lives on the accelerator and grows with its "
+            "rows, up to buffer size x candidate layers x (features + 1) float32 (about 84 MB at Qwen3-4B width, "
+            "4x with probe_layer='auto').",
+        },
+    )
+
     def __post_init__(self):
         check_settings({"num_generations": self.num_generations})  # before TRL divides batches by it
         super().__post_init__()
@@ -331,6 +342,7 @@ class POISEConfig(GRPOConfig):
             clip=None if self.probe_clip_range is None else tuple(self.probe_clip_range),
             buffer_size=self.probe_buffer_size,
             domain_buffer_sizes=self.probe_domain_buffer_sizes,
+            max_domains=self.probe_max_domains,
             warmup_steps=self.probe_warmup_steps,
             partner_reward=self.probe_partner_reward,
             bootstrap=self.probe_bootstrap,

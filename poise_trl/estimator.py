@@ -84,6 +84,8 @@ def check_settings(settings: dict[str, Any], names: dict[str, str] | None = None
     for shown, size in sizes:
         if isinstance(size, bool) or not isinstance(size, int) or size < 2 * g:
             raise ValueError(f"{shown}={size!r} must be an int holding at least two groups ({2 * g} examples).")
+    if settings.get("max_domains", 1) < 1:
+        raise bad("max_domains", "must be >= 1.")
     if settings.get("warmup_steps", 0) < 0:
         raise bad("warmup_steps", "must be >= 0.")
     if settings.get("layer_select_every") is not None and settings["layer_select_every"] < 1:
@@ -142,6 +144,8 @@ class POISEEstimator:
         alpha, pca_dims, clip: the ridge probe's settings (`ValueProbe`); clip None means the observed reward range.
             The partner-reward column (`partner_reward`) is never part of a PCA block, whatever `pca_dims` says.
         buffer_size: rows in each domain's sliding buffer; `domain_buffer_sizes` overrides it per domain.
+        max_domains: distinct domains a run may have; each holds its own probe and buffer (the buffer grows with its
+            rows, up to buffer_size x candidate layers x (width + 1) float32 on the features' device).
         warmup_steps: observed steps before a domain's probe is trusted.
         partner_reward: the probe input of rollout j is [φ_j, r_j] (beyond the paper) instead of φ_j.
         bootstrap: "rloo" (paper) or "shrunk" (a + w * RLOO fitted on earlier steps).
@@ -164,6 +168,7 @@ class POISEEstimator:
         clip: tuple[float, float] | None = None,
         buffer_size: int = 4096,
         domain_buffer_sizes: dict[str, int] | None = None,
+        max_domains: int = 64,
         warmup_steps: int = 16,
         partner_reward: bool = True,
         bootstrap: str = "shrunk",
@@ -185,6 +190,7 @@ class POISEEstimator:
             pca_dims = [(0, -1, pca_dims)]  # the PCA of every feature column; the partner's reward stays outside
         self.probe_template = ValueProbe(alpha=alpha, pca_dims=pca_dims, clip="observed" if clip is None else clip)
         self.buffer_size, self.domain_buffer_sizes = buffer_size, dict(domain_buffer_sizes or {})
+        self.max_domains = max_domains
         self.warmup_steps, self.partner_reward, self.bootstrap = warmup_steps, partner_reward, bootstrap
         self.scale_rewards = scale_rewards
         self.layers, self.layer_index = list(layers), layer_index
@@ -219,6 +225,14 @@ class POISEEstimator:
         names = [str(d) for d in domains]
         if len(names) != n:
             raise ValueError(f"Got {len(names)} domain names for {n} rows.")
+        seen = {**self.probes, **dict.fromkeys(names)}
+        if len(seen) > self.max_domains:
+            raise ValueError(
+                f"{len(seen)} distinct domains ({', '.join(map(repr, list(seen)[:5]))}{', ...' * (len(seen) > 5)}) "
+                f"exceed max_domains="
+                f"{self.max_domains}: each keeps its own probe and buffer. Map the domain column to fewer values, or "
+                "raise max_domains if the memory allows (see the estimator's docstring)."
+            )
         return {
             name: torch.tensor([d == name for d in names], dtype=torch.bool, device=device)
             for name in dict.fromkeys(names)

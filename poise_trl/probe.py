@@ -198,17 +198,18 @@ class ProbeBuffer:
     trainer's rows, which hold one feature vector per candidate layer. `groups` (optional, int64) names the prompt
     each row came from, so cross-validation can keep a prompt's rows in one fold.
 
-    Storage is a ring preallocated on the device of the first rows added (the accelerator in training): `add` never
-    copies the buffer and never waits for the device, even when a mask decides which rows enter. Its write position
-    and fill level then live on the device; `counts()` returns them and `set_counts` hands the host's copy back (the
-    estimator fetches them in its one transfer per step); reading the rows syncs by itself when nobody did.
+    Storage is a ring on the device of the first rows added (the accelerator in training), grown (doubling, up to
+    `capacity`) as rows arrive, so a buffer that holds few rows (a rare domain) takes little memory: `add` never waits
+    for the device, even when a mask decides which rows enter. Its write position and fill level then live on the
+    device; `counts()` returns them and `set_counts` hands the host's copy back (the estimator fetches them in its
+    one transfer per step); reading the rows, or growing after a masked add nobody counted, syncs by itself.
     """
 
     def __init__(self, capacity: int):
         if capacity < 1:
             raise ValueError(f"capacity={capacity} must be >= 1.")
         self.capacity = capacity
-        self._features: torch.Tensor | None = None  # (capacity + 1, ...): the last row takes the rows not kept
+        self._features: torch.Tensor | None = None  # (allocated + 1, ...): the last row takes the rows not kept
         self._targets: torch.Tensor | None = None
         self._groups: torch.Tensor | None = None
         self._position: torch.Tensor | None = None  # device [next write index, filled rows]
@@ -229,12 +230,29 @@ class ProbeBuffer:
     def set_counts(self, position: int, filled: int) -> None:
         self._host = (int(position), int(filled))
 
-    def _allocate(self, features: torch.Tensor, with_groups: bool) -> None:
-        device = features.device
-        self._features = torch.zeros(self.capacity + 1, *features.shape[1:], device=device)
-        self._targets = torch.zeros(self.capacity + 1, device=device)
-        self._groups = torch.zeros(self.capacity + 1, dtype=torch.long, device=device) if with_groups else None
-        self._position = torch.zeros(2, dtype=torch.long, device=device)
+    @property
+    def allocated(self) -> int:
+        """Rows the ring has room for now (it grows to `capacity`)."""
+        return 0 if self._targets is None else self._targets.numel() - 1
+
+    def _grow(self, rows: int, features: torch.Tensor, with_groups: bool) -> None:
+        """Room for `rows` rows (at most `capacity`), keeping the filled ones: until the ring is full it has never
+        wrapped, so its rows sit at [0, filled)."""
+        size = min(self.capacity, max(rows, 2 * self.allocated))
+        device = features.device if self._features is None else self._features.device
+        shape = features.shape[1:] if self._features is None else self._features.shape[1:]
+        grown = {
+            "_features": torch.zeros(size + 1, *shape, device=device),
+            "_targets": torch.zeros(size + 1, device=device),
+            "_groups": torch.zeros(size + 1, dtype=torch.long, device=device) if with_groups else None,
+        }
+        filled = 0 if self._features is None else self._host_counts()[1]
+        for name, ring in grown.items():
+            if ring is not None and filled:
+                ring[:filled] = getattr(self, name)[:filled]
+            setattr(self, name, ring)
+        if self._position is None:
+            self._position = torch.zeros(2, dtype=torch.long, device=device)
 
     def add(
         self,
@@ -244,15 +262,17 @@ class ProbeBuffer:
         keep: torch.Tensor | None = None,
     ) -> None:
         """Append the rows (those where `keep` is True) in order, keeping the newest `capacity`; stored in float32."""
-        if self._features is None:
-            self._allocate(features, groups is not None)
-        elif (groups is None) != (self._groups is None):
+        if self._features is not None and (groups is None) != (self._groups is None):
             raise ValueError("Give group ids with every batch added to a buffer, or with none.")
-        elif features.shape[1:] != self._features.shape[1:]:
+        if self._features is not None and features.shape[1:] != self._features.shape[1:]:
             raise ValueError(
                 f"Feature width changed from {tuple(self._features.shape[1:])} to {tuple(features.shape[1:])}: "
                 "the feature configuration (layers, features, model) must stay fixed for one buffer."
             )
+        if self._features is None or (
+            self.allocated < self.capacity and self._host_counts()[1] + targets.numel() > self.allocated
+        ):
+            self._grow(self._host_counts()[1] + targets.numel(), features, groups is not None)
         device = self._features.device
         features, targets = features.detach().to(device, torch.float32), targets.detach().to(device, torch.float32)
         known = keep is None and self._host is not None
@@ -260,7 +280,7 @@ class ProbeBuffer:
         rank = keep.long().cumsum(0)  # 1-based rank of each kept row
         total = rank[-1] if rank.numel() else torch.zeros((), dtype=torch.long, device=device)
         write = keep & (total - rank < self.capacity)  # of more than `capacity` new rows, only the newest
-        index = torch.where(write, (self._position[0] + rank - 1) % self.capacity, self.capacity)
+        index = torch.where(write, (self._position[0] + rank - 1) % self.capacity, self.allocated)
         self._features.index_copy_(0, index, features)
         self._targets.index_copy_(0, index, targets)
         if groups is not None:

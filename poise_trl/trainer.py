@@ -324,7 +324,8 @@ class POISETrainer(ValueGuidedSelection, GRPOTrainer):
     # ------------------------------------------------------------------------------------------------ checks
     def _check_dataset_size(self) -> None:
         """A map-style training set smaller than one generation batch makes TRL's sampler yield no batch at all, so
-        `train()` would run 0 steps and save an untrained model without a word."""
+        `train()` would run 0 steps and save an untrained model without a word; a domain column with more values
+        than `probe_max_domains` would fail mid-run, when the first value too many arrives."""
         dataset = self.train_dataset
         if dataset is None or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
             return
@@ -338,6 +339,15 @@ class POISETrainer(ValueGuidedSelection, GRPOTrainer):
                 + "), so training would run 0 steps. Lower per_device_train_batch_size, steps_per_generation or "
                 "gradient_accumulation_steps, raise num_generations, or add data."
             )
+        column = self.args.probe_domain_column
+        if column is not None and column in getattr(dataset, "column_names", []):
+            values = set(map(str, dataset[column]))
+            if len(values) > self.args.probe_max_domains:
+                raise ValueError(
+                    f"probe_domain_column={column!r} has {len(values)} distinct values, more than probe_max_domains="
+                    f"{self.args.probe_max_domains}: each domain keeps its own probe and buffer on the accelerator. "
+                    "Map the column to fewer values, or raise probe_max_domains if the memory allows."
+                )
 
     # -------------------------------------------------------------------------------------------------- files
     def save_probe(self, path: str | os.PathLike, include_buffer: bool = True) -> None:

@@ -7,6 +7,7 @@ import torch
 from datasets import Dataset
 
 from poise_trl import POISEConfig, POISETrainer
+from poise_trl.estimator import POISEEstimator
 from poise_trl.files import read_state
 from poise_trl.probe import OnlineProbe, ValueProbe
 from poise_trl.trainer import ESTIMATOR_FILE, prompt_group_ids
@@ -192,6 +193,22 @@ def test_missing_domain_column_fails_with_the_columns_present(tiny_model_path, t
     )
     with pytest.raises(ValueError, match="no such column.*'domain'"):
         trainer.train()
+
+
+def test_more_domain_values_than_probe_max_domains_fail_at_start_up(tiny_model_path, tmp_path):
+    with pytest.raises(ValueError, match=r"'domain' has 2 distinct values, more than probe_max_domains=1"):
+        POISETrainer(
+            str(tiny_model_path), digit_reward, args=_args(tmp_path, probe_max_domains=1), train_dataset=_dataset()
+        )
+
+
+def test_the_estimator_refuses_a_domain_past_max_domains_and_buffers_grow_with_their_rows():
+    estimator = POISEEstimator(2, alpha=1.0, warmup_steps=0, buffer_size=4096, max_domains=2)
+    x, r = torch.randn(8, 1, 16), torch.tensor([0.0, 1.0] * 4)
+    estimator.observe(x, r, domains=["a"] * 6 + ["b"] * 2)
+    assert {name: online.buffer.allocated for name, online in estimator.probes.items()} == {"a": 8, "b": 8}
+    with pytest.raises(ValueError, match=r"3 distinct domains \('a', 'b', 'c'\) exceed max_domains=2"):
+        estimator.advantages(x, r, domains=["c"] * 8)
 
 
 @pytest.mark.parametrize(

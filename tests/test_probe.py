@@ -128,6 +128,20 @@ def test_buffer_evicts_oldest_rows_first():
         buffer.add(torch.zeros(1, 2), torch.zeros(1))
 
 
+def test_buffer_grows_as_rows_arrive_and_keeps_the_newest_rows_in_order():
+    """A rare domain's buffer takes memory for the rows it holds, not for `capacity`; masked rows never enter."""
+    buffer, reference, g = ProbeBuffer(capacity=50), [], torch.Generator().manual_seed(0)
+    for step in range(12):
+        values = torch.arange(8.0) + 8 * step
+        keep = torch.rand(8, generator=g) < 0.7
+        buffer.add(values.view(8, 1), values, values.long(), keep=keep)
+        buffer.set_counts(*buffer.counts().tolist())  # the estimator's one transfer a step
+        reference = (reference + values[keep].tolist())[-50:]
+        assert buffer.targets.tolist() == reference and buffer.groups.tolist() == reference
+        assert buffer.allocated <= max(2 * len(reference), 8)
+    assert buffer.allocated == 50
+
+
 def test_state_file_round_trip_predicts_identically(tmp_path):
     x, y = _data(64, 20)
     probe = ValueProbe(alpha=0.5, pca_dims=[(0, 10, 4)], clip=(0.0, 1.0)).fit(x, y)
