@@ -169,10 +169,16 @@ def _run_efficiency(args: argparse.Namespace) -> int:
     return run_efficiency(args)
 
 
+MIXED_CODE_HELP = (
+    "report runs written by different poise-trl versions or commits together (each run file records its own; by "
+    "default the report refuses to mix them)"
+)
+
+
 def _run_summarize(args: argparse.Namespace) -> int:
     from .report import write_report
 
-    print(write_report(args.results_dir))
+    print(write_report(args.results_dir, args.allow_mixed_code))
     return 0
 
 
@@ -201,6 +207,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "efficiency.json, report.md and one plot per task there.",
     )
     summarize.add_argument("results_dir", help="the --output-dir of a `bench efficiency` study")
+    summarize.add_argument("--allow-mixed-code", action="store_true", help=MIXED_CODE_HELP)
     summarize.set_defaults(func=_run_summarize)
     add_overhead_parser(bench_subparsers)
     add_gradient_parser(bench_subparsers)
@@ -263,6 +270,7 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="results directory: runs/TASK/CONTENDER/lrRATE_seedN.json (a re-run skips those that "
                         "exist), tuning, efficiency.json, PNG")  # fmt: skip
     parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads per run on CPU (0: torch's default)")
+    parser.add_argument("--allow-mixed-code", action="store_true", help=MIXED_CODE_HELP)
     demo = parser.add_argument_group("offline demo tasks (used when --model is not given)")
     demo.add_argument("--warmup-steps", type=int, default=None, help="supervised warm-start steps (default: per task)")
     demo.add_argument("--min-digits", type=int, default=TASK_DIGITS["sort"][0], help="sort task only")

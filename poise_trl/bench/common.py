@@ -158,13 +158,32 @@ def quiet_libraries() -> None:
     datasets.disable_progress_bars()
 
 
+def code_version() -> dict[str, str | None]:
+    """The poise-trl version and, from a git checkout, its commit (suffixed "+dirty" when the package's files differ
+    from it), so a report can tell runs of different code apart."""
+    import subprocess
+
+    from poise_trl import __version__
+
+    package = Path(__file__).resolve().parents[1]
+    try:
+        git = ["git", "-C", str(package)]
+        commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run([*git, "status", "--porcelain", "--", "."], capture_output=True, text=True, check=True)
+        commit += "+dirty" if dirty.stdout.strip() else ""
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return {"version": __version__, "commit": commit}
+
+
 def environment() -> dict[str, Any]:
-    """What the numbers were measured on, written into every JSON."""
+    """What the numbers were measured on, and by which code, written into every JSON."""
     import torch
     import transformers
     import trl
 
     info: dict[str, Any] = {
+        "code": code_version(),
         "device": device_kind(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -63,7 +63,7 @@ def run_efficiency(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     run_study(args)
     print(f"[bench efficiency] all runs done in {time.perf_counter() - start:.0f} s", flush=True)
-    print(write_report(args.output_dir))
+    print(write_report(args.output_dir, args.allow_mixed_code))
     return 0
 
 
@@ -118,7 +118,7 @@ def _eval_runs(runs: list[dict[str, Any]], rates: dict[str, Any]) -> dict[str, d
         chosen.setdefault(run["contender"], {})[run["seed"]] = run
     # Only seeds every contender has finished, so a partial study's medians cover the same seeds for all.
     complete = set.intersection(*(set(seeds) for seeds in chosen.values())) if chosen else set()
-    return {name: {s: run for s, run in seeds.items() if s in complete} for name, seeds in chosen.items()}
+    return {name: {s: run for s, run in seeds.items() if s in complete} for name, seeds in chosen.items() if complete}
 
 
 def _ratio_summary(log_ratios: list[float]) -> list[float | None]:
@@ -261,17 +261,29 @@ def goal(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def build_report(results_dir: str | Path) -> dict[str, Any]:
-    """Every task's summary from the run files, with Holm's correction across all headline tests of the report."""
+def build_report(results_dir: str | Path, allow_mixed_code: bool = False) -> dict[str, Any]:
+    """Every task's summary from the run files, with Holm's correction across all headline tests of the report.
+    Runs of different code (poise-trl version and commit, recorded in each run file) are refused unless allowed."""
     from .study import load_runs
 
     results_dir = Path(results_dir)
     settings = json.loads((results_dir / "study.json").read_text())["settings"]
     runs = load_runs(results_dir)
+    codes: dict[str, int] = {}
+    for run in runs:
+        code = run.get("environment", {}).get("code")
+        key = "unrecorded" if code is None else f"poise-trl {code['version']} at {code['commit'] or 'no git commit'}"
+        codes[key] = codes.get(key, 0) + 1
+    if len(codes) > 1 and not allow_mixed_code:
+        listed = ", ".join(f"{n} runs by {key}" for key, n in codes.items())
+        raise SystemExit(
+            f"{results_dir} holds runs of different code ({listed}); re-run them with one version, or pass "
+            "--allow-mixed-code to report them together."
+        )
     tasks = sorted(
         {r["task"] for r in runs}, key=lambda task: (TASKS.index(task) if task in TASKS else len(TASKS), task)
     )
-    report: dict[str, Any] = {"settings": settings, "tasks": {}, "runs_done": len(runs)}
+    report: dict[str, Any] = {"settings": settings, "tasks": {}, "runs_done": len(runs), "code": codes}
     for task in tasks:
         tuning_file = results_dir / f"tuning_{task}.json"
         rates = json.loads(tuning_file.read_text()) if tuning_file.exists() else {}
@@ -281,6 +293,11 @@ def build_report(results_dir: str | Path) -> dict[str, Any]:
         report["tasks"][task]["runs_done"] = {
             role: sum(r["role"] == role for r in task_runs) for role in ("tune", "eval")
         }
+        eval_seeds: dict[str, list[int]] = {}
+        for run in task_runs:
+            if run["role"] == "eval":
+                eval_seeds.setdefault(run["contender"], []).append(run["seed"])
+        report["tasks"][task]["eval_seeds"] = {name: sorted(seeds) for name, seeds in sorted(eval_seeds.items())}
     tests = {}
     for task, summary in report["tasks"].items():
         for name, entry in summary["contenders"].items():
@@ -423,13 +440,20 @@ def format_tuning(summary: dict[str, Any]) -> str:
     return format_table(headers, rows) if rows else "No tuning runs yet."
 
 
-def write_report(results_dir: str | Path) -> str:
+def write_report(results_dir: str | Path, allow_mixed_code: bool = False) -> str:
     """efficiency.json, one PNG per task and report.md under `results_dir`; returns the markdown."""
     results_dir = Path(results_dir)
-    report = build_report(results_dir)
+    report = build_report(results_dir, allow_mixed_code)
     parts = []
     for task, summary in report["tasks"].items():
         check, done = summary["check"], summary["runs_done"]
+        if not summary["contenders"]:  # a study in progress: report what exists, compare nothing yet
+            listed = "; ".join(f"{name}: seeds {seeds}" for name, seeds in summary["eval_seeds"].items())
+            parts.append(
+                f"## {task}\n\nRuns done: {done['tune']} tuning, {done['eval']} evaluation. No seed has been "
+                f"finished by every contender yet, so nothing is compared (evaluation runs: {listed or 'none'}).\n"
+            )
+            continue
         headline = format_headline(summary)
         seeds = min((p["seeds"] for e in summary["contenders"].values() for p in e["paired"].values()), default=0)
         if seeds and (floor := smallest_p_holm(seeds, max(report["holm_family"], 1))) >= ALPHA:
@@ -446,6 +470,7 @@ def write_report(results_dir: str | Path) -> str:
         )
         plot_task(summary, results_dir / f"efficiency_{task}.png")
     markdown = "\n".join(parts) + f"\nHolm's correction across {report['holm_family']} headline tests.\n"
+    markdown += "Runs by code: " + ", ".join(f"{key} ({n})" for key, n in report["code"].items()) + ".\n"
     write_json(results_dir / "efficiency.json", report)
     (results_dir / "report.md").write_text(markdown)
     return markdown

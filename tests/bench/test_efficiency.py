@@ -11,9 +11,10 @@ import math
 import pytest
 import torch
 
-from poise_trl.bench.common import CONTENDERS, PAPER_PINS, REFERENCES, smallest_p_holm
+import poise_trl
+from poise_trl.bench.common import CONTENDERS, PAPER_PINS, REFERENCES, environment, smallest_p_holm
 from poise_trl.bench.efficiency import HeldOutCurve, _config, micro_batching
-from poise_trl.bench.report import _log_ratio, _wilcoxon, goal, holm, summarize_task, verdict
+from poise_trl.bench.report import _log_ratio, _wilcoxon, goal, holm, summarize_task, verdict, write_report
 from poise_trl.bench.study import run_path, validate
 from poise_trl.bench.summary import completions_to_gain, normalized_auc
 from poise_trl.bench.trainers import DynamicSampling, unavailable_reason
@@ -199,6 +200,33 @@ def test_goal_needs_every_auc_win_and_both_completion_bounds():
 def test_run_files_are_keyed_by_task_contender_rate_and_seed(tmp_path):
     path = run_path(tmp_path, "hops", "poise", 2.5e-5, 3)
     assert path.relative_to(tmp_path).as_posix() == "runs/hops/poise/lr2.5e-05_seed3.json"
+
+
+def _write_study(out, runs: list[dict]) -> None:
+    (out / "study.json").parent.mkdir(parents=True, exist_ok=True)
+    (out / "study.json").write_text(json.dumps({"settings": {"budget": 200}}))
+    for run in runs:
+        path = run_path(out, run["task"], run["contender"], run["learning_rate"], run["seed"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(run))
+
+
+def test_summarize_a_study_where_no_seed_is_finished_by_every_contender(tmp_path):
+    _write_study(tmp_path, [_fake_run("grpo8", 0, [0.3, 0.4, 0.5]), _fake_run("poise", 1, [0.3, 0.4, 0.5])])
+    report = write_report(tmp_path)
+    assert "No seed has been finished by every contender yet" in report
+    assert "grpo8: seeds [0]; poise: seeds [1]" in report
+
+
+def test_summarize_refuses_runs_of_different_code_unless_told(tmp_path):
+    runs = [_fake_run("grpo8", seed, [0.3, 0.4, 0.5]) for seed in range(2)]
+    for run, commit in zip(runs, ["abc", "def"], strict=True):
+        run["environment"] = {"code": {"version": "0.2.0", "commit": commit}}
+    _write_study(tmp_path, runs)
+    with pytest.raises(SystemExit, match=r"different code \(1 runs by poise-trl 0.2.0 at abc, 1 runs by .* at def"):
+        write_report(tmp_path)
+    assert "Runs by code: poise-trl 0.2.0 at abc (1), poise-trl 0.2.0 at def (1)" in write_report(tmp_path, True)
+    assert environment()["code"]["version"] == poise_trl.__version__
 
 
 SMOKE = ("grpo8", "dapo_ds_carry", "poise_paper", "poise", "poise_shrunk")
