@@ -37,6 +37,49 @@ def atomic_save(tensors: dict[str, torch.Tensor], path: str | Path, metadata: di
         raise
 
 
+def save_batches(batches: list[dict[str, Any]], path: str | Path, step: int) -> bool:
+    """Write a list of batches (dicts of tensors or None) and a step counter atomically; False, and nothing written,
+    when a batch holds anything else (lists of images), which safetensors cannot store without pickle."""
+    tensors, missing = {}, []
+    for i, batch in enumerate(batches):
+        for key, value in batch.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{i}.{key}"] = value.detach().cpu().clone()  # slices share storage: one copy each
+            elif value is None:
+                missing.append(f"{i}.{key}")
+            else:
+                return False
+    atomic_save(tensors, path, {"poise": json.dumps({"step": step, "batches": len(batches), "none": missing})})
+    return True
+
+
+def load_batches(path: str | Path, device: torch.device | str | None = None) -> tuple[list[dict[str, Any]], int]:
+    """Inverse of `save_batches`: (batches, step), the tensors on `device`."""
+    with safe_open(str(path), framework="pt") as f:
+        info = json.loads(f.metadata()["poise"])
+    batches: list[dict[str, Any]] = [{} for _ in range(info["batches"])]
+    for name, tensor in load_file(str(path), device="cpu").items():
+        index, key = name.split(".", 1)
+        batches[int(index)][key] = tensor if device is None else tensor.to(device)
+    for name in info["none"]:
+        index, key = name.split(".", 1)
+        batches[int(index)][key] = None
+    return batches, int(info["step"])
+
+
+def newest_complete_checkpoint(output_dir: str | Path, prefix: str = "checkpoint") -> str | None:
+    """The newest `prefix-N` folder whose `trainer_state.json` (the last file transformers writes) parses: a save
+    killed before the end leaves a newer folder that is not a checkpoint."""
+    steps = []
+    for folder in Path(output_dir).glob(f"{prefix}-*"):
+        try:
+            json.loads((folder / "trainer_state.json").read_text())
+            steps.append((int(folder.name.rsplit("-", 1)[1]), folder))
+        except (FileNotFoundError, ValueError):
+            continue
+    return str(max(steps)[1]) if steps else None
+
+
 def read_state(path: str | os.PathLike, bootstrap_path: str | os.PathLike | None = None) -> dict[str, Any]:
     """A saved estimator state as {"tensors", "info"}: the one-file format, or poise-trl 0.1's two files."""
     path = Path(path)

@@ -23,12 +23,14 @@ from trl.trainer.utils import get_config_model_id
 from .config import POISEConfig
 from .estimator import DEFAULT_DOMAIN, POISEEstimator
 from .features import assemble_features, capture_layer, feature_spans, find_decoder_layers
+from .files import load_batches, newest_complete_checkpoint, save_batches
 from .probe import ProbeBuffer, ValueProbe, prompt_group_ids
 from .selection import ValueGuidedSelection
 
 TESTED_TRL = ("1.16.0", "1.17.0")  # [low, high): the GRPOTrainer internals this subclass was tested against
 ESTIMATOR_FILE = "poise_estimator.safetensors"  # a checkpoint's POISE state: `POISEEstimator.save`
 LEGACY_FILES = ("poise_probe.safetensors", "poise_bootstrap.safetensors")  # poise-trl 0.1's checkpoint files
+GENERATION_FILE = "poise_generation_batch-{rank}.safetensors"  # a checkpoint inside a generation batch: TRL's slices
 # Output keys of `_generate_and_score_completions` that TRL's own log-prob pass takes as model inputs besides the
 # token ids (pixel_values, image_grid_thw, num_images, token_type_ids, ...): POISE's feature pass forwards the same.
 _PASS_ARGUMENTS = ("self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy")
@@ -356,11 +358,31 @@ class POISETrainer(ValueGuidedSelection, GRPOTrainer):
         if self.accelerator.is_main_process:
             self.estimator.save(path, include_buffer=include_buffer)
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """`resume_from_checkpoint=True` resumes from the newest *complete* checkpoint: transformers would take the
+        newest folder, which a save killed midway leaves without its trainer state."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = newest_complete_checkpoint(self.args.output_dir, PREFIX_CHECKPOINT_DIR)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No complete checkpoint found in output directory ({self.args.output_dir}).")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def _save_checkpoint(self, model, trial):
-        # Written first and atomically: once transformers writes trainer_state.json, POISE's file is complete.
+        # Written first and atomically: once transformers writes trainer_state.json, POISE's files are complete.
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         if self.args.should_save:
-            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             self.estimator.save(folder / ESTIMATOR_FILE)
+        # Inside a generation batch, TRL's slices still to train on live outside its checkpoint: keep each process's.
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._buffered_inputs is not None and self._step % generate_every:
+            path = folder / GENERATION_FILE.format(rank=self.accelerator.process_index)
+            if not save_batches(self._buffered_inputs, path, self._step):
+                warnings.warn(
+                    f"{folder.name} falls inside a generation batch whose inputs safetensors cannot store (non-tensor "
+                    "values, e.g. images): a run resumed from it generates a new batch. Save at multiples of "
+                    "steps_per_generation x num_iterations steps to resume exactly.",
+                    stacklevel=2,
+                )
         super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
@@ -368,6 +390,9 @@ class POISETrainer(ValueGuidedSelection, GRPOTrainer):
         if checkpoint is None:
             return
         folder, device = Path(checkpoint), self.accelerator.device
+        generation = folder / GENERATION_FILE.format(rank=self.accelerator.process_index)
+        if generation.exists():  # resume inside the generation batch, on the slices not yet trained on
+            self._buffered_inputs, self._step = load_batches(generation, device)
         if (folder / ESTIMATOR_FILE).exists():
             self.estimator.load(folder / ESTIMATOR_FILE, device=device)
         elif (folder / LEGACY_FILES[0]).exists():

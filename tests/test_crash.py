@@ -20,7 +20,7 @@ ROOT = Path(__file__).parents[1]
 CHILD = Path(__file__).parent / "crash" / "train_child.py"
 
 
-def _child(model: Path, output: Path, result: Path, checkpoint: Path | None = None, pause: str | None = None):
+def _child(model: Path, output: Path, result: Path, checkpoint: Path | str | None = None, pause: str | None = None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "PYTHONPATH": str(ROOT)}
     env.pop("POISE_TEST_PAUSE", None)
     if pause:
@@ -87,7 +87,9 @@ def test_sigkill_mid_step_and_mid_save_then_resume_ends_as_the_uninterrupted_run
     assert (output / "out" / "checkpoint-4" / ESTIMATOR_FILE).exists()  # POISE's file alone is no checkpoint
 
     # checkpoint-3 ends the first epoch (3 steps of 4 prompts out of 12): the resume crosses an epoch boundary too.
-    final = _child(tiny_model_path, output, tmp_path / "final", _newest_complete(output))
+    # resume_from_checkpoint=True must pass over the torn checkpoint-4 to checkpoint-3.
+    assert _newest_complete(output).name == "checkpoint-3"
+    final = _child(tiny_model_path, output, tmp_path / "final", "latest")
     _finish(*reference)
     _finish(*final)
     assert all(_checkpoints(output).values()) and max(_checkpoints(output)) == 5

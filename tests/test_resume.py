@@ -67,3 +67,26 @@ def test_resume_in_a_later_epoch_or_from_the_final_checkpoint_matches_the_uninte
         assert state.keys() == reference.keys()
         different = [k for k in reference if not torch.equal(state[k], reference[k])]
         assert not different, f"resumed from {name}: {different[:5]} differ from the uninterrupted run"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", [dict(steps_per_generation=2), dict(num_iterations=2)], ids=lambda s: str(s))
+def test_resume_inside_a_generation_batch_matches_the_uninterrupted_run(tiny_model_path, tmp_path, schedule):
+    """A checkpoint inside a generation batch keeps the batch TRL has not trained on yet (TRL holds it outside its
+    checkpoint), so the resumed run trains on it instead of generating a new one that the probe would observe."""
+
+    def trainer(out: Path) -> POISETrainer:
+        args = poise_args(out, max_steps=4, save_strategy="steps", save_steps=1, learning_rate=1e-2, **schedule)
+        return POISETrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset(16))
+
+    full = trainer(tmp_path / "full")
+    full.train()
+    reference = _final_state(full, tmp_path / "full")
+    for checkpoint in (1, 2, 3):  # inside, at the end of, and inside the second generation batch
+        out, name = tmp_path / f"resume{checkpoint}", f"checkpoint-{checkpoint}"
+        shutil.copytree(tmp_path / "full" / "out" / name, out / "out" / name)
+        resumed = trainer(out)
+        resumed.train(resume_from_checkpoint=str(out / "out" / name))
+        state = _final_state(resumed, out)
+        different = [k for k in reference if not torch.equal(state[k], reference[k])]
+        assert not different, f"resumed from {name}: {different[:5]} differ from the uninterrupted run"

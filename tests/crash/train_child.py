@@ -1,6 +1,6 @@
 """A POISE run that saves every step, for tests/test_crash.py to kill with SIGKILL (never imported by the package).
 
-    python tests/crash/train_child.py MODEL OUTPUT_DIR RESULT_DIR [CHECKPOINT]
+    python tests/crash/train_child.py MODEL OUTPUT_DIR RESULT_DIR [CHECKPOINT | latest]
 
 `POISE_TEST_PAUSE` makes the run stop at one moment, touch `RESULT_DIR/paused` and sleep until it is killed:
 - `step:N`: in step N after POISE learned from its batch and the loss was backpropagated, before the optimizer step;
@@ -50,6 +50,6 @@ args = short_args(OUTPUT, per_device_train_batch_size=8, max_steps=STEPS, save_s
 trainer = Child(MODEL, digit_reward, args=args, train_dataset=digit_dataset(12), callbacks=[MidStepPause()])
 trainer.remove_callback(PrinterCallback)
 RESULT.mkdir(parents=True, exist_ok=True)
-trainer.train(resume_from_checkpoint=CHECKPOINT)
+trainer.train(resume_from_checkpoint=True if CHECKPOINT == "latest" else CHECKPOINT)
 trainer.save_probe(RESULT / "estimator.safetensors")
 save_file({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, RESULT / "model.safetensors")
