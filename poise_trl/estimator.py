@@ -397,8 +397,7 @@ class POISEEstimator:
                 online.fit(self.layer_index, targets.device)
                 refitted = True
                 if self.broadcast is not None:  # identical inputs, but broadcast so ranks agree to the bit
-                    for key, tensor in sorted(online.probe.state_dict().items()):
-                        online.probe._state[key] = self.broadcast(tensor.to(targets.device))
+                    online.probe.map_state(self.broadcast)
         for name, pairs in self.bootstrap_pairs.items():
             if len(pairs):
                 self.bootstrap_lines[name] = shrunk_rloo_line(pairs.features[:, 0], pairs.targets)
@@ -418,11 +417,11 @@ class POISEEstimator:
         if not errors:  # too few prompts buffered to cross-validate yet
             return {}
         mae = torch.cat(errors, dim=1).mean(1)
-        choice = choose_layer(mae, self.layer_index, self.layer_switch_margin)
-        if self.broadcast is not None:  # every rank must hook and fit the same layer
-            choice = int(self.broadcast(torch.tensor([choice], device=device)).item())
-        self.layer_index = choice
-        return {f"layer_mae/{layer}": value for layer, value in zip(self.layers, mae.tolist(), strict=True)}
+        if self.broadcast is not None:  # every rank must hook and fit the same layer: rank 0's errors decide
+            mae = self.broadcast(mae)
+        host = mae.tolist()
+        self.layer_index = choose_layer(host, self.layer_index, self.layer_switch_margin)
+        return {f"layer_mae/{layer}": value for layer, value in zip(self.layers, host, strict=True)}
 
     # ------------------------------------------------------------------------------------------ prompt selection
     @property

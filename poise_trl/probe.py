@@ -185,6 +185,11 @@ class ValueProbe:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().contiguous() for k, v in self._state.items()}
 
+    def map_state(self, function) -> None:
+        """Replace every fitted tensor by `function(tensor)` where it lives (e.g. a broadcast from rank 0), without
+        the round trip through the host that `state_dict` makes."""
+        self._state = {key: function(self._state[key]) for key in sorted(self._state)}
+
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self._state = {k: v.to(torch.float64) if v.is_floating_point() else v for k, v in state.items()}
         starts, stops = state.get("pca_start", torch.zeros(0)).tolist(), state.get("pca_stop", torch.zeros(0)).tolist()
@@ -359,27 +364,30 @@ def grouped_kfold_errors(
     both sides of a split. Returns (C, N) errors, each row predicted by the probe that did not see its group, or
     None when there are fewer than `folds` groups or a training fold would hold fewer than 2 rows.
     """
-    if groups is None:
-        groups = torch.arange(targets.numel())
-    unique, inverse = torch.unique(groups.cpu(), return_inverse=True)
-    if folds < 2 or unique.numel() < folds:
+    # The fold of each row is decided on the host from one read of the group ids; the fits then index the device
+    # tensors with index tensors, never boolean masks, so the K x C fits add no further transfer.
+    group_ids = list(range(targets.numel())) if groups is None else groups.tolist()
+    rank = {g: i for i, g in enumerate(sorted(set(group_ids)))}  # group ids are prompt hashes: sorted is a shuffle
+    if folds < 2 or len(rank) < folds:
         return None
-    fold = (inverse % folds).to(features.device)  # group ids are prompt hashes, so sorted order is a shuffle
-    if any(int((fold != k).sum()) < 2 for k in range(folds)):
+    fold = [rank[g] % folds for g in group_ids]
+    if any(sum(f != k for f in fold) < 2 for k in range(folds)):
         return None
-    errors = torch.empty(features.size(1), targets.numel(), dtype=torch.float64, device=features.device)
+    device = features.device
+    errors = torch.empty(features.size(1), targets.numel(), dtype=torch.float64, device=device)
     for k in range(folds):
-        train, test = fold != k, fold == k
+        train = torch.tensor([i for i, f in enumerate(fold) if f != k], device=device)
+        test = torch.tensor([i for i, f in enumerate(fold) if f == k], device=device)
         for c in range(features.size(1)):
-            probe = template.clone().fit(features[train, c], targets[train])
+            probe = template.clone().fit(features[train, c], targets[train], check_finite=False)  # buffered: finite
             errors[c, test] = (probe.predict(features[test, c]).double() - targets[test].double()).abs()
     return errors
 
 
-def choose_layer(mae: torch.Tensor, current: int, margin: float) -> int:
+def choose_layer(mae: Sequence[float], current: int, margin: float) -> int:
     """Index of the lowest held-out MAE, with hysteresis: leave `current` only for a relative gain above `margin`."""
-    best = int(torch.argmin(mae))
-    return best if bool(mae[best] < (1 - margin) * mae[current]) else current
+    best = min(range(len(mae)), key=mae.__getitem__)
+    return best if mae[best] < (1 - margin) * mae[current] else current
 
 
 class OnlineProbe:

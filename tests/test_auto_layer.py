@@ -73,10 +73,10 @@ def test_kfold_keeps_a_prompts_rows_in_one_fold_and_finds_the_informative_slice(
 
 
 def test_choose_layer_switches_only_past_the_margin():
-    assert choose_layer(torch.tensor([1.0, 0.97, 1.2]), current=0, margin=0.05) == 0  # 3% better: stay
-    assert choose_layer(torch.tensor([1.0, 0.90, 1.2]), current=0, margin=0.05) == 1
-    assert choose_layer(torch.tensor([1.0, 0.97, 1.2]), current=0, margin=0.0) == 1
-    assert choose_layer(torch.tensor([0.5, 0.97, 1.2]), current=2, margin=0.05) == 0
+    assert choose_layer([1.0, 0.97, 1.2], current=0, margin=0.05) == 0  # 3% better: stay
+    assert choose_layer([1.0, 0.90, 1.2], current=0, margin=0.05) == 1
+    assert choose_layer([1.0, 0.97, 1.2], current=0, margin=0.0) == 1
+    assert choose_layer([0.5, 0.97, 1.2], current=2, margin=0.05) == 0
 
 
 # --------------------------------------------------------------------------------------------- trainer level
@@ -136,7 +136,7 @@ def test_auto_layer_chooses_from_earlier_steps_in_one_pass(tiny_model_path, tmp_
         record, previous = records[t], records[t - 1]
         bx, by, bg = record["buffer"]
         if t % args.probe_layer_select_every == 0:  # a choice was made after step t from steps <= t only
-            mae = grouped_kfold_errors(template, bx, by, bg, args.probe_layer_folds).mean(1)
+            mae = grouped_kfold_errors(template, bx, by, bg, args.probe_layer_folds).mean(1).tolist()
             assert record["index"] == choose_layer(mae, previous["index"], args.probe_layer_switch_margin)
         else:
             assert record["index"] == previous["index"]

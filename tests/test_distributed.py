@@ -40,3 +40,17 @@ def test_two_processes_match_one_process(runs):
         assert any(a != 0 for a in s["advantages"])
     first = single["steps"][0]
     assert rank0["steps"][0]["advantages"] + rank1["steps"][0]["advantages"] == first["advantages"]
+
+
+ESTIMATOR_SCRIPT = Path(__file__).parent / "distributed" / "estimator_ranks.py"
+LAYER_CHOICE_TRANSFERS = 3  # the step's one, the buffer's prompt ids (to draw the folds), the broadcast errors
+
+
+def test_two_processes_cost_one_transfer_per_step_and_agree(tmp_path):
+    """The probe is broadcast on its device (no round trip through the host); a step that chooses the layer adds
+    only what the K-fold choice itself reads, and the ranks end with identical probes."""
+    rank0, rank1 = launch(ESTIMATOR_SCRIPT, [str(tmp_path)], tmp_path, 2)
+    assert rank0["probe"] == rank1["probe"]
+    for step in rank0["counts"]:
+        choosing = step["step"] % 2 == 0
+        assert step["transfers"] == (LAYER_CHOICE_TRANSFERS if choosing else 1), step

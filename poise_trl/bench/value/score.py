@@ -190,10 +190,10 @@ class ValueBenchmark:
         errors = grouped_kfold_errors(self.preset_probe(blocks, preset), x, self.targets[self.fit_rows], groups, folds)
         if errors is None:
             return None
-        mae = errors.mean(1)
+        mae = errors.mean(1).tolist()
         default = self.collection.meta["default_layer"]
         current = min(range(len(candidates)), key=lambda i: abs(candidates[i] - default))
-        return candidates[choose_layer(mae, current, margin)], mae.tolist()
+        return candidates[choose_layer(mae, current, margin)], mae
 
     def mlp(self, x: torch.Tensor, depth: int, width: int) -> torch.Tensor:
         """StandardScaler + sklearn MLP (ReLU, Adam, L2, early stopping), clipped to the observed target range."""
