@@ -10,7 +10,7 @@ from poise_trl.baselines import leave_one_out_targets, shrunk_rloo_fit
 from poise_trl.estimator import POISEEstimator
 from poise_trl.files import read_state
 
-from .conftest import digit_dataset, digit_reward, poise_args
+from .conftest import digit_dataset, digit_reward, poise_args, score_and_capture_features
 
 G = 2
 
@@ -188,3 +188,25 @@ def test_random_fallback_before_the_probe_is_trusted(tiny_model_path, tmp_path):
     counts = torch.tensor([sum(f"p{i}" in k for k in kept) for i in range(8)], dtype=torch.float)
     assert len(set(kept)) > 10  # random, not always the same half
     assert counts.min() > 5  # every candidate is kept sometimes (expected 12.5 times each)
+
+
+def test_the_prefill_pools_the_prompt_states_the_training_pass_pools(tiny_model_path, tmp_path):
+    """Selection scores prompts from a prompt-only prefill it pads itself: its pooled states must be the training
+    pass's prompt block for the same prompts (up to rounding: a prompt's states move with the batch's padding)."""
+
+    class Capture(POISETrainer):
+        def _generate_and_score_completions(self, inputs):
+            output, features = score_and_capture_features(self, super()._generate_and_score_completions, inputs)
+            prompts = [x["prompt"] for x in inputs][::G]
+            self.captured.append((features, *self._prefill_prompts(prompts)))  # at this step's weights
+            return output
+
+    args = poise_args(tmp_path, max_steps=2, probe_features=["prompt", "reasoning"], probe_partner_reward=False)
+    trainer = Capture(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
+    trainer.captured = []
+    trainer.train()
+    start, stop = trainer.estimator.prompt_columns
+    for features, states, tokens in trainer.captured:
+        expected = features[::G, trainer.estimator.layer_index, start:stop]
+        assert states.shape == expected.shape and tokens > 0
+        torch.testing.assert_close(states, expected, atol=1e-5, rtol=1e-5)
