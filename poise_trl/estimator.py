@@ -393,7 +393,7 @@ class POISEEstimator:
             metrics.update(self._select_layer(targets.device))
         refitted = False
         for name, online in self.probes.items():
-            if online.can_fit and (name in batch["domain_rows"] or online.layer != self.layer_index):
+            if online.can_fit and (name in batch["domain_rows"] or online.layer_index != self.layer_index):
                 online.fit(self.layer_index, targets.device)
                 refitted = True
                 if self.broadcast is not None:  # identical inputs, but broadcast so ranks agree to the bit

@@ -394,8 +394,8 @@ class OnlineProbe:
     """One online value probe: a `ValueProbe`, its sliding `ProbeBuffer` and its step counter.
 
     The trainer keeps one per domain (a single one without `probe_domain_column`). Buffered rows hold the features of
-    every candidate layer, (N, C, D) with C = 1 for a fixed layer; the probe is fitted on one slice, `layer` (an index
-    along C), and always predicts from the slice it was fitted on.
+    every candidate layer, (N, C, D) with C = 1 for a fixed layer; the probe is fitted on one slice, `layer_index` (an
+    index along C, not a layer id), and always predicts from the slice it was fitted on.
 
     Args:
         probe: the unfitted probe (its alpha, PCA and clip settings are reused for every refit).
@@ -408,7 +408,7 @@ class OnlineProbe:
         self.buffer = ProbeBuffer(capacity)
         self.warmup_steps = warmup_steps
         self.steps = 0  # steps whose rows entered the buffer
-        self.layer = 0
+        self.layer_index = 0
         self.warm_started = False  # loaded from a probe file: trusted at once
         self.refit_from_step = 0  # a warm start without buffer keeps its loaded fit until this many steps
 
@@ -432,16 +432,16 @@ class OnlineProbe:
         self.buffer.add(features, targets, groups, keep)
         self.steps += 1
 
-    def fit(self, layer: int = 0, device: torch.device | str | None = None) -> "OnlineProbe":
-        """Refit on the whole buffer (finite rows only ever enter it), on feature slice `layer`."""
+    def fit(self, layer_index: int = 0, device: torch.device | str | None = None) -> "OnlineProbe":
+        """Refit on the whole buffer (finite rows only ever enter it), on feature slice `layer_index`."""
         features, targets = self.buffer.features, self.buffer.targets
-        self.probe.fit(features[:, layer].to(device), targets.to(device), check_finite=False)
-        self.layer = layer
+        self.probe.fit(features[:, layer_index].to(device), targets.to(device), check_finite=False)
+        self.layer_index = layer_index
         return self
 
     def predict(self, features: torch.Tensor, return_unclipped: bool = False):
         """Predictions for (N, C, D) rows, from the slice the probe was fitted on."""
-        return self.probe.predict(features[:, self.layer], return_unclipped=return_unclipped)
+        return self.probe.predict(features[:, self.layer_index], return_unclipped=return_unclipped)
 
     def layer_errors(self, folds: int, device: torch.device | str | None = None) -> torch.Tensor | None:
         """(C, N) prompt-grouped K-fold absolute errors of each feature slice on the buffer (see
@@ -463,7 +463,7 @@ class OnlineProbe:
             "probe": self.probe.config(),
             "buffer_capacity": self.buffer.capacity if include_buffer else None,
             "steps": self.steps,
-            "layer": self.layer,
+            "layer_index": self.layer_index,
             "warm_started": self.warm_started,
             "refit_from_step": self.refit_from_step,
         }
@@ -478,5 +478,6 @@ class OnlineProbe:
         buffer = {k[7:]: v for k, v in state.items() if k.startswith("buffer.")}
         self.buffer = ProbeBuffer(self.buffer.capacity)
         self.buffer.load_state_dict(buffer, device)
-        self.steps, self.layer = int(info["steps"]), int(info["layer"])
+        # "layer" in files before poise-trl 0.2 (the same candidate index under a name that read as a layer id)
+        self.steps, self.layer_index = int(info["steps"]), int(info.get("layer_index", info.get("layer", 0)))
         self.warm_started, self.refit_from_step = bool(info["warm_started"]), int(info["refit_from_step"])

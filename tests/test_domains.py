@@ -153,7 +153,11 @@ def test_domains_get_separate_buffers_metrics_bootstrap_and_checkpoints(tiny_mod
     assert list(resumed.probes) == list(trainer.probes)
     for name, online in trainer.probes.items():
         again = resumed.probes[name]
-        assert (again.steps, again.layer, again.warm_started) == (online.steps, online.layer, online.warm_started)
+        assert (again.steps, again.layer_index, again.warm_started) == (
+            online.steps,
+            online.layer_index,
+            online.warm_started,
+        )
         assert torch.equal(again.buffer.features, online.buffer.features)
         assert torch.equal(again.buffer.groups, online.buffer.groups)
         for key, tensor in online.probe.state_dict().items():
