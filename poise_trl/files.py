@@ -175,7 +175,13 @@ def load_probe_set(
             raise ValueError(f"{path} holds neither a probe set (`save_probe_set`) nor a probe (`save_probe_file`).")
         state = {k: v.unsqueeze(1) if k == "buffer.features" else v for k, v in tensors.items()}
         steps = int(info.get("probe_steps", 0))
-        member = {"probe": info["probe"], "steps": steps, "layer_index": 0, "warm_started": False, "refit_from_step": 0}
+        member = {
+            "probe": info["probe"],
+            "steps": steps,
+            "layer_index": 0,
+            "warm_started": False,
+            "refit_from_step": 0,
+        }
         return {single_name: (state, member)}, info
     out = {}
     for i, domain in enumerate(info["domains"]):

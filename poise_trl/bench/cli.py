@@ -116,8 +116,9 @@ cost little:
     with the reference (95% CIs over bootstrap resamples of the prompts), and the completions each contender needs
     to reach POISE (default)'s error at {GRADIENT_REFERENCE_BUDGET}, read off the measured curves (log-log
     interpolation, no 1/n law assumed).
-Batch prompts are drawn with replacement, a group's rollouts without replacement from the prompt's K: for large
-groups this understates within-prompt variance (conservative against POISE's G = 2).
+Gradients are centred within each prompt (the true score has mean zero; a finite pool's does not). Batch prompts are
+drawn with replacement, a group's rollouts without replacement from the prompt's K, which scales within-prompt
+variance by about (K - G) / (K - 1): 0.53 for G = 8 of K = 16, 0.77 of 32; this favours G = 8, less so at larger K.
 """
 
 OVERHEAD_DESCRIPTION = """POISE's per-step time and peak memory against plain GRPO, and the probe fit's cost.

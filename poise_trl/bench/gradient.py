@@ -12,9 +12,12 @@ Every contender's batch gradient is a weighted sum ĝ = Σ_i w_i g_i of the stor
 used), so its error against the reference depends on the gradients only through their Gram matrix K = G Gᵀ and
 thousands of batches cost a few matrix gathers. The reference is the unbiased leave-one-out estimate from every
 rollout of every prompt, g_ref = mean over prompts and rollouts of (r_i - mean of the prompt's other rewards) g_i;
-RLOO drawn from the pool is unbiased for it exactly. Batch prompts are drawn with replacement (the prompt-level
-variance is the same at every budget) and a group's rollouts without replacement from the prompt's M, which
-understates within-prompt variance by up to (M - G) / (M - 1) for large groups: conservative against POISE's G = 2.
+RLOO drawn from the pool is unbiased for it exactly. The gradients are centred within each prompt before the Gram
+matrix (the true score has mean zero; a pool's does not, which would charge a probe's baseline with a bias that is
+the pool's, see `gram`). Batch prompts are drawn with replacement (the prompt-level variance is the same at every
+budget) and a group's rollouts without replacement from the prompt's M, which scales within-prompt variance by about
+(M - G) / (M - 1): 0.53 for G = 8 of M = 16, 0.77 of 32, 0.93 and 0.97 for G = 2; this favours G = 8 (run a larger
+--k to shrink it).
 
 POISE's probe for a prompt is fitted on rollouts of the pool's other prompts, in pairs as its online buffer would
 hold them (K-fold by prompt, `POISEEstimator.observe`), never on the batch's own rows; the G = 2 baseline of rollout
@@ -84,9 +87,19 @@ def rollout_gradients(
     return {name: torch.stack(rows) for name, rows in out.items()}
 
 
-def gram(gradients: torch.Tensor) -> torch.Tensor:
-    """K = G Gᵀ in float64: the errors subtract nearly equal quadratic forms."""
-    g = gradients.double()
+def gram(gradients: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    """K = G Gᵀ in float64 (the errors subtract nearly equal quadratic forms), of gradients centred within each
+    prompt's k rollouts when `k` is given.
+
+    The true score has mean zero under the policy, E[∇ log π(y|x)] = 0, but a pool of 16 rollouts has a non-zero
+    mean score ḡ_x. Taken as the population, it would charge a baseline b that is not a function of the pool's own
+    rewards (a probe's value) with a bias (r̄_x − b_x) ḡ_x that no budget shrinks, a property of the pool, not of
+    the rule. Centring restores the identity; it leaves every rule whose advantages sum to zero within a group
+    (GRPO, DAPO, RLOO, the reference) exactly as it was."""
+    g = gradients.double()  # a copy: centred in place
+    if k is not None:
+        grouped = g.view(-1, k, g.size(1))
+        grouped -= grouped.mean(1, keepdim=True)
     return g @ g.T
 
 
@@ -407,7 +420,7 @@ def run_gradient(args: argparse.Namespace, log: Log = print) -> int:
     log(f"[3/4] per-rollout gradients of {collection.rewards.numel()} rollouts (LoRA r={args.lora_rank} and norms)")
     t = time.perf_counter()
     gradients = rollout_gradients(model, collection, args.lora_rank, args.seed, log)
-    grams = {name: gram(g) for name, g in gradients.items()}
+    grams = {name: gram(g, collection.k) for name, g in gradients.items()}
     seconds["gradients"] = time.perf_counter() - t
     t = time.perf_counter()
     values = cross_fitted_values(collection, args.folds, args.seed, log)

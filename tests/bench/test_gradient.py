@@ -57,6 +57,19 @@ def test_rloo_batches_are_unbiased_for_the_reference_and_their_error_falls_with_
     assert batch_errors(scaled, k_matrix, w_ref)["bias"] > 5 * errors[32]["bias"]  # std scaling changes the mean
 
 
+def test_centring_charges_a_probe_baseline_no_bias_and_leaves_group_baselines_as_they_were():
+    """A constant baseline is unbiased for the true gradient (E[g] = 0), but not for a pool whose mean score is not 0:
+    centred gradients give it no bias beyond the pool's 1/K scale; RLOO's advantages sum to 0, so it is unchanged."""
+    rewards, gradients = _pool()
+    w_ref, r, pool = reference_weights(rewards, K), rewards.double().numpy(), np.arange(40)
+    constant = draw_batches("poise", 32, r, K, pool, 4000, np.random.default_rng(0), {"poise": np.full(r.size, 0.5)})
+    raw, centred = batch_errors(constant, gram(gradients), w_ref), batch_errors(constant, gram(gradients, K), w_ref)
+    # centred, the expectation is (K-1)/K of the reference (the pool's covariance, not its unbiased estimate)
+    assert centred["bias"] == pytest.approx(1 / K**2, abs=0.004) and raw["bias"] > 5 * centred["bias"]
+    rloo = draw_batches("rloo2", 32, r, K, pool, 200, np.random.default_rng(0))
+    assert batch_errors(rloo, gram(gradients), w_ref) == pytest.approx(batch_errors(rloo, gram(gradients, K), w_ref))
+
+
 def test_batch_error_matches_the_explicit_gradients():
     """The Gram-matrix error of one batch equals ||ĝ - g_ref||² / ||g_ref||² computed from the gradients."""
     rewards, gradients = _pool(num_prompts=10)
