@@ -229,9 +229,8 @@ class POISEEstimator:
         if len(seen) > self.max_domains:
             raise ValueError(
                 f"{len(seen)} distinct domains ({', '.join(map(repr, list(seen)[:5]))}{', ...' * (len(seen) > 5)}) "
-                f"exceed max_domains="
-                f"{self.max_domains}: each keeps its own probe and buffer. Map the domain column to fewer values, or "
-                "raise max_domains if the memory allows (see the estimator's docstring)."
+                f"exceed max_domains={self.max_domains}: each keeps its own probe and buffer. Map the domain column "
+                "to fewer values, or raise max_domains if the memory allows (see the estimator's docstring)."
             )
         return {
             name: torch.tensor([d == name for d in names], dtype=torch.bool, device=device)

@@ -72,7 +72,9 @@ class POISETrainer(ValueGuidedSelection, GRPOTrainer):
       tokens the policy generated;
     - `get_train_dataloader`, `_get_train_sampler`: with `prompt_selection`, draw `prompt_selection_oversample` times
       more candidate prompts through TRL's `RepeatSampler`; resume with the prompts of an uninterrupted run;
-    - `_save_checkpoint`, `_load_optimizer_and_scheduler`: the estimator's one file travels with every checkpoint;
+    - `_save_checkpoint`, `_load_optimizer_and_scheduler`: the estimator's one file travels with every checkpoint,
+      and a checkpoint inside a generation batch keeps the batch's untrained slices, which TRL does not save;
+    - `train`: `resume_from_checkpoint=True` takes the newest complete checkpoint, not a folder a killed save left;
     - `create_model_card`: TRL's card plus how POISE was configured and its last probe diagnostics.
 
     Value-guided prompt selection keeps, of each process's candidates, the whole groups with the highest predicted
