@@ -60,8 +60,8 @@ class Recording(POISETrainer):
                 model, input_ids, attention_mask, logits_to_keep, **kwargs
             )
         layer = find_decoder_layers(self.accelerator.unwrap_model(self.model))[self.probe_layer]
-        outputs = []
-        handle = layer.register_forward_hook(lambda m, a, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+        outputs = []  # a Qwen3 layer returns a tensor, other architectures a tuple
+        handle = layer.register_forward_hook(lambda m, a, out: outputs.append(out if torch.is_tensor(out) else out[0]))
         try:
             result = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, **kwargs
@@ -119,7 +119,7 @@ def trainer(output_dir: Path) -> Recording:
 
 
 def layer_difference(recording: Recording) -> float:
-    """Largest |engine's hooked layer output - the unsharded fp32 copy's| on step 1's inputs (weights not yet updated)."""
+    """Largest |engine's hooked layer output - the unsharded fp32 copy's| on step 1's inputs (no update yet)."""
     input_ids, attention_mask, engine = recording.layer_outputs
     with torch.no_grad():
         hidden = REFERENCE(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
@@ -128,13 +128,13 @@ def layer_difference(recording: Recording) -> float:
 
 
 def held_weight(recording: Recording) -> dict:
-    """How this rank holds the hooked layer's query weight: its type, and its local and full sizes."""
+    """How this rank holds the hooked layer's query weight: its type, its local size, and the unsharded size."""
     layer = find_decoder_layers(recording.accelerator.unwrap_model(recording.model))[recording.probe_layer]
     weight = layer.self_attn.q_proj.weight
     return {
         "type": type(weight).__name__,
         "local_numel": (weight.to_local() if hasattr(weight, "to_local") else weight).numel(),
-        "numel": getattr(weight, "ds_numel", weight.numel()),
+        "numel": find_decoder_layers(REFERENCE)[recording.probe_layer].self_attn.q_proj.weight.numel(),
     }
 
 
