@@ -4,8 +4,10 @@ launched with `accelerate launch --config_file configs/accelerate/<engine>.yaml`
 One launch per engine trains 3 steps, saves at step 2 and resumes from that checkpoint (tests/distributed/
 engine_ranks.py). accelerate 1.15 turns FSDP on CPU into plain DDP without a word; engine_ranks.py's
 `keep_fsdp_on_cpu` patches `AcceleratorState.__init__` so FSDP really runs, which `distributed_type` checks here.
+`POISE_TEST_DEVICE=cuda` runs the same launches on 2 GPUs (NCCL, fp32).
 """
 
+import os
 from functools import cache
 from pathlib import Path
 
@@ -14,21 +16,22 @@ import pytest
 from .distributed.launch import ROOT, launch
 
 SCRIPT = Path(__file__).parent / "distributed" / "engine_ranks.py"
-CPU = ["--mixed_precision=no"]
+DEVICE = os.environ.get("POISE_TEST_DEVICE", "cpu")
+FP32 = ["--mixed_precision=no"]  # fp32 everywhere: the hooked layer is compared with an fp32 copy
 # name -> (accelerate arguments, extra environment, capture: "trl-pass" = inside TRL's old-log-prob pass)
 ENGINES = {
-    "zero2": (["--config_file", str(ROOT / "configs/accelerate/zero2.yaml"), *CPU], {}, "own-pass"),
-    "zero3": (["--config_file", str(ROOT / "configs/accelerate/zero3.yaml"), *CPU], {}, "trl-pass"),
-    "fsdp2": (["--config_file", str(ROOT / "configs/accelerate/fsdp2.yaml"), *CPU], {}, "own-pass"),
+    "zero2": (["--config_file", str(ROOT / "configs/accelerate/zero2.yaml"), *FP32], {}, "own-pass"),
+    "zero3": (["--config_file", str(ROOT / "configs/accelerate/zero3.yaml"), *FP32], {}, "trl-pass"),
+    "fsdp2": (["--config_file", str(ROOT / "configs/accelerate/fsdp2.yaml"), *FP32], {}, "own-pass"),
     # FSDP1 on CPU: no rank-0 loading broadcast, device "cpu" (torch rejects "cpu:0" as a device_id), and sharded
-    # checkpoints (a FULL_STATE_DICT save crashes rank 0 on CPU with torch 2.13).
+    # checkpoints (a FULL_STATE_DICT save kills rank 0 with SIGSEGV on CPU, plain GRPOTrainer's too; torch 2.13).
     "fsdp1": (
         [
-            "--config_file", str(ROOT / "configs/accelerate/fsdp2.yaml"), *CPU, "--fsdp_version=1",
+            "--config_file", str(ROOT / "configs/accelerate/fsdp2.yaml"), *FP32, "--fsdp_version=1",
             "--fsdp_cpu_ram_efficient_loading=false", "--fsdp_sync_module_states=false",
             "--fsdp_state_dict_type=SHARDED_STATE_DICT",
         ],  # fmt: skip
-        {"ACCELERATE_TORCH_DEVICE": "cpu"},
+        {"ACCELERATE_TORCH_DEVICE": "cpu"} if DEVICE == "cpu" else {},
         "trl-pass",
     ),
 }
@@ -49,7 +52,8 @@ def run(tiny_model_path, tmp_path_factory):
     def engine_run(name: str) -> list[dict]:
         accelerate, env, capture = ENGINES[name]
         out = tmp_path_factory.mktemp(name)
-        return launch(SCRIPT, [str(tiny_model_path), str(out), capture], out, accelerate=accelerate, env_vars=env)
+        args = [str(tiny_model_path), str(out), capture, DEVICE]
+        return launch(SCRIPT, args, out, accelerate=accelerate, env_vars=env)
 
     return engine_run
 
@@ -62,7 +66,7 @@ def test_the_engine_really_runs_and_shards_the_hooked_layer(run, name):
         engine = rank["engine"]
         ran = (engine["distributed_type"], engine["zero_stage"], engine["fsdp_version"], engine["wrapped"])
         assert ran == EXPECTED[name], engine
-        assert engine["backend"] == "gloo"
+        assert engine["backend"] == ("gloo" if DEVICE == "cpu" else "nccl")
     held = [rank["engine"]["weight"]["local_numel"] for rank in ranks]  # of the hooked layer's query weight
     full = ranks[0]["engine"]["weight"]["numel"]
     if name == "zero2":

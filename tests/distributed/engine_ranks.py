@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from poise_trl import POISEConfig, POISETrainer
 from poise_trl.features import find_decoder_layers
 
-MODEL, OUT, TRL_PASS = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "trl-pass"
+MODEL, OUT, TRL_PASS, ON_CPU = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "trl-pass", sys.argv[4] == "cpu"
 # Loaded before any training argument exists: ZeRO-3 would otherwise partition it at load time too.
 REFERENCE = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
 
@@ -95,7 +95,7 @@ def trainer(output_dir: Path) -> Recording:
         num_iterations=2 if TRL_PASS else 1,  # 2: TRL runs its old-log-prob pass and POISE captures inside it
         probe_warmup_steps=1,
         probe_preset="paper",
-        use_cpu=True,
+        use_cpu=ON_CPU,  # on GPUs: NCCL, still fp32
         bf16=False,
         gradient_checkpointing=False,
         report_to="none",
@@ -122,7 +122,7 @@ def layer_difference(recording: Recording) -> float:
     """Largest |engine's hooked layer output - the unsharded fp32 copy's| on step 1's inputs (no update yet)."""
     input_ids, attention_mask, engine = recording.layer_outputs
     with torch.no_grad():
-        hidden = REFERENCE(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        hidden = REFERENCE.to(engine.device)(input_ids, attention_mask=attention_mask, output_hidden_states=True)
     reference = hidden.hidden_states[recording.probe_layer + 1]
     return (engine - reference).abs().max().item()
 
