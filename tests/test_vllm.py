@@ -52,6 +52,7 @@ class Snapshot(TrainerCallback):
 def trained(tmp_path_factory):
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; vLLM-CPU's default takes far more
+    monkeypatch.setenv("VLLM_CPU_CI_ENV", "1")  # vLLM-CPU's own CI setting: eager kernels, no inductor compile or warmup
     monkeypatch.setattr(VLLMGeneration, "sync_weights", reload_weights)
     model = prepare_real_model("smollm2-135m", tmp_path_factory.mktemp("real"))
     pairs = [(3, 4), (12, 9), (7, 15), (21, 6), (5, 5), (30, 11), (8, 2), (14, 14)]
@@ -97,15 +98,21 @@ def test_poise_captures_inside_trls_importance_sampling_pass(trained):
 
 
 def test_poise_metrics_are_finite(trained):
-    """Every `poise/*` metric is logged at both steps and finite at step 2, where the probe gives the baselines."""
+    """Every `poise/*` metric is logged at both steps; those defined whenever rewards spread are finite at step 2,
+    where the probe gives the baselines (a correlation is NaN, logged as None, when the step's baselines tie)."""
     trainer, _, _ = trained
-    names = {key for entry in trainer.state.log_history for key in entry if key.startswith("poise/")}
-    assert {"poise/mae", "poise/baseline_mean", "poise/variance_reduction", "poise/layer"} <= names
-    logged = {name: _logged(trainer, name) for name in sorted(names)}
+    logged = {
+        name: _logged(trainer, name)
+        for name in sorted({key for entry in trainer.state.log_history for key in entry if key.startswith("poise/")})
+    }
     assert all(len(values) == 2 for values in logged.values()), logged
-    undefined = {name: values for name, values in logged.items() if values[1] is None or not math.isfinite(values[1])}
-    assert not undefined, undefined
+    defined = ["reward_mean", "value_mean", "baseline_mean", "mae", "variance_reduction", "bootstrap", "buffer_size"]
+    assert {name: logged[f"poise/{name}"][1] for name in defined if not _finite(logged[f"poise/{name}"][1])} == {}
     assert logged["poise/bootstrap"][0] == 1.0 and logged["poise/bootstrap"][1] < 1.0  # the probe took over
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
 
 
 def test_vllm_generates_with_the_policys_weights(trained):
