@@ -146,7 +146,6 @@ def engine(recording: Recording) -> dict:
         "zero_stage": state.deepspeed_plugin.zero_stage if getattr(state, "deepspeed_plugin", None) else None,
         "fsdp_version": state.fsdp_plugin.fsdp_version if getattr(state, "fsdp_plugin", None) else None,
         "wrapped": type(recording.model_wrapped).__name__,
-        "model": type(recording.model).__name__,
         "weight": recording.held_weight,
         "backend": torch.distributed.get_backend(),
     }
