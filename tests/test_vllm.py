@@ -34,8 +34,7 @@ def reload_weights(self: VLLMGeneration) -> None:
 
 
 def variety_reward(completions: list[list[dict[str, str]]], **kwargs) -> list[float]:
-    """Dense and continuous (the share of distinct characters), so every group's rewards spread and every `poise/*`
-    metric is defined."""
+    """Dense and continuous (the share of distinct characters), so every group's rewards spread."""
     texts = [completion[0]["content"] for completion in completions]
     return [len(set(text)) / max(len(text), 1) for text in texts]
 
