@@ -29,6 +29,7 @@ def _options() -> list[tuple[argparse.ArgumentParser, argparse.Action]]:
 def test_the_walk_reaches_every_subcommand():
     progs = {parser.prog for parser in cli.iter_parsers(cli.build_parser())}
     expected = {
+        "train",
         "demo",
         "plot",
         "eval",

@@ -1,12 +1,13 @@
-"""Train a reasoning model with POISE, or with the GRPO/DAPO baseline, from a YAML recipe.
+"""`poise-trl train`: POISE's counterpart of `trl grpo`, a reasoning model trained from a YAML recipe.
 
-    accelerate launch --config_file configs/accelerate/zero3.yaml examples/train_poise.py \\
-        --config configs/poise_qwen3_4b_dapo_vllm_colocate.yaml
+    accelerate launch --config_file configs/accelerate/zero3.yaml -m poise_trl.cli train \\
+        --config configs/poise_qwen3_4b_dapo.yaml
 
 Any field of a recipe can be overridden on the command line, e.g. `--learning_rate 2e-6` or
 `--model_name_or_path path/to/model`. The recipe's `trainer` key picks `POISETrainer` with `POISEConfig` or the
 baseline's `GRPOTrainer` with `GRPOConfig`, and the recipe is parsed by that config class, so a misspelt or
-misplaced key fails at start-up instead of being ignored.
+misplaced key fails at start-up instead of being ignored. Unlike `trl grpo`, the command trains in its own process:
+`accelerate launch` starts the processes, as for any script.
 """
 
 import argparse
@@ -84,17 +85,38 @@ def trainer_choice(argv: list[str]) -> str:
     return known.trainer or "poise"
 
 
-def make_parser(trainer: str = "poise") -> TrlParser:
+DESCRIPTION = """Train with POISETrainer (or the GRPO/DAPO baseline) from a YAML recipe.
+
+--config RECIPE.yaml  a YAML file whose keys are the options below (e.g. configs/poise_qwen3_4b_dapo.yaml); an
+                      `env:` mapping in it sets environment variables. Options given on the command line override
+                      the recipe's values.
+
+Start several processes with `accelerate launch [...] -m poise_trl.cli train --config RECIPE.yaml`."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """`HfArgumentParser`'s defaults on every option, and the description's line breaks kept."""
+
+
+def make_parser(trainer: str = "poise", prog: str | None = None) -> TrlParser:
     """The recipe parser: `ScriptArguments`, the trainer's config class and TRL's `ModelConfig`."""
     if trainer not in TRAINERS:
         raise ValueError(f"trainer={trainer!r}: choose one of {list(TRAINERS)}.")
-    return TrlParser((ScriptArguments, TRAINERS[trainer][1], ModelConfig))
+    return TrlParser(
+        (ScriptArguments, TRAINERS[trainer][1], ModelConfig),
+        prog=prog,
+        usage="%(prog)s [-h] [--config RECIPE.yaml] [--FIELD VALUE ...]",
+        description=DESCRIPTION,
+        formatter_class=HelpFormatter,
+    )
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, GRPOConfig, ModelConfig]:
+def parse_args(
+    argv: list[str] | None = None, prog: str | None = None
+) -> tuple[ScriptArguments, GRPOConfig, ModelConfig]:
     """Parse `--config recipe.yaml` plus command-line overrides (the command line wins)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    return make_parser(trainer_choice(argv)).parse_args_and_config(argv)
+    return make_parser(trainer_choice(argv), prog).parse_args_and_config(argv)
 
 
 def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: ModelConfig) -> GRPOTrainer:
@@ -158,18 +180,15 @@ def zero_steps_reason(rows: int, args: GRPOConfig) -> str:
     return f"trained 0 optimizer steps (max_steps={args.max_steps}, num_train_epochs={args.num_train_epochs})."
 
 
-def run(argv: list[str] | None = None) -> int:
-    """The command line: train, or print a rejected setting in one line and return 2 (raise with --show_traceback)."""
-    script_args, training_args, model_args = parse_args(argv)
+def run(argv: list[str] | None = None, prog: str = "poise-trl train", traceback: bool = False) -> int:
+    """The command line: train, or print a rejected setting in one line and return 2 (raise with `--show_traceback
+    true`, or `traceback`: `poise-trl --debug`)."""
+    script_args, training_args, model_args = parse_args(argv, prog)
     try:
         main(script_args, training_args, model_args)
     except ValueError as error:
-        if script_args.show_traceback:
+        if script_args.show_traceback or traceback:
             raise
-        print(f"train_poise.py: error: {' '.join(str(error).split())}", file=sys.stderr)
+        print(f"{prog}: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(run())
