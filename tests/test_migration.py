@@ -72,6 +72,11 @@ def test_every_value_the_script_set_survives_and_defaults_become_poise_s(caplog)
     # One line, naming each change.
     (line,) = _conversion_lines(caplog)
     assert "num_generations 8 -> 2, epsilon_high None -> 0.28, scale_rewards 'group' -> 'none'" in line
+    assert "does not record which values a script set" in line  # why an explicit 8 is listed too
+    # 16 x 4 completions per optimizer step on 1 process: 8 prompts x 8 before, 32 x 2 after.
+    assert "still trains 64 completions" in line and "now 32 prompts x 2 rollouts instead of 8 x 8" in line
+    assert "4x the prompts per step, so an epoch takes 4x fewer optimizer steps" in line
+    assert "from_grpo_config(config, num_generations=8)" in line
     # Same completions per step, 4x the prompts: per_device_train_batch_size counts completions.
     assert (poise.per_device_train_batch_size, poise.generation_batch_size) == (16, 64)
     assert poise.generation_batch_size // poise.num_generations == 4 * grpo.generation_batch_size // 8
@@ -99,7 +104,7 @@ def test_values_other_than_trl_defaults_are_kept(caplog):
         poise = POISEConfig.from_grpo_config(grpo)
     assert (poise.num_generations, poise.epsilon_high, poise.scale_rewards) == (4, 0.3, "batch")
     (line,) = _conversion_lines(caplog)
-    assert "take POISE's: none" in line
+    assert "takes POISE's: no field held one." in line and "optimizer step" not in line  # same G, same steps
 
 
 def test_g8_becomes_2_unless_kept_explicitly(caplog):
@@ -111,7 +116,7 @@ def test_g8_becomes_2_unless_kept_explicitly(caplog):
         kept = POISEConfig.from_grpo_config(_grpo(num_generations=8), num_generations=8, probe_layer=-1)
     assert (kept.num_generations, kept.probe_layer, kept.epsilon_high) == (8, -1, 0.28)
     (line,) = _conversion_lines(caplog)
-    assert "num_generations" not in line and "epsilon_high None -> 0.28" in line
+    assert "num_generations 8 -> 2" not in line and "epsilon_high None -> 0.28" in line
     # An explicit scale_rewards="group" is TRL's default too; POISE refuses it when asked for explicitly.
     with pytest.raises(ValueError, match="not supported by POISE"):
         POISEConfig.from_grpo_config(_grpo(), scale_rewards="group")
