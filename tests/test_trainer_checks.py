@@ -210,7 +210,7 @@ def test_selection_after_a_warm_start_uses_the_probe_from_the_first_step(tiny_mo
     warm = POISETrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
     warm.train()
     assert _logged(warm, "poise/selection/random") == [0.0]
-    assert not math.isnan(_logged(warm, "poise/selection/predicted_spread")[0] or math.nan)
+    assert not math.isnan(_logged(warm, "poise/selection/predicted_spread")[0])
 
 
 class KeptPrompts(POISETrainer):
