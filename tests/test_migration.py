@@ -4,6 +4,7 @@ that keeps every value the script set and takes POISE's defaults where the scrip
 import dataclasses
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from trl import GRPOConfig
@@ -96,6 +97,15 @@ def test_derived_batch_fields_do_not_conflict(batch):
         grpo.generation_batch_size,
         grpo.steps_per_generation,
     )
+
+
+def test_the_migration_page_quotes_the_warning_its_example_logs(caplog):
+    """docs/from-grpo.md shows the warning of its own diff's `GRPOConfig` word for word."""
+    page = (Path(__file__).parents[1] / "docs" / "from-grpo.md").read_text()
+    (quoted,) = [line for line in page.splitlines() if line.startswith("Converted GRPOConfig")]
+    with caplog.at_level(logging.WARNING):
+        POISEConfig.from_grpo_config(GRPOConfig(output_dir="Qwen3-0.6B-GRPO", max_completion_length=1024, **CPU_ARGS))
+    assert _conversion_lines(caplog) == [quoted]
 
 
 def test_values_other_than_trl_defaults_are_kept(caplog):
