@@ -36,11 +36,11 @@ ESTIMATOR_FIELDS = {
     "layer_folds": "probe_layer_folds",
 }
 
-# (alpha, [prompt PCA dims, reasoning PCA dims]); 0 dims means "no PCA on that block".
 PROBE_PRESETS: dict[str, tuple[float, list[int]]] = {
     "release": (100.0, [32, 64]),  # holi-lab/POISE release, Qwen3-4B
     "paper": (0.01, [0, 0]),  # paper §3 / Table 4
 }
+"""`probe_preset` -> (ridge alpha, [prompt PCA dims, reasoning PCA dims]); 0 dims means no PCA on that block."""
 
 
 def _probe_settings(blocks: list[str], hidden_size: int, probe: Any) -> str:
@@ -104,7 +104,7 @@ class POISEConfig(GRPOConfig):
     `from_grpo_config` converts an existing `GRPOConfig`, and `POISETrainer` does so itself when given one.
 
     The `probe_*` fields configure the value probe that predicts each rollout's expected reward from the policy's
-    hidden states; docs/configuration.md lists paper and release values.
+    hidden states; the Configuration page of the docs lists each one, with the paper's and the release's values.
     """
 
     # JSON strings given for these fields (command line, YAML) are parsed into dicts, as TRL does for its own.
