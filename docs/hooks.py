@@ -151,7 +151,8 @@ class TRLDocstrings(griffe.Extension):
 
         griffe.DataclassesExtension().on_package(pkg=pkg)
 
-        factories = {f.name: f for f in dataclasses.fields(POISEConfig) if f.default_factory is not dataclasses.MISSING}
+        fields = dataclasses.fields(POISEConfig)
+        factories = {f.name: f for f in fields if f.default_factory is not dataclasses.MISSING}
         for parameter in pkg["config.POISEConfig"].members["__init__"].parameters:
             if parameter.name in factories:
                 parameter.default = repr(_default(factories[parameter.name]))

@@ -6,8 +6,8 @@ minutes of CPU; `make test` itself is one), and `<!-- requires: sketch -->` mark
 placeholders (`...`): such blocks are parsed instead (Python compiled;
 shell run with parse-only stand-ins, so `poise-trl` argv goes through the CLI's parser, `poise-trl train` argv (also
 under `accelerate launch`, or as examples/train_poise.py) and its YAML recipe through its `TrlParser`, and `make`
-targets are looked up). Every other block is executed in a fresh copy of the checkout, with `python` the test's interpreter and
-`poise-trl` the CLI of that copy.
+targets are looked up). Every other block is executed in a fresh copy of the checkout, with `python` the test's
+interpreter and `poise-trl` the CLI of that copy.
 """
 
 import itertools

@@ -38,7 +38,8 @@ def glossary_keys() -> set[str]:
 
 @pytest.mark.slow
 def test_every_glossary_key_arrives_in_tensorboard_and_undefined_values_are_left_out(tiny_model_path, tmp_path):
-    dataset = Dataset.from_list([{"prompt": f"{i % 10}{(3 * i) % 10}+{i % 7}", "domain": "ab"[i % 2]} for i in range(32)])
+    rows = [{"prompt": f"{i % 10}{(3 * i) % 10}+{i % 7}", "domain": "ab"[i % 2]} for i in range(32)]
+    dataset = Dataset.from_list(rows)
     args = short_args(
         tmp_path,
         max_steps=4,

@@ -1,4 +1,4 @@
-"""Parsers of `poise-trl eval` and `poise-trl train`; the handlers import torch, datasets and TRL only when they run."""
+"""Parsers of `poise-trl eval` and `poise-trl train`; the handlers import torch, datasets and TRL when they run."""
 
 import argparse
 from typing import Any
