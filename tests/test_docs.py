@@ -430,3 +430,20 @@ def test_support_matrix_lists_every_grpo_config_option():
         assert row[1].startswith(("tested", "configured", "refused")), (name, row[1])
         if row[1].startswith("tested"):
             assert re.search(r"test_\w+|\[\w+\]", row[2]), f"{name}: a tested row names its test"
+
+
+MACHINE_PATH = re.compile(r"(?<![\w.])/(?:root|home|tmp|work|Users)/")
+
+
+def test_committed_results_name_models_and_relative_paths_not_a_machines_folders():
+    """Results files (JSON, markdown) under benchmarks/ name the model and paths relative to their run, not the
+    folders of the machine that made them. Raw logs (*.log) are kept as printed. `bench gradient`'s folders are
+    written by poise_trl/bench/gradient.py, which still records its collection's path: not checked here yet."""
+    files = [
+        path
+        for path in sorted((ROOT / "benchmarks").rglob("*"))
+        if path.suffix in (".json", ".md") and not any(part.startswith("gradient") for part in path.parts)
+    ]
+    assert len(files) > 10
+    found = {str(path.relative_to(ROOT)) for path in files if MACHINE_PATH.search(path.read_text())}
+    assert not found, f"absolute machine paths in {sorted(found)}"
