@@ -447,3 +447,42 @@ def test_committed_results_name_models_and_relative_paths_not_a_machines_folders
     assert len(files) > 10
     found = {str(path.relative_to(ROOT)) for path in files if MACHINE_PATH.search(path.read_text())}
     assert not found, f"absolute machine paths in {sorted(found)}"
+
+
+INLINE_COMMAND = re.compile(r"`((?:poise-trl|python -m poise_trl\.cli) [^`]+)`")
+
+
+def _inline_commands() -> list[tuple[str, str]]:
+    """(page, command) for every `poise-trl ...` code span in the README and the docs' prose."""
+    found = []
+    for page in PAGES:
+        prose = re.sub(r"(?ms)^\s*```.*?^\s*```", "", page.read_text())  # fenced blocks are parsed above
+        found += [(page.name, m.group(1)) for m in INLINE_COMMAND.finditer(prose)]
+    return found
+
+
+@pytest.mark.parametrize("page,command", _inline_commands(), ids=[f"{p}:{c}" for p, c in _inline_commands()])
+def test_every_flag_an_inline_command_names_exists(page, command):
+    """A `poise-trl SUBCOMMAND --flag ...` span in the prose names a subcommand and flags its parser has (placeholders
+    such as MODEL may stand for values); `train`'s flags are looked up in its `TrlParser`."""
+    import argparse
+    import shlex
+
+    from poise_trl.cli import build_parser
+    from poise_trl.rlvr.train import make_parser
+
+    words = shlex.split(command.removeprefix("python -m poise_trl.cli").removeprefix("poise-trl"))
+    parser = build_parser()
+    while words and not words[0].startswith("-"):
+        subparsers = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if subparsers is None or words[0] not in subparsers.choices:
+            break  # a positional argument or a placeholder
+        parser = subparsers.choices[words.pop(0)]
+        if parser.get_default("forwards_arguments"):
+            trainer = words[words.index("--trainer") + 1] if "--trainer" in words else "poise"
+            parser = make_parser(trainer)
+            break
+    known = {option for action in parser._actions for option in action.option_strings} | {"--config"}
+    flags = [word.split("=", 1)[0] for word in words if word.startswith("--")]
+    unknown = [flag for flag in flags if flag not in known]
+    assert not unknown, f"{page}: `{command}` names {unknown}, which `{parser.prog}` does not have"
