@@ -480,7 +480,7 @@ def test_every_flag_an_inline_command_names_exists(page, command):
         parser = subparsers.choices[words.pop(0)]
         if parser.get_default("forwards_arguments"):
             trainer = words[words.index("--trainer") + 1] if "--trainer" in words else "poise"
-            parser = make_parser(trainer)
+            parser = make_parser(trainer, "poise-trl train")
             break
     known = {option for action in parser._actions for option in action.option_strings} | {"--config"}
     flags = [word.split("=", 1)[0] for word in words if word.startswith("--")]
