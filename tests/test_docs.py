@@ -486,3 +486,27 @@ def test_every_flag_an_inline_command_names_exists(page, command):
     flags = [word.split("=", 1)[0] for word in words if word.startswith("--")]
     unknown = [flag for flag in flags if flag not in known]
     assert not unknown, f"{page}: `{command}` names {unknown}, which `{parser.prog}` does not have"
+
+
+def test_pages_speak_to_readers_not_to_the_tracker():
+    """No page points at "the issue" (the project's tracker is not the reader's)."""
+    for page in PAGES:
+        text = page.read_text()
+        assert not re.search(r"\bthe issue(?:'s)?\b", text, re.I), f"{page.name} speaks of the issue"
+
+
+def test_the_demo_time_is_one_figure_everywhere():
+    """The tiny demo's duration reads the same on every page that states it and in `poise-trl --help`."""
+    from poise_trl.cli import build_parser
+
+    quickstart = (ROOT / "docs" / "quickstart.md").read_text()
+    assert "`poise-trl demo` shows POISE learning on any laptop, offline, in about a minute on 2 CPU cores" in quickstart
+    assert "52 s wall" in quickstart
+    assert "(CPU, about a minute)" in " ".join(build_parser().format_help().split())
+    vague = re.compile(r"(?:a few seconds|a few minutes|under a minute)")
+    for page in PAGES:
+        for match in vague.finditer(page.read_text()):
+            context = page.read_text()[max(0, match.start() - 200) : match.start()]
+            assert not re.search(r"(?:make|poise-trl) demo(?! --model)|tiny model `make demo`", context), (
+                f"{page.name}: {match.group(0)!r} for the demo"
+            )
