@@ -430,4 +430,3 @@ def test_support_matrix_lists_every_grpo_config_option():
         assert row[1].startswith(("tested", "configured", "refused")), (name, row[1])
         if row[1].startswith("tested"):
             assert re.search(r"test_\w+|\[\w+\]", row[2]), f"{name}: a tested row names its test"
-
