@@ -8,7 +8,7 @@
   carries no copy.
 - `TRLDocstrings` is a Griffe extension for mkdocstrings: docstrings follow TRL's doc-builder conventions
   (``[`POISETrainer`]``, ``[`~trl.GRPOConfig`]``), which it turns into links, and it puts the blank line Markdown
-  needs before a list that follows a paragraph.
+  needs before a list that follows a paragraph. It also shows a `default_factory` field's default as its value.
 """
 
 import dataclasses
@@ -140,6 +140,22 @@ def markdown_docstring(text: str) -> str:
 
 class TRLDocstrings(griffe.Extension):
     """Render docstrings written in TRL's conventions, and list `POISEConfig`'s parameters from its field help."""
+
+    def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
+        """A `default_factory` field's default as its value, not griffe's `(lambda: [...])()`: griffe's dataclasses
+        extension writes the factory call into the `__init__` it generates. It runs after this one, so it is run
+        here first (it skips classes that already have an `__init__`)."""
+        if pkg.path != "poise_trl":
+            return
+        from poise_trl import POISEConfig
+
+        griffe.DataclassesExtension().on_package(pkg=pkg)
+
+        fields = dataclasses.fields(POISEConfig)
+        factories = {f.name: f for f in fields if f.default_factory is not dataclasses.MISSING}
+        for parameter in pkg["config.POISEConfig"].members["__init__"].parameters:
+            if parameter.name in factories:
+                parameter.default = repr(_default(factories[parameter.name]))
 
     def on_object(self, *, obj: griffe.Object, **kwargs: Any) -> None:
         if obj.is_alias or obj.docstring is None:

@@ -148,7 +148,7 @@ def baseline_diagnostics(
     value V(x): 1 - mean within-group reward variance / Var(R), from the groups' sample variances, so noisy and
     possibly negative on one small batch), sign_accuracy (within groups whose rewards differ, the fraction of
     pairs the values order like the rewards), clip_fraction (predictions the reward-range clip changed).
-    Undefined quantities (e.g. zero variance) are NaN, which TRL's logger drops.
+    Undefined quantities (e.g. zero variance) are NaN; `POISETrainer` leaves them out of that step's log.
     """
     stats = diagnostic_tensors(rewards, baselines, values, num_generations, valid, unclipped_values)
     return dict(zip(DIAGNOSTICS, stats.tolist(), strict=True))

@@ -1,8 +1,10 @@
-"""`poise-trl`: one command with subcommands (`demo`, `plot`, `eval`, `probe-bench`, `bench`).
+"""`poise-trl`: one command with subcommands (`train`, `demo`, `plot`, `eval`, `probe-bench`, `bench`).
 
 Each tool's `cli` module holds its parsers: a function `add_<name>_parser(subparsers)` registers one and stores its
 handler as `func` (called with the parsed namespace, returning an exit code). Those modules import only argparse and
 light defaults; the handlers import the tool (torch, TRL, the trainer) when they run, so `--help` stays fast.
+A subcommand whose parser sets `forwards_arguments` (`train`, whose options are `TrlParser`'s) receives the words
+after its name unparsed, as `arguments`.
 
 Every parser here is a `CommandParser`, so the rules below hold for all subcommands without each repeating them:
 - a user error (a bad option, a missing folder, an unreachable Hub, a value a handler rejects) prints one line to
@@ -18,9 +20,10 @@ from typing import Any
 from . import __version__
 from .bench.cli import add_bench_parser, add_probe_bench_parser
 from .demo.cli import add_demo_parser, add_plot_parser
-from .rlvr.cli import add_eval_parser
+from .rlvr.cli import add_eval_parser, add_train_parser
 
 PARSER_BUILDERS: tuple[Callable[[Any], argparse.ArgumentParser], ...] = (
+    add_train_parser,
     add_demo_parser,
     add_plot_parser,
     add_eval_parser,
@@ -99,8 +102,19 @@ def iter_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentP
                 yield from iter_parsers(subparser)
 
 
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line's namespace; a forwarding subcommand gets the words after its name as `arguments`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, _ = parser.parse_known_args(argv)
+    if not getattr(args, "forwards_arguments", False):
+        return parser.parse_args(argv)  # unknown words are an error
+    args.arguments = [word for word in argv[argv.index(args.command) + 1 :] if word != "--debug"]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         return args.func(args)
     except USER_ERRORS as error:

@@ -36,11 +36,11 @@ ESTIMATOR_FIELDS = {
     "layer_folds": "probe_layer_folds",
 }
 
-# (alpha, [prompt PCA dims, reasoning PCA dims]); 0 dims means "no PCA on that block".
 PROBE_PRESETS: dict[str, tuple[float, list[int]]] = {
     "release": (100.0, [32, 64]),  # holi-lab/POISE release, Qwen3-4B
     "paper": (0.01, [0, 0]),  # paper §3 / Table 4
 }
+"""`probe_preset` -> (ridge alpha, [prompt PCA dims, reasoning PCA dims]); 0 dims means no PCA on that block."""
 
 
 def _probe_settings(blocks: list[str], hidden_size: int, probe: Any) -> str:
@@ -52,6 +52,31 @@ def _probe_settings(blocks: list[str], hidden_size: int, probe: Any) -> str:
         pca = [ks.get(slices[name][0], 0) if name in slices else 0 for name in HIDDEN_BLOCKS]
     clip = None if probe.clip == "observed" else list(probe.clip) if probe.clip is not None else "no clipping"
     return f"probe_alpha={probe.alpha}, probe_pca_dims={pca}, probe_clip_range={clip}"
+
+
+def _conversion_message(config: GRPOConfig, converted: "POISEConfig", changed: list[str]) -> str:
+    """What `from_grpo_config` changed, what that does to each optimizer step and epoch, and how to keep a value."""
+    message = [
+        f"Converted {type(config).__name__} to POISEConfig. A GRPOConfig does not record which values a script set, "
+        "so a field holding TRL's default counts as unset and takes POISE's: "
+        + (", ".join(changed) or "no field held one")
+        + "."
+    ]
+    before, after = config.num_generations, converted.num_generations
+    if before != after:
+        completions = config.per_device_train_batch_size * config.gradient_accumulation_steps * config.world_size
+        message.append(
+            f"Each optimizer step still trains {completions} completions (per_device_train_batch_size x "
+            f"gradient_accumulation_steps x {config.world_size} process(es)), now {completions / after:g} prompts x "
+            f"{after} rollouts instead of {completions / before:g} x {before}: {before / after:g}x the prompts per "
+            f"step, so an epoch takes {before / after:g}x fewer optimizer steps. The learning rate and schedule are "
+            "kept."
+        )
+    message.append(
+        "To keep a value (e.g. TRL's G), pass it: POISEConfig.from_grpo_config(config, num_generations=8), or "
+        "build a POISEConfig."
+    )
+    return " ".join(message)
 
 
 def changed_defaults() -> dict[str, tuple[Any, Any]]:
@@ -79,7 +104,7 @@ class POISEConfig(GRPOConfig):
     `from_grpo_config` converts an existing `GRPOConfig`, and `POISETrainer` does so itself when given one.
 
     The `probe_*` fields configure the value probe that predicts each rollout's expected reward from the policy's
-    hidden states; docs/configuration.md lists paper and release values.
+    hidden states; the Configuration page of the docs lists each one, with the paper's and the release's values.
     """
 
     # JSON strings given for these fields (command line, YAML) are parsed into dicts, as TRL does for its own.
@@ -295,9 +320,11 @@ class POISEConfig(GRPOConfig):
     @classmethod
     def from_grpo_config(cls, config: GRPOConfig, **overrides: Any) -> "POISEConfig":
         """The `POISEConfig` of a TRL script's `GRPOConfig`: every value is kept, except that the fields whose default
-        POISE changes take POISE's default where `config` holds TRL's (TRL's G = 8 becomes 2, so the same
-        `per_device_train_batch_size` of completions covers 4x the prompts); one warning lists what changed.
-        `overrides` (any `POISEConfig` field, e.g. `num_generations=8` to keep TRL's G) are applied last."""
+        POISE changes take POISE's default where `config` holds TRL's. A `GRPOConfig` cannot tell a value the script
+        set from a default, so an explicit `num_generations=8` becomes 2 as well: the same completions per step then
+        cover 4x the prompts, and an epoch takes 4x fewer steps. One warning says what changed and what it does per
+        step and per epoch. `overrides` (any `POISEConfig` field, e.g. `num_generations=8` to keep TRL's G) are
+        applied last and never changed."""
         names = {f.name for f in fields(config) if f.init}
         foreign = sorted(names - {f.name for f in fields(cls)})
         if foreign:
@@ -311,19 +338,16 @@ class POISEConfig(GRPOConfig):
         values.update(vllm_importance_sampling_cap=None, use_transformers_paged=False)
         if isinstance(config, POISEConfig) and config.pca_dims_from_preset:
             values["probe_pca_dims"] = None  # filled in from the preset: filled in (and capped) again
+        if isinstance(config, POISEConfig):
+            return cls(**{**values, **overrides})
         changed = []
-        if not isinstance(config, POISEConfig):
-            for name, (trl_default, poise_default) in changed_defaults().items():
-                if name not in overrides and values[name] == trl_default:
-                    values[name] = poise_default
-                    changed.append(f"{name} {trl_default!r} -> {poise_default!r}")
-            logger.warning(
-                "Converted %s to POISEConfig; fields at TRL's default take POISE's: %s (pass "
-                "POISEConfig.from_grpo_config(config, name=value) to keep a value).",
-                type(config).__name__,
-                ", ".join(changed) or "none",
-            )
-        return cls(**{**values, **overrides})
+        for name, (trl_default, poise_default) in changed_defaults().items():
+            if name not in overrides and values[name] == trl_default:
+                values[name] = poise_default
+                changed.append(f"{name} {trl_default!r} -> {poise_default!r}")
+        converted = cls(**{**values, **overrides})
+        logger.warning(_conversion_message(config, converted, changed))
+        return converted
 
     def estimator_settings(self, num_layers: int, hidden_size: int) -> dict[str, Any]:
         """`POISEEstimator` keyword arguments for a model with `num_layers` decoder layers of width `hidden_size`."""

@@ -2,6 +2,7 @@
 with its prompt-selection mixin (selection.py), the only module that knows TRL internals."""
 
 import inspect
+import math
 import os
 import textwrap
 import warnings
@@ -305,7 +306,8 @@ class POISETrainer(ValueGuidedSelection, GRPOTrainer):
             metrics.update(self._selection_metrics(rewards, num_generations))
             self._card_metrics = metrics
         for name, value in metrics.items():
-            self._metrics[mode][f"poise/{name}"].append(value)
+            if not math.isnan(value):  # undefined (NaN) is left out: TRL would log None, which trackers drop
+                self._metrics[mode][f"poise/{name}"].append(value)
         return output
 
     def _domain_names(self, inputs: list[dict], num_generations: int) -> list[str] | None:

@@ -29,6 +29,7 @@ def _options() -> list[tuple[argparse.ArgumentParser, argparse.Action]]:
 def test_the_walk_reaches_every_subcommand():
     progs = {parser.prog for parser in cli.iter_parsers(cli.build_parser())}
     expected = {
+        "train",
         "demo",
         "plot",
         "eval",
@@ -132,3 +133,41 @@ def test_eval_offline_on_a_hub_benchmark_in_a_real_process(tiny_model_path):
     errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and errors[0].startswith("poise-trl eval: error: "), done.stderr
     assert "HuggingFaceH4/aime_2024" in errors[0] and "local .jsonl" in errors[0]
+
+
+RECIPE = str(ROOT / "configs" / "poise_qwen3_4b_dapo.yaml")
+
+
+@pytest.mark.parametrize("argv,prog", [(["train", "--help"], "poise-trl train"), (["--help"], "train_poise.py")])
+def test_train_help_is_trl_parsers_and_names_config(argv, prog, capsys):
+    """`poise-trl train --help` (and the example script's) is the training parser's own help: `--config` first, then
+    every field of the script's arguments, POISEConfig and TRL's ModelConfig."""
+    from poise_trl.rlvr.train import run
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv) if prog == "poise-trl train" else run(argv, prog=prog)
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: {prog} [-h] [--config RECIPE.yaml]")
+    assert "--config RECIPE.yaml  a YAML file" in text and "accelerate launch" in text
+    for option in ("--trainer", "--probe_layer", "--num_generations", "--learning_rate", "--model_name_or_path"):
+        assert option in text, option
+
+
+def test_train_gets_the_words_after_its_name_and_the_recipe_with_overrides():
+    from poise_trl.rlvr.train import parse_args
+
+    args = cli.parse(["--debug", "train", "--config", RECIPE, "--learning_rate", "2e-6", "--probe_layer", "-1"])
+    assert args.debug and args.arguments == ["--config", RECIPE, "--learning_rate", "2e-6", "--probe_layer", "-1"]
+    _, training_args, model_args = parse_args([*args.arguments, "--use_cpu", "true"])
+    assert (training_args.learning_rate, training_args.probe_layer) == (2e-6, -1)  # the command line wins
+    assert (training_args.num_generations, model_args.model_name_or_path) == (2, "Qwen/Qwen3-4B")  # the recipe's
+    # Other subcommands still refuse words they do not know.
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse(["demo", "--learning_rate", "2e-6"])
+    assert exit_info.value.code == 2
+
+
+def test_train_with_a_misspelt_option_is_one_line(capsys):
+    assert cli.main(["train", "--config", RECIPE, "--use_cpu", "true", "--lerning_rate", "2e-6"]) == 2
+    assert "--lerning_rate" in _one_error_line(capsys, "poise-trl train")

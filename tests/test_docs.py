@@ -4,10 +4,10 @@ Blocks are fenced ```bash / ```python in README.md and docs/*.md. A block preced
 `<!-- requires: gpu, hub, network, long -->` cannot run here (a GPU, the Hugging Face Hub, a package index, or
 minutes of CPU; `make test` itself is one), and `<!-- requires: sketch -->` marks an illustration with
 placeholders (`...`): such blocks are parsed instead (Python compiled;
-shell run with parse-only stand-ins, so `poise-trl` argv goes through the CLI's parser, `accelerate launch
-examples/train_poise.py` argv and its YAML recipe through the script's `TrlParser`, and `make` targets are looked
-up). Every other block is executed in a fresh copy of the checkout, with `python` the test's interpreter and
-`poise-trl` the CLI of that copy.
+shell run with parse-only stand-ins, so `poise-trl` argv goes through the CLI's parser, `poise-trl train` argv (also
+under `accelerate launch`, or as examples/train_poise.py) and its YAML recipe through its `TrlParser`, and `make`
+targets are looked up). Every other block is executed in a fresh copy of the checkout, with `python` the test's
+interpreter and `poise-trl` the CLI of that copy.
 """
 
 import itertools
@@ -172,34 +172,44 @@ def parse_env(shell_env, tmp_path_factory) -> dict[str, str]:
 def parse_recorded(argv: list[str], checkout: Path) -> None:
     """`poise-trl` by the CLI's parser; `accelerate launch ... SCRIPT ARGS` by the script's own parser (which loads
     the YAML recipe; `--use_cpu true` because bf16 recipes are refused without a GPU); `make` targets looked up."""
-    from poise_trl.cli import build_parser
-
     name, args = argv[0], argv[1:]
     if name == "poise-trl":
-        build_parser().parse_args(args)
+        parse_poise_trl(args, checkout)
     elif name == "accelerate":
         assert args[0] == "launch", argv
         if "--config_file" in args:
             assert (checkout / args[args.index("--config_file") + 1]).is_file(), argv
+        if "-m" in args:  # accelerate launch [...] -m poise_trl.cli train ...
+            module = args.index("-m") + 1
+            assert args[module] == "poise_trl.cli", argv
+            parse_poise_trl(args[module + 1 :], checkout)
+            return
         script = next(i for i, word in enumerate(args) if word.endswith(".py"))
         assert (checkout / args[script]).is_file(), argv
-        if args[script] != "examples/train_poise.py":
-            return  # another example script: it exists; its own test runs it
-        sys.path.insert(0, str(checkout / "examples"))
-        cwd = os.getcwd()
-        os.chdir(checkout)
-        try:
-            import train_poise
-
-            train_poise.parse_args([*args[script + 1 :], "--use_cpu", "true"])
-        finally:
-            os.chdir(cwd)
-            sys.path.pop(0)
+        if args[script] == "examples/train_poise.py":  # `poise-trl train` as a script
+            parse_poise_trl(["train", *args[script + 1 :]], checkout)
+        # another example script: it exists; its own test runs it
     elif name == "make":
         makefile = (checkout / "Makefile").read_text()
         for target in args:
             assert re.search(rf"^{re.escape(target)}:", makefile, re.M), f"no make target {target}"
     # `trl` (TRL's own CLI, e.g. `trl vllm-serve`) and `pip` are not ours to parse.
+
+
+def parse_poise_trl(args: list[str], checkout: Path) -> None:
+    """`poise-trl ARGS` by the CLI's parser; `train`'s arguments by its `TrlParser`, which loads the YAML recipe from
+    the checkout (`--use_cpu true` because bf16 recipes are refused without a GPU)."""
+    from poise_trl.cli import parse
+    from poise_trl.rlvr.train import parse_args
+
+    namespace = parse(args)
+    if getattr(namespace, "forwards_arguments", False):
+        cwd = os.getcwd()
+        os.chdir(checkout)
+        try:
+            parse_args([*namespace.arguments, "--use_cpu", "true"])
+        finally:
+            os.chdir(cwd)
 
 
 @pytest.mark.parametrize("block", [b for b in CODE_BLOCKS if b.requires], ids=lambda b: b.id)

@@ -4,6 +4,7 @@ that keeps every value the script set and takes POISE's defaults where the scrip
 import dataclasses
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from trl import GRPOConfig
@@ -72,6 +73,11 @@ def test_every_value_the_script_set_survives_and_defaults_become_poise_s(caplog)
     # One line, naming each change.
     (line,) = _conversion_lines(caplog)
     assert "num_generations 8 -> 2, epsilon_high None -> 0.28, scale_rewards 'group' -> 'none'" in line
+    assert "does not record which values a script set" in line  # why an explicit 8 is listed too
+    # 16 x 4 completions per optimizer step on 1 process: 8 prompts x 8 before, 32 x 2 after.
+    assert "still trains 64 completions" in line and "now 32 prompts x 2 rollouts instead of 8 x 8" in line
+    assert "4x the prompts per step, so an epoch takes 4x fewer optimizer steps" in line
+    assert "from_grpo_config(config, num_generations=8)" in line
     # Same completions per step, 4x the prompts: per_device_train_batch_size counts completions.
     assert (poise.per_device_train_batch_size, poise.generation_batch_size) == (16, 64)
     assert poise.generation_batch_size // poise.num_generations == 4 * grpo.generation_batch_size // 8
@@ -93,13 +99,22 @@ def test_derived_batch_fields_do_not_conflict(batch):
     )
 
 
+def test_the_migration_page_quotes_the_warning_its_example_logs(caplog):
+    """docs/from-grpo.md shows the warning of its own diff's `GRPOConfig` word for word."""
+    page = (Path(__file__).parents[1] / "docs" / "from-grpo.md").read_text()
+    (quoted,) = [line for line in page.splitlines() if line.startswith("Converted GRPOConfig")]
+    with caplog.at_level(logging.WARNING):
+        POISEConfig.from_grpo_config(GRPOConfig(output_dir="Qwen3-0.6B-GRPO", max_completion_length=1024, **CPU_ARGS))
+    assert _conversion_lines(caplog) == [quoted]
+
+
 def test_values_other_than_trl_defaults_are_kept(caplog):
     grpo = _grpo(num_generations=4, epsilon_high=0.3, scale_rewards="batch")
     with caplog.at_level(logging.WARNING):
         poise = POISEConfig.from_grpo_config(grpo)
     assert (poise.num_generations, poise.epsilon_high, poise.scale_rewards) == (4, 0.3, "batch")
     (line,) = _conversion_lines(caplog)
-    assert "take POISE's: none" in line
+    assert "takes POISE's: no field held one." in line and "optimizer step" not in line  # same G, same steps
 
 
 def test_g8_becomes_2_unless_kept_explicitly(caplog):
@@ -111,7 +126,7 @@ def test_g8_becomes_2_unless_kept_explicitly(caplog):
         kept = POISEConfig.from_grpo_config(_grpo(num_generations=8), num_generations=8, probe_layer=-1)
     assert (kept.num_generations, kept.probe_layer, kept.epsilon_high) == (8, -1, 0.28)
     (line,) = _conversion_lines(caplog)
-    assert "num_generations" not in line and "epsilon_high None -> 0.28" in line
+    assert "num_generations 8 -> 2" not in line and "epsilon_high None -> 0.28" in line
     # An explicit scale_rewards="group" is TRL's default too; POISE refuses it when asked for explicitly.
     with pytest.raises(ValueError, match="not supported by POISE"):
         POISEConfig.from_grpo_config(_grpo(), scale_rewards="group")

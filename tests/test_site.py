@@ -116,3 +116,21 @@ def test_generated_tables_and_api_page_read_right(site):
     overrides = api.split("Overrides (all of them):", 1)[1].split("</ul>", 1)[0]
     assert overrides.count("<li>") == 7
     assert "Rollouts per prompt" in configuration
+
+
+def test_api_page_leads_with_the_public_api_and_renders_defaults_as_values(site):
+    """`poise_trl.__all__` is the API page's first table, in order, each name rendered on the page; the internals
+    have a page of their own; a `default_factory` default reads as its value; no source path appears as text."""
+    import poise_trl
+
+    page = (ROOT / "docs" / "api.md").read_text()
+    listed = re.findall(r"^\| \[`(\w+)`\]\(#", page, re.M)
+    assert listed == poise_trl.__all__
+    assert all(getattr(poise_trl, name) is not None for name in poise_trl.__all__)
+    api = (site / "api" / "index.html").read_text()
+    for name in poise_trl.__all__:
+        assert re.search(rf'id="poise_trl\.\w+\.{name}"', api), f"{name} is not rendered on the API page"
+    assert 'id="poise_trl.baselines.cross_rollout_baselines"' in (site / "api-internals" / "index.html").read_text()
+    text = "".join(_pages(site)["api/index.html"].text)
+    assert "lambda" not in text and "['prompt', 'reasoning', 'entropy']" in text
+    assert "docs/configuration.md" not in text

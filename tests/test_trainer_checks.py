@@ -3,7 +3,6 @@ card, the selection's trust gate and resumable random stream, and the two TRL be
 (pinned here, so a TRL upgrade that changes them fails loudly)."""
 
 import functools
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -81,10 +80,10 @@ def test_a_training_set_smaller_than_one_generation_batch_is_refused(tiny_model_
 
 
 def test_the_training_script_refuses_a_two_row_file_instead_of_training_zero_steps(tiny_model_path, tmp_path):
-    """examples/train_poise.py with the recipe's batch sizes on a 2-row file used to exit 0 after 0 steps."""
-    spec = importlib.util.spec_from_file_location("train_poise_script", ROOT / "examples" / "train_poise.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    """`poise-trl train` (examples/train_poise.py) with the recipe's batch sizes on a 2-row file used to exit 0 after
+    0 steps."""
+    from poise_trl.rlvr import train as script
+
     data = tmp_path / "two.jsonl"
     data.write_text(
         "".join(json.dumps({"prompt": f"What is {i} + 1?", "solution": str(i + 1)}) + "\n" for i in (1, 2))
@@ -211,7 +210,7 @@ def test_selection_after_a_warm_start_uses_the_probe_from_the_first_step(tiny_mo
     warm = POISETrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
     warm.train()
     assert _logged(warm, "poise/selection/random") == [0.0]
-    assert not math.isnan(_logged(warm, "poise/selection/predicted_spread")[0] or math.nan)
+    assert not math.isnan(_logged(warm, "poise/selection/predicted_spread")[0])
 
 
 class KeptPrompts(POISETrainer):

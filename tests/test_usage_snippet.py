@@ -22,7 +22,8 @@ SNIPPETS = ROOT / "docs" / "snippets"
 CPU_FIXTURE = "tests/fixtures/dapo_math_17k_en.jsonl"
 # What the CPU variant may add to the GPU snippet's POISEConfig: the CPU settings and a smaller run.
 CPU_SETTINGS = {"use_cpu", "bf16", "max_steps", "max_completion_length"}
-SCALE_SETTINGS = {"output_dir", "per_device_train_batch_size"}
+# The GPU snippet's Qwen3 needs a completion length its reasoning fits in; the CPU variant's tiny model does not.
+SCALE_SETTINGS = {"output_dir", "per_device_train_batch_size", "max_completion_length"}
 
 
 def _substitute(source: str, old: str, new: str) -> str:

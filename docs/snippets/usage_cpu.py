@@ -4,7 +4,7 @@ from poise_trl.rlvr.data import load_math_dataset
 from poise_trl.rlvr.rewards import math_answer_reward
 
 # Offline on a CPU, from the repository root: a local file in DAPO-Math-17k's schema and the demo's tiny model
-# (cached by `make demo`, else built here in under a minute). It checks the set-up end to end; a 1M-parameter
+# (cached by `make demo`, else built here first). It checks the set-up end to end; a 1M-parameter
 # sorting model scores 0 on math, so nothing is learned.
 dataset = load_math_dataset("tests/fixtures/dapo_math_17k_en.jsonl")
 model = str(prepare_demo_model(default_cache_dir()))

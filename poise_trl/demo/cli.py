@@ -41,7 +41,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
 def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "demo",
-        help="train the tiny model with POISE on digit sorting (CPU, a few minutes), or a real model on arith",
+        help="train the tiny model with POISE on digit sorting (CPU, about a minute), or a real model on arith",
         description="Warm-start a tiny Qwen3 on sorting 2-8 digits (or, with --model, prepare a real pretrained "
         "model for the arith task), measure held-out avg@k, train it with POISETrainer while printing the probe's "
         "diagnostics, measure again, and write a training-dynamics plot and summary.json.",

@@ -248,8 +248,9 @@ def run_demo(
     summary = {
         "task": demo.name,
         "model": demo.model_label,
-        "model_dir": str(demo.model_dir),
-        "final_model_dir": str(output_dir / "final"),
+        # names and paths relative to output_dir, not this machine's: summaries get committed
+        "model_dir": demo.model_dir.name,
+        "final_model_dir": "final",
         "steps": steps,
         "seed": seed,
         "eval_k": eval_k,
@@ -277,7 +278,7 @@ def run_demo(
         "probe_feature_passes": trainer.feature_passes,
         "train_seconds": train_seconds,
         "total_seconds": time.perf_counter() - start,
-        "plot": str(plot_path),
+        "plot": plot_path.name,
     }
     (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     write(_closing_summary(summary, before, after))

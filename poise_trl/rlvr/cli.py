@@ -1,4 +1,4 @@
-"""Parser of `poise-trl eval`; the handler imports the evaluation (torch, datasets) only when it runs."""
+"""Parsers of `poise-trl eval` and `poise-trl train`; the handlers import torch, datasets and TRL when they run."""
 
 import argparse
 from typing import Any
@@ -48,4 +48,22 @@ def add_eval_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--output", default="eval_results.json", help="where to write the JSON results")
     parser.set_defaults(func=_run_eval)
+    return parser
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from .train import run
+
+    return run(args.arguments, traceback=getattr(args, "debug", False))
+
+
+def add_train_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `train`: its arguments are `TrlParser`'s (`--config RECIPE.yaml` and every config field), so the CLI
+    hands them over unparsed (`forwards_arguments`) and `--help` is the training parser's own."""
+    parser = subparsers.add_parser(
+        "train",
+        help="train with POISETrainer (or the GRPO baseline) from a YAML recipe, as `trl grpo` does",
+        add_help=False,
+    )
+    parser.set_defaults(func=_run_train, forwards_arguments=True)
     return parser

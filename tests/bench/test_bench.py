@@ -145,6 +145,9 @@ def test_overhead_smoke(tmp_path, capsys):
     assert printed[-1].startswith("Summary: POISE/GRPO step time") and printed[-2].startswith("| probe fit ")
     result = json.loads((out / "overhead.json").read_text())
     assert set(result) >= {"settings", "environment", "timing", "memory", "memory_method", "probe_fit", "headline"}
+    # Folders relative to the run (the file gets committed), not this machine's tmp_path.
+    assert (result["settings"]["output_dir"], result["settings"]["cache_dir"]) == (".", "models")
+    assert str(tmp_path) not in json.dumps(result)
     assert [t["name"] for t in result["timing"]] == ["4 tok, +1 pass", "4 tok, +0 pass"]
     for row, expected_passes in zip(result["timing"], (1, 0), strict=True):
         assert len(row["poise_seconds"]) == len(row["grpo_seconds"]) == 1

@@ -201,6 +201,7 @@ def test_command_end_to_end_refit_without_generation_and_export_warm_starts_the_
         + ["--layers", "1,3", "--pools", "2", "--critic-epochs", "2", "--output-dir", str(out)]
         + ["--export", str(probe_file), *common]
     )
+    assert str(tmp_path) not in json.dumps(results) and "model_path" not in results["collection"]  # no machine paths
     sections = results["sections"]
     assert list(sections) == [
         "Probe vs critic",

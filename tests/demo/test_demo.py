@@ -48,6 +48,9 @@ def test_demo_writes_summary_plot_state_and_model(demo_run):
     assert on_disk["final_window"]["reward"] is not None
     assert on_disk["final_window"]["poise/mae"] is not None
     assert (run_dir / run.PLOT_FILE).read_bytes()[:8] == PNG_MAGIC
+    # Relative to the run folder, or a model folder's name: a committed summary names no machine's paths.
+    assert (on_disk["plot"], on_disk["final_model_dir"]) == (run.PLOT_FILE, "final")
+    assert "/" not in on_disk["model_dir"]
     assert (run_dir / "final" / "config.json").exists()
     history = load_log_history(run_dir)
     assert [e["step"] for e in history if "reward" in e] == list(range(1, STEPS + 1))

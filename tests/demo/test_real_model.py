@@ -98,9 +98,9 @@ def test_probe_bench_collects_and_scores_on_the_real_model(real_model_path, tmp_
 
 
 def test_the_training_script_trains_the_real_model_on_arith(real_model_path, tmp_path):
-    """`examples/train_poise.py --model_name_or_path FOLDER --dataset_name arith`: the folder works as a Hub id does,
-    and arith brings its own reward; the saved model's card names POISE."""
-    from tests.rlvr.test_recipes import train_poise
+    """`poise-trl train --model_name_or_path FOLDER --dataset_name arith`: the folder works as a Hub id does, and
+    arith brings its own reward; the saved model's card names POISE."""
+    from poise_trl.rlvr import train as train_poise
 
     argv = ["--model_name_or_path", str(real_model_path), "--dataset_name", "arith", "--max_train_samples", "8"]
     argv += ["--output_dir", str(tmp_path / "out"), "--use_cpu", "true", "--bf16", "false", "--report_to", "none"]

@@ -1,15 +1,14 @@
-"""The recipes in configs/ hold the paper's values as the training script parses them, and the script runs.
+"""The recipes in configs/ hold the paper's values as the training command parses them, and the command runs.
 
-Every recipe goes through `examples/train_poise.py`'s own parser, so what is checked here is what a launch would
-train with. One recipe runs end to end on CPU with the model and dataset swapped for local tiny ones on the
-command line, the way a user overrides a recipe.
+Every recipe goes through `poise-trl train`'s own parser (`poise_trl.rlvr.train`, which `examples/train_poise.py`
+wraps), so what is checked here is what a launch would train with. Every recipe trains 2 steps on CPU through
+`poise-trl train`, with the model and dataset swapped for local tiny ones on the command line, the way a user
+overrides a recipe.
 """
 
-import importlib.util
 import json
 import shlex
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import yaml
@@ -17,22 +16,13 @@ from accelerate.commands.config.config_args import load_config_from_file
 from trl import GRPOConfig
 from trl.scripts.vllm_serve import make_parser as make_vllm_serve_parser
 
-from poise_trl import PROBE_PRESETS, POISEConfig
+from poise_trl import PROBE_PRESETS, POISEConfig, cli
+from poise_trl.rlvr import train as train_poise
 from poise_trl.rlvr.data import DAPO_PROMPT_PREFIX, DAPO_PROMPT_SUFFIX, dataset_hub_id
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"
 
-
-def _load_script() -> ModuleType:
-    """examples/ is not a package: import the script from its path, as the tests' single source of parsing."""
-    spec = importlib.util.spec_from_file_location("train_poise", ROOT / "examples" / "train_poise.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-train_poise = _load_script()
 
 QWEN3, R1_DISTILL = "Qwen/Qwen3-4B", "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
 # recipe: (trainer, model, rollouts per prompt, prompts per generation step, training GPUs it assumes,
@@ -42,8 +32,11 @@ RECIPES = {
     "poise_qwen3_4b_dapo_vllm_colocate.yaml": ("poise", QWEN3, 2, 1024, 8, 120),
     "poise_qwen3_4b_dapo_vllm_server.yaml": ("poise", QWEN3, 2, 1024, 4, 120),
     "poise_r1_distill_1p5b_dapo.yaml": ("poise", R1_DISTILL, 2, 512, 8, 120),
+    "paper_poise_qwen3_4b_dapo.yaml": ("poise", QWEN3, 2, 1024, 8, 120),
+    "paper_poise_r1_distill_1p5b_dapo.yaml": ("poise", R1_DISTILL, 2, 512, 8, 120),
     "grpo_baseline_qwen3_4b_dapo.yaml": ("grpo", QWEN3, 8, 128, 8, 100),
 }
+PAPER_PREFIX = "paper_"  # a paper reproduction's file name starts with it; a POISE recipe without it is recommended
 MINI_BATCH_PROMPTS = 16  # Tables 4/5 "mini batch size": prompts per optimizer step
 VLLM_FIELDS = {"use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "vllm_tensor_parallel_size"}
 VLLM_FIELDS |= {"vllm_enable_sleep_mode", "vllm_max_model_length", "vllm_server_host", "vllm_server_port"}
@@ -89,8 +82,12 @@ def test_recipe_runs_what_its_header_promises(name):
     if script_args.trainer == "grpo":
         assert algorithm == "dapo-baseline"
         return
-    # A POISE recipe runs the paper's algorithm, or says in its name and header that it runs the library's defaults.
-    assert algorithm == "paper" or (algorithm == "library-defaults" and "defaults" in name)
+    # A POISE recipe named paper_* runs the paper's algorithm; any other runs the library's defaults, and says so.
+    assert algorithm == ("paper" if name.startswith(PAPER_PREFIX) else "library-defaults"), (name, algorithm)
+    if algorithm == "library-defaults":
+        keys = set(yaml.safe_load((CONFIGS / name).read_text()))
+        assert not {"probe_preset", "probe_alpha", "probe_pca_dims"} & keys
+        assert (CONFIGS / (PAPER_PREFIX + name)).is_file() or "_vllm_" in name, f"{name} has no paper counterpart"
     library_defaults = {key: POISEConfig.__dataclass_fields__[key].default for key in PAPER_ALGORITHM}
     expected = PAPER_ALGORITHM if algorithm == "paper" else library_defaults
     assert {key: getattr(args, key) for key in PAPER_ALGORITHM} == expected
@@ -139,7 +136,8 @@ def test_recipe_holds_paper_values(name):
         assert (args.probe_layer, args.probe_pool_tokens) == (19, 10)
         assert args.reasoning_end_marker == "</think>"
         assert args.probe_features == ["prompt", "reasoning", "entropy"]
-        assert (args.probe_alpha, args.probe_pca_dims) == (0.01, [0, 0])  # paper: no PCA, alpha 0.01
+        preset = "paper" if name.startswith(PAPER_PREFIX) else "release"  # paper: no PCA, alpha 0.01
+        assert (args.probe_preset, args.probe_alpha, args.probe_pca_dims) == (preset, *PROBE_PRESETS[preset])
         assert args.probe_buffer_size == 4096
         # The release's bootstrap length in rollouts: 16 steps x 256 prompts x 2.
         assert args.probe_warmup_steps * args.generation_batch_size == 16 * 256 * 2
@@ -148,9 +146,17 @@ def test_recipe_holds_paper_values(name):
         assert not any(key.startswith("probe_") for key in yaml.safe_load((CONFIGS / name).read_text()))
 
 
+@pytest.mark.parametrize("name", sorted(name for name in RECIPES if name.startswith(PAPER_PREFIX)))
+def test_paper_recipe_differs_from_the_recommended_one_only_in_the_estimator(name):
+    paper = yaml.safe_load((CONFIGS / name).read_text())
+    recommended = yaml.safe_load((CONFIGS / name.removeprefix(PAPER_PREFIX)).read_text())
+    changed = {key for key in paper.keys() | recommended.keys() if paper.get(key) != recommended.get(key)}
+    assert changed == {"probe_preset", "probe_partner_reward", "probe_bootstrap", "output_dir"}
+
+
 @pytest.mark.parametrize("name", ["poise_qwen3_4b_dapo_vllm_colocate.yaml", "poise_qwen3_4b_dapo_vllm_server.yaml"])
 def test_vllm_recipes_differ_from_base_only_in_generation(name):
-    base = yaml.safe_load((CONFIGS / "poise_qwen3_4b_dapo.yaml").read_text())
+    base = yaml.safe_load((CONFIGS / "poise_qwen3_4b_dapo.yaml").read_text())  # the recommended recipe
     variant = yaml.safe_load((CONFIGS / name).read_text())
     changed = {key for key in base.keys() | variant.keys() if base.get(key) != variant.get(key)}
     # The server recipe trains on 4 of the 8 GPUs, so it accumulates twice as many micro-batches.
@@ -280,6 +286,32 @@ def test_recipe_trains_end_to_end_on_tiny_model(tiny_model_path, tmp_path):
     assert str(tmp_path) not in card  # a local dataset file is not linked as a Hub dataset
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_every_recipe_trains_two_steps_on_cpu_through_the_cli(name, tiny_model_path, tmp_path):
+    """`poise-trl train --config RECIPE` with the CPU variant's overrides (tiny model, 6-row local file, one
+    generation step split into 2 optimizer steps): what a user's smoke run does before renting GPUs."""
+    trainer, *_ = RECIPES[name]
+    output_dir = tmp_path / "out"
+    argv = ["train", "--config", str(CONFIGS / name), "--use_cpu", "true", "--bf16", "false", "--use_vllm", "false"]
+    argv += ["--model_name_or_path", str(tiny_model_path), "--output_dir", str(output_dir)]
+    argv += ["--dataset_name", str(_write_dapo_jsonl(tmp_path / "dapo_en.jsonl", rows=6))]
+    argv += ["--gradient_checkpointing", "false", "--report_to", "none", "--disable_tqdm", "true"]
+    argv += ["--max_completion_length", "4", "--max_steps", "2", "--save_strategy", "steps", "--save_steps", "2"]
+    argv += ["--gradient_accumulation_steps", "1"]
+    if trainer == "poise":  # 2 prompts x 2 rollouts; the tiny model has 4 layers
+        argv += ["--per_device_train_batch_size", "2", "--generation_batch_size", "4", "--probe_layer", "2"]
+    else:  # 1 prompt x the baseline's 8 rollouts
+        argv += ["--per_device_train_batch_size", "4", "--generation_batch_size", "8"]
+
+    assert cli.main(argv) == 0
+    state = json.loads((output_dir / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
+    assert (output_dir / "model.safetensors").is_file()
+    card = (output_dir / "README.md").read_text()
+    assert ("## POISE" in card) == (trainer == "poise")
+
+
 @pytest.mark.parametrize("trainer", ["poise", "grpo"])
 def test_too_small_a_training_set_fails_with_the_reason(trainer, tiny_model_path, tmp_path, capsys):
     """2 rows against the recipe's 1024 prompts per generation: TRL alone would train 0 steps and save the model.
@@ -297,7 +329,7 @@ def test_too_small_a_training_set_fails_with_the_reason(trainer, tiny_model_path
     assert train_poise.run(argv) == 2
     captured = capsys.readouterr()
     errors = [line for line in captured.err.splitlines() if "error" in line.lower()]  # beside datasets' progress bars
-    assert len(errors) == 1 and errors[0].startswith("train_poise.py: error: "), captured.err
+    assert len(errors) == 1 and errors[0].startswith("poise-trl train: error: "), captured.err
     assert "too small" in errors[0].lower() and "Traceback" not in captured.err
     assert "Model and model card saved" not in captured.out
     assert not (output_dir / "model.safetensors").exists()

@@ -95,6 +95,16 @@ def headline(timing: list[dict], memory: list[dict], probe: list[dict], settings
     return line + "."
 
 
+def _relative_paths(settings: dict[str, Any], output_dir: Path) -> dict[str, str]:
+    """The run's folders as overhead.json records them: relative to the run folder when inside it (it gets committed;
+    this machine's absolute paths mean nothing elsewhere), as given otherwise."""
+    run, shown = output_dir.resolve(), {}
+    for key in ("output_dir", "cache_dir"):
+        path = Path(settings[key]).resolve()
+        shown[key] = str(path.relative_to(run)) if path.is_relative_to(run) else settings[key]
+    return shown
+
+
 def run_overhead(args: argparse.Namespace) -> int:
     """Handler of `poise-trl bench overhead`."""
     quiet_libraries()
@@ -146,7 +156,7 @@ def run_overhead(args: argparse.Namespace) -> int:
         output_dir / "overhead.json",
         {
             "command": "poise-trl bench overhead",
-            "settings": settings,
+            "settings": {**settings, **_relative_paths(settings, output_dir)},
             "environment": environment(),
             "wall_seconds": time.perf_counter() - start,
             "timing": timing,

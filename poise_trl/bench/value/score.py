@@ -369,7 +369,7 @@ def run_benchmark(
             "held_out_avg_at_k": [float(v) for v in bench.avg_at_k[bench.scored]],
             "held_out_variance_reduction_bound": bench.variance_reduction_bound(),
             "held_out_prompt_index": bench.test_prompts[torch.from_numpy(bench.scored)].tolist(),
-            **{k: v for k, v in meta.items() if k != "prompts"},
+            **{k: v for k, v in meta.items() if k not in ("prompts", "model_path")},  # a machine path: not kept
         },
         "settings": {
             "features": blocks,
@@ -379,7 +379,7 @@ def run_benchmark(
             "n_bootstrap": n_bootstrap,
             "vr_group_size": vr_group_size,
             "mlps": [list(m) for m in mlps],
-            "critic": None if critic is None else {k: str(v) for k, v in critic.items()},
+            "critic": None if critic is None else {k: str(v) for k, v in critic.items() if k != "model_name_or_path"},
         },
         "critic_history": critic_history,
         "sections": sections,
