@@ -384,7 +384,7 @@ def add_gradient_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--folds", type=int, default=4, help="POISE's probe for a prompt is fitted on the other folds' prompts")
     add("--lora-rank", type=int, default=1, help="rank of the LoRA sketch (its B gradients are stored per rollout)")
     add("--output-dir", default="runs/bench/gradient", help="results.json, results.md, gradient.png")
-    parser.set_defaults(func=_run_gradient, layers="", pools="")
+    parser.set_defaults(func=_run_gradient)
     return parser
 
 

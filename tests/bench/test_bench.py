@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from poise_trl.bench.common import CONTENDERS, spread
+from poise_trl.bench.common import CONTENDERS, summarize
 from poise_trl.bench.efficiency import micro_batching
 from poise_trl.bench.overhead.timing import Baton
 from poise_trl.bench.trainers import DynamicSampling
@@ -33,11 +33,11 @@ def test_parser_registers_both_subcommands():
         parse_bench(["bench"])
 
 
-def test_spread_counts_never_reached_as_infinite():
-    assert spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
-    assert spread([1.0, None, 3.0, None])["median"] is None  # two of four never reached: the median is not finite
-    assert spread([1.0, None, 3.0]) == {"median": 3.0, "min": 1.0, "max": None, "n": 3}
-    assert spread([])["n"] == 0
+def test_summarize_counts_never_reached_as_infinite():
+    assert summarize([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert summarize([1.0, None, 3.0, None])["median"] is None  # two of four never reached: the median is not finite
+    assert summarize([1.0, None, 3.0]) == {"median": 3.0, "min": 1.0, "max": None, "n": 3}
+    assert summarize([])["n"] == 0
 
 
 def test_micro_batching_keeps_the_completions_per_step():

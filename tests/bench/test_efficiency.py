@@ -4,6 +4,7 @@ Timings are never asserted.
 """
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import poise_trl
+from poise_trl.bench.cli import add_efficiency_parser
 from poise_trl.bench.common import CONTENDERS, PAPER_PINS, REFERENCES, environment, smallest_p_holm
 from poise_trl.bench.efficiency import HeldOutCurve, _config, micro_batching
 from poise_trl.bench.report import _log_ratio, _wilcoxon, goal, holm, summarize_task, verdict, write_report
@@ -32,6 +34,18 @@ def test_parser_defaults_size_the_study_per_the_issue():
     assert args.task == ["sort", "hops"] and args.task_seeds == [("hops", list(range(10)))]
     with pytest.raises(SystemExit):
         parse_bench(["bench", "efficiency", "--task-seeds", "nosuchtask=0-3"])
+
+
+def test_every_flag_is_a_setting_with_a_role():
+    """A new flag must be declared in EfficiencySettings, where its role says whether it decides a run's result (and
+    so joins the identity a resumed study must match)."""
+    parser = argparse.ArgumentParser()
+    add_efficiency_parser(parser.add_subparsers())
+    flags = {a.dest for a in parser._subparsers._group_actions[0].choices["efficiency"]._actions} - {"help"}
+    assert flags == {f.name for f in dataclasses.fields(EfficiencySettings)}
+    identity = EfficiencySettings.from_args(parse_bench(["bench", "efficiency"])).identity()
+    assert {"budget", "completions_per_step", "model", "eval_seed", "warmup_steps"} <= set(identity)
+    assert not {"jobs", "cpu_threads", "output_dir", "seeds", "learning_rate"} & set(identity)
 
 
 def test_tuning_and_evaluation_seeds_must_be_disjoint():
