@@ -53,6 +53,26 @@ def test_advantages_use_only_earlier_observations():
     assert not torch.equal(estimator.advantages(x, r).advantages, first.advantages)  # observe does
 
 
+def test_predict_and_advantages_change_nothing_and_observe_reuses_the_handed_batch():
+    estimator = _trained()
+    before = estimator.state_dict()
+    x, r, groups, _ = _batch(11)
+    values = estimator.predict(x, r)
+    result = estimator.advantages(x, r)
+    assert torch.equal(values, result.values) and values.isfinite().all()
+    after = estimator.state_dict()
+    assert before["info"] == after["info"]
+    assert all(torch.equal(tensor, after["tensors"][key]) for key, tensor in before["tensors"].items())
+    handed, fresh = _trained(), _trained()
+    handed.observe(group_ids=groups, result=handed.advantages(x, r))
+    fresh.observe(x, r, groups)  # the same learning, the batch prepared again
+    assert torch.equal(
+        handed.probes["default"].probe.state_dict()["coef"], fresh.probes["default"].probe.state_dict()["coef"]
+    )
+    with pytest.raises(ValueError, match="holds a batch of 16 rows"):
+        handed.observe(x[:8], r[:8], result=result)
+
+
 def test_state_round_trips_bit_for_bit_through_one_atomic_file(tmp_path):
     settings = dict(scale_rewards="batch", domain_buffer_sizes={"code": 8}, feature_config={"domain": True})
     estimator = _trained(6, **settings)
