@@ -5,12 +5,13 @@ that result explicitly, learns from its batch without preparing it again, and br
 host in the step's one device->host transfer. Without the result, `observe` prepares the batch itself.
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .baselines import append_reward_column, leave_one_out_targets
+from .files import DEFAULT_DOMAIN
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,29 @@ class PreparedBatch:
     @property
     def rows(self) -> int:
         return self.rewards.numel()
+
+
+def split_domains(
+    domains: Sequence[str] | None, n: int, device: torch.device | str, known: Iterable[str], max_domains: int
+) -> dict[str, torch.Tensor]:
+    """Domain name -> (n,) bool rows of that domain (one, `DEFAULT_DOMAIN`, without names); refuses more than
+    `max_domains` distinct domains with the `known` ones."""
+    if domains is None:
+        return {DEFAULT_DOMAIN: torch.ones(n, dtype=torch.bool, device=device)}
+    names = [str(d) for d in domains]
+    if len(names) != n:
+        raise ValueError(f"Got {len(names)} domain names for {n} rows.")
+    seen = {**dict.fromkeys(known), **dict.fromkeys(names)}
+    if len(seen) > max_domains:
+        raise ValueError(
+            f"{len(seen)} distinct domains ({', '.join(map(repr, list(seen)[:5]))}{', ...' * (len(seen) > 5)}) "
+            f"exceed max_domains={max_domains}: each keeps its own probe and buffer. Map the domain column "
+            "to fewer values, or raise max_domains if the memory allows (see the estimator's docstring)."
+        )
+    return {
+        name: torch.tensor([d == name for d in names], dtype=torch.bool, device=device)
+        for name in dict.fromkeys(names)
+    }
 
 
 def prepare_batch(

@@ -43,8 +43,8 @@ from .baselines import (
     poise_advantages,
     shrunk_rloo_line,
 )
-from .batch import AdvantageResult, PreparedBatch, prepare_batch
-from .files import DEFAULT_DOMAIN, atomic_save, read_state
+from .batch import AdvantageResult, PreparedBatch, prepare_batch, split_domains
+from .files import atomic_save, read_state
 from .probe import OnlineProbe, ProbeBuffer, ValueProbe, choose_layer
 from .settings import check_settings
 
@@ -146,24 +146,6 @@ class POISEEstimator:
     def _describe(self, probe: ValueProbe) -> str:
         return json.dumps(probe.config()) if self.describe is None else self.describe(probe)
 
-    def _domain_rows(self, domains: Sequence[str] | None, n: int, device) -> dict[str, torch.Tensor]:
-        if domains is None:
-            return {DEFAULT_DOMAIN: torch.ones(n, dtype=torch.bool, device=device)}
-        names = [str(d) for d in domains]
-        if len(names) != n:
-            raise ValueError(f"Got {len(names)} domain names for {n} rows.")
-        seen = {**self.probes, **dict.fromkeys(names)}
-        if len(seen) > self.max_domains:
-            raise ValueError(
-                f"{len(seen)} distinct domains ({', '.join(map(repr, list(seen)[:5]))}{', ...' * (len(seen) > 5)}) "
-                f"exceed max_domains={self.max_domains}: each keeps its own probe and buffer. Map the domain column "
-                "to fewer values, or raise max_domains if the memory allows (see the estimator's docstring)."
-            )
-        return {
-            name: torch.tensor([d == name for d in names], dtype=torch.bool, device=device)
-            for name in dict.fromkeys(names)
-        }
-
     def prepare(
         self,
         features: torch.Tensor,
@@ -185,7 +167,7 @@ class POISEEstimator:
                 f"pca_dims={blocks} covers column {width}, the partner-reward column: PCA blocks must lie within "
                 f"the {width} feature columns."
             )
-        domain_rows = self._domain_rows(domains, rewards.numel(), rewards.device)
+        domain_rows = split_domains(domains, rewards.numel(), rewards.device, self.probes, self.max_domains)
         g = num_generations or self.num_generations
         return prepare_batch(
             features, rewards, has_completion, g, self.partner_reward, domain_rows, domains is not None

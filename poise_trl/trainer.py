@@ -22,8 +22,9 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id
 
 from .config import POISEConfig
-from .estimator import DEFAULT_DOMAIN, POISEEstimator
+from .estimator import POISEEstimator
 from .features import assemble_features, capture_layer, feature_spans, find_decoder_layers
+from .files import DEFAULT_DOMAIN
 from .probe import ProbeBuffer, ValueProbe, prompt_group_ids
 from .resume import (
     ESTIMATOR_FILE,
