@@ -403,6 +403,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         if self.args.should_save:
             self.estimator.save(folder / ESTIMATOR_FILE)
+        # Inside a generation batch, TRL's slices still to train on live outside its checkpoint: keep each process's.
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._buffered_inputs is not None and self._step % generate_every:
             save_generation_batch(folder, self.accelerator.process_index, self._buffered_inputs, self._step)
