@@ -11,7 +11,7 @@ resumed run draws what the uninterrupted one drew without saving a counter.
   weight is 1: the kept prompts are trained on as they come.
 
 A rule that draws with replacement in proportion to some q(x) returns the weights 1 / (n q(x)) that keep the
-gradient unbiased, in `Draw.weights`.
+gradient unbiased, in `Draw.weights`; the trainer does not apply weights yet, so such a rule comes with that step.
 """
 
 from collections.abc import Callable, Sequence
