@@ -49,6 +49,7 @@ from .probe import OnlineProbe, ProbeBuffer, ValueProbe, choose_layer
 from .settings import check_settings
 
 FORMAT = "poise-estimator/1"
+__all__ = ["POISEEstimator", "AdvantageResult", "PreparedBatch"]  # the result types live in batch.py
 
 
 class POISEEstimator:
