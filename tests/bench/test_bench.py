@@ -14,6 +14,7 @@ import torch
 from poise_trl.bench.common import CONTENDERS, summarize
 from poise_trl.bench.efficiency import micro_batching
 from poise_trl.bench.overhead.timing import Baton
+from poise_trl.bench.settings import EfficiencySettings
 from poise_trl.bench.trainers import DynamicSampling
 
 from .conftest import parse_bench
@@ -123,7 +124,8 @@ def test_efficiency_smoke_with_a_model_and_dataset(tmp_path, tiny_model_path, ca
         + ["--completions-per-step", "8", "--per-device-batch-size", "4", "--output-dir", str(out)]
     )
     assert args.func(args) == 0
-    assert args.gradient_checkpointing and args.jobs == 1  # resolved for --model
+    settings = EfficiencySettings.from_args(args)  # what the handler ran with; the namespace stays as parsed
+    assert settings.gradient_checkpointing and settings.jobs == 1  # resolved for --model
     result = json.loads((out / "efficiency.json").read_text())
     assert result["settings"]["model"] == str(tiny_model_path) and set(result["tasks"]) == {"model"}
     runs = [json.loads(p.read_text()) for p in sorted(out.glob("runs/model/*/*.json"))]
