@@ -89,7 +89,7 @@ def train(model_dir: str, train_set: Dataset, eval_set: Dataset, steps: int = 15
         loss.backward()
         optimizer.step()
         groups = torch.tensor(rows).repeat_interleave(G)  # the prompt of each row, for grouped cross-validation
-        estimator.observe(features, rewards, groups, has_completion=has_completion)
+        estimator.observe(group_ids=groups, result=result)  # learns from the batch `advantages` prepared
         history.append(
             {"reward": rewards.mean().item(), "trusted": estimator.trusted, **result.metrics(),
              "advantages": result.advantages.tolist(), "baselines": result.baselines.tolist(),

@@ -158,7 +158,7 @@ def poise_advantages(
     rewards: torch.Tensor,
     values: torch.Tensor,
     num_generations: int,
-    feature_ok: torch.Tensor,
+    usable: torch.Tensor,
     has_completion: torch.Tensor,
     trusted: torch.Tensor,
     fallback: torch.Tensor | None = None,
@@ -173,7 +173,7 @@ def poise_advantages(
     """
     scorable = torch.isfinite(rewards)
     rloo = leave_one_out_targets(rewards, num_generations, scorable) if fallback is None else fallback
-    probe = cross_rollout_baselines(values, num_generations, feature_ok)
+    probe = cross_rollout_baselines(values, num_generations, usable)
     baselines = torch.where(trusted.bool() & ~torch.isnan(probe), probe, rloo)
     receives = scorable & has_completion.bool() & torch.isfinite(baselines)
     advantages = torch.where(receives, rewards - baselines, torch.zeros_like(rewards))

@@ -8,7 +8,6 @@ from typing import Any
 
 from trl import GRPOConfig
 
-from .estimator import check_settings
 from .features import (
     FEATURE_BLOCKS,
     HIDDEN_BLOCKS,
@@ -17,6 +16,8 @@ from .features import (
     pca_blocks,
     resolve_layer_index,
 )
+from .sampling import RULES as SAMPLING_RULES
+from .settings import check_settings
 
 logger = logging.getLogger(__name__)
 
@@ -482,8 +483,9 @@ class POISEConfig(GRPOConfig):
                 f"prompt_selection_oversample={self.prompt_selection_oversample}: give a finite number of candidate "
                 "prompts per kept prompt (2.0 draws twice as many as are kept)."
             )
-        if self.prompt_selection not in (None, "value"):
-            raise ValueError(f"prompt_selection={self.prompt_selection!r}: choose None (paper) or 'value'.")
+        if self.prompt_selection is not None and self.prompt_selection not in SAMPLING_RULES:
+            rules = " or ".join(map(repr, SAMPLING_RULES))
+            raise ValueError(f"prompt_selection={self.prompt_selection!r}: choose None (paper) or {rules}.")
         if self.prompt_selection is None:
             return
         if "prompt" not in self.probe_features:

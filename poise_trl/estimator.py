@@ -5,17 +5,21 @@ The contract (the one TRL's `POISETrainer`, verl, OpenRLHF or a hand-written loo
     estimator = POISEEstimator(num_generations=2)          # G rollouts per prompt, consecutive in the batch
     result = estimator.advantages(features, rewards)       # features (N, D) or (N, C, D), rewards (N,)
     loss = policy_loss(..., result.advantages)             # A_i = r_i - b_i, b_i from rollout i's partners only
-    estimator.observe(features, rewards, group_ids)        # the ONLY learning method: buffers, refit, bootstrap
-    print(result.metrics())                                # diagnostics (paper App. C), fetched in one transfer
+    estimator.observe(group_ids=group_ids, result=result)  # the ONLY learning method: buffers, refit, bootstrap
+    print(result.metrics())                                # diagnostics (paper App. C), fetched with observe's
     estimator.save("poise.safetensors")                    # one file, no pickle, written atomically
 
 - `advantages` uses only what earlier `observe` calls taught it, so a rollout's baseline never depends on its own
   reward or features and the policy gradient stays unbiased. Before the probe is trusted (`warmup_steps` observed
-  steps) the baseline is the bootstrap: RLOO, the partners' mean reward m_i, or the shrunk a + w * m_i.
+  steps) the baseline is the bootstrap: RLOO, the partners' mean reward m_i, or the shrunk a + w * m_i. It changes
+  nothing, and neither does `predict`, each row's probe value.
 - `observe` appends the step's leave-one-out examples (features of j, mean reward of j's partners) to the sliding
   buffer of each domain, refits the ridge probe, the shrunk bootstrap's line, the running reward std and (with
-  several candidate layers) the layer choice. It costs exactly one device->host transfer.
-- `prompt_values` predicts a prompt's success rate from its prompt block (value-guided prompt selection).
+  several candidate layers) the layer choice. Handed the step's `result`, it reuses the batch `advantages` prepared
+  (`PreparedBatch`, batch.py) and the step costs exactly one device->host transfer; given the tensors
+  (`observe(features, rewards, group_ids)`) it prepares the batch itself.
+- `prompt_values` predicts a prompt's success rate from its prompt block; which prompts to draw from it is
+  sampling.py's.
 - `state_dict`/`load_state_dict` round-trip bit for bit; `save`/`load` also read the two-file layout of poise-trl 0.1
   (`poise_probe.safetensors` + `.json`, `poise_bootstrap.safetensors`).
 
@@ -27,7 +31,6 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,109 +38,26 @@ import torch
 from .baselines import (
     DIAGNOSTICS,
     RunningStd,
-    append_reward_column,
     cross_rollout_baselines,
     diagnostic_tensors,
-    leave_one_out_targets,
     poise_advantages,
     shrunk_rloo_line,
 )
-from .files import DEFAULT_DOMAIN, atomic_save, read_state
+from .batch import AdvantageResult, PreparedBatch, prepare_batch, split_domains
+from .files import atomic_save, read_state
 from .probe import OnlineProbe, ProbeBuffer, ValueProbe, choose_layer
+from .settings import check_settings
 
 FORMAT = "poise-estimator/1"
-
-
-def check_settings(settings: dict[str, Any], names: dict[str, str] | None = None) -> None:
-    """The rules every POISE estimator obeys, in one place: `POISEEstimator` checks its arguments with them and
-    `POISEConfig` its fields (`names` maps an argument to the field that sets it, so each error names what the
-    caller wrote). Only the keys present are checked."""
-
-    name = (names or {}).get
-
-    def bad(key: str, rule: str) -> ValueError:
-        return ValueError(f"{name(key, key)}={settings[key]!r} {rule}")
-
-    g = settings.get("num_generations", 2)
-    if "num_generations" in settings and (isinstance(g, bool) or not isinstance(g, int) or g < 2):
-        raise bad(
-            "num_generations",
-            "is too small: POISE's cross-rollout baseline needs at least 2 rollouts per prompt. Set "
-            "num_generations=2 (the paper's value) or more.",
-        )
-    if "scale_rewards" in settings and settings["scale_rewards"] not in ("none", "batch"):
-        raise bad(
-            "scale_rewards",
-            "is not supported by POISE: a per-group std includes the rollout's own reward and biases the gradient. "
-            "Use 'none' (paper) or 'batch'.",
-        )
-    if "bootstrap" in settings and settings["bootstrap"] not in ("rloo", "shrunk"):
-        raise bad("bootstrap", "is not a bootstrap: choose 'rloo' (paper) or 'shrunk'.")
-    if "alpha" in settings and not settings["alpha"] > 0:
-        raise bad("alpha", "must be > 0 (ridge needs a positive penalty).")
-    clip = settings.get("clip")
-    if clip is not None and (len(clip) != 2 or not clip[0] < clip[1]):
-        raise bad("clip", "is not a range: give [low, high] with low < high, or None.")
-    sizes = [(name("buffer_size", "buffer_size"), settings.get("buffer_size", 2 * g))]
-    domain_sizes = settings.get("domain_buffer_sizes") or {}
-    sizes += [(f"{name('domain_buffer_sizes', 'domain_buffer_sizes')}[{d!r}]", n) for d, n in domain_sizes.items()]
-    for shown, size in sizes:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 2 * g:
-            raise ValueError(f"{shown}={size!r} must be an int holding at least two groups ({2 * g} examples).")
-    if settings.get("max_domains", 1) < 1:
-        raise bad("max_domains", "must be >= 1.")
-    if settings.get("warmup_steps", 0) < 0:
-        raise bad("warmup_steps", "must be >= 0.")
-    if settings.get("layer_select_every") is not None and settings["layer_select_every"] < 1:
-        raise bad("layer_select_every", "must be >= 1 (steps between layer choices).")
-    if not 0 <= settings.get("layer_switch_margin", 0) < 1:
-        raise bad("layer_switch_margin", "must be in [0, 1) (a relative improvement).")
-    if settings.get("layer_folds", 2) < 2:
-        raise bad("layer_folds", "must be >= 2 (prompt-grouped K-fold needs two folds).")
-    layers = settings.get("layers", [0])
-    if not layers or not 0 <= settings.get("layer_index", 0) < len(layers):
-        raise bad("layer_index", f"is not a slice of the {len(layers)} hooked layers {list(layers)}.")
-    if settings.get("prompt_pca_dims", 0) < 0:
-        raise bad("prompt_pca_dims", "must be >= 0 (0: no PCA).")
-
-
-@dataclass
-class AdvantageResult:
-    """One batch's advantages (N,), baselines (N,, NaN where a row got none), the rows that received a baseline, the
-    probe values and the leave-one-out targets; `metrics()` brings the diagnostics to the host in one transfer."""
-
-    advantages: torch.Tensor
-    baselines: torch.Tensor
-    receives: torch.Tensor
-    values: torch.Tensor
-    targets: torch.Tensor
-    stats: torch.Tensor  # float64, in `names` order
-    names: list[str]
-    host_metrics: dict[str, float] = field(default_factory=dict)  # filled by the estimator (layer, buffer size)
-    _host: list[float] | None = None
-
-    def payload(self) -> torch.Tensor:
-        """Everything a logger needs from the device: diagnostics, advantages and logged baselines."""
-        logged = torch.where(self.receives, self.baselines, torch.nan)
-        return torch.cat([self.stats, self.advantages.double(), logged.double()])
-
-    def fetch(self, values: list[float] | None = None) -> list[float]:
-        if self._host is None:
-            self._host = self.payload().tolist() if values is None else values
-        return self._host
-
-    def metrics(self) -> dict[str, float]:
-        """`poise/*` diagnostics of this batch as floats (NaN where undefined)."""
-        return {**dict(zip(self.names, self.fetch()[: len(self.names)], strict=True)), **self.host_metrics}
-
-    def logged_rows(self) -> tuple[list[float], list[float]]:
-        """(advantages, baselines with NaN where a row got none) as host lists, from the same transfer."""
-        host, n = self.fetch()[len(self.names) :], self.advantages.numel()
-        return host[:n], host[n:]
+__all__ = ["POISEEstimator", "AdvantageResult", "PreparedBatch"]  # the result types live in batch.py
 
 
 class POISEEstimator:
     """POISE's value baseline, learned online (paper Algorithm 1). See the module docstring for the contract.
+
+    The constructor stores its arguments as given (scikit-learn's rule): what derives from them (the probe template,
+    each domain's capacity) is computed where it is used, and what is learned (probes, buffers, bootstrap lines,
+    reward std, step count, the layer in use) lives beside them.
 
     Args:
         num_generations: G, rollouts per prompt (>= 2).
@@ -151,7 +71,7 @@ class POISEEstimator:
         bootstrap: "rloo" (paper) or "shrunk" (a + w * RLOO fitted on earlier steps).
         scale_rewards: "none" (paper) or "batch" (divide by the std of earlier steps' rewards).
         layers: the candidate layer ids whose features the (N, C, D) rows hold, in order; `layer_index` is the
-            slice in use. `layer_select_every` (None: fixed) re-chooses it by prompt-grouped K-fold error.
+            slice in use at the start. `layer_select_every` (None: fixed) re-chooses it by prompt-grouped K-fold error.
         prompt_columns: (start, stop) feature columns of the prompt block, for `prompt_values`; `prompt_pca_dims`
             its PCA size (0: none).
         feature_config: how the caller extracts features; a saved state loads only into the same configuration.
@@ -186,26 +106,22 @@ class POISEEstimator:
     ):
         check_settings({k: v for k, v in locals().items() if k not in ("self", "broadcast", "describe")})  # the args
         self.num_generations = num_generations
-        if partner_reward and isinstance(pca_dims, int) and pca_dims > 0:
-            pca_dims = [(0, -1, pca_dims)]  # the PCA of every feature column; the partner's reward stays outside
-        self.probe_template = ValueProbe(alpha=alpha, pca_dims=pca_dims, clip="observed" if clip is None else clip)
-        self.buffer_size, self.domain_buffer_sizes = buffer_size, dict(domain_buffer_sizes or {})
-        self.max_domains = max_domains
+        self.alpha, self.pca_dims, self.clip = alpha, pca_dims, clip
+        self.buffer_size, self.domain_buffer_sizes, self.max_domains = buffer_size, domain_buffer_sizes, max_domains
         self.warmup_steps, self.partner_reward, self.bootstrap = warmup_steps, partner_reward, bootstrap
         self.scale_rewards = scale_rewards
-        self.layers, self.layer_index = list(layers), layer_index
+        self.layers, self.layer_index = layers, layer_index  # the automatic layer choice moves layer_index
         self.layer_select_every, self.layer_switch_margin = layer_select_every, layer_switch_margin
         self.layer_folds = layer_folds
         self.prompt_columns, self.prompt_pca_dims = prompt_columns, prompt_pca_dims
-        self.feature_config = dict(feature_config or {})
-        self.broadcast, self.describe = broadcast, describe or (lambda probe: json.dumps(probe.config()))
+        self.feature_config = feature_config
+        self.broadcast, self.describe = broadcast, describe
+        # What the estimator learns.
         self.probes: dict[str, OnlineProbe] = {}
         self.bootstrap_pairs: dict[str, ProbeBuffer] = {}  # per domain: (partner mean, reward) of earlier steps
         self.bootstrap_lines: dict[str, torch.Tensor] = {}  # per domain: [a, w] fitted on those pairs
         self.reward_std = RunningStd()
         self.steps = 0  # observed (training) steps
-        self.selection_draws = 0  # random prompt choices made: the stream resumes where a checkpoint left it
-        self._last: tuple[torch.Tensor, torch.Tensor, AdvantageResult, dict] | None = None
 
     # ------------------------------------------------------------------------------------------------- structure
     @property
@@ -213,66 +129,76 @@ class POISEEstimator:
         """The layer id the probes use now (fixed, or the latest automatic choice)."""
         return self.layers[self.layer_index]
 
+    @property
+    def probe_template(self) -> ValueProbe:
+        """An unfitted probe with this estimator's refit settings: an integer `pca_dims` of a partner-aware probe is
+        the PCA of every feature column, the partner's reward staying outside."""
+        pca = self.pca_dims
+        if self.partner_reward and isinstance(pca, int) and pca > 0:
+            pca = [(0, -1, pca)]
+        return ValueProbe(alpha=self.alpha, pca_dims=pca, clip="observed" if self.clip is None else self.clip)
+
     def capacity(self, domain: str) -> int:
-        return self.domain_buffer_sizes.get(domain, self.buffer_size)
+        return (self.domain_buffer_sizes or {}).get(domain, self.buffer_size)
 
     def new_probe(self, domain: str) -> OnlineProbe:
-        return OnlineProbe(self.probe_template.clone(), self.capacity(domain), self.warmup_steps)
+        return OnlineProbe(self.probe_template, self.capacity(domain), self.warmup_steps)
 
-    def _domain_rows(self, domains: Sequence[str] | None, n: int, device) -> dict[str, torch.Tensor]:
-        if domains is None:
-            return {DEFAULT_DOMAIN: torch.ones(n, dtype=torch.bool, device=device)}
-        names = [str(d) for d in domains]
-        if len(names) != n:
-            raise ValueError(f"Got {len(names)} domain names for {n} rows.")
-        seen = {**self.probes, **dict.fromkeys(names)}
-        if len(seen) > self.max_domains:
-            raise ValueError(
-                f"{len(seen)} distinct domains ({', '.join(map(repr, list(seen)[:5]))}{', ...' * (len(seen) > 5)}) "
-                f"exceed max_domains={self.max_domains}: each keeps its own probe and buffer. Map the domain column "
-                "to fewer values, or raise max_domains if the memory allows (see the estimator's docstring)."
-            )
-        return {
-            name: torch.tensor([d == name for d in names], dtype=torch.bool, device=device)
-            for name in dict.fromkeys(names)
-        }
+    def _describe(self, probe: ValueProbe) -> str:
+        return json.dumps(probe.config()) if self.describe is None else self.describe(probe)
 
-    def _prepare(self, features, rewards, has_completion, num_generations, domains) -> dict[str, Any]:
-        """Per-batch quantities both `advantages` and `observe` need: computed once per step."""
-        if features.ndim == 2:
-            features = features.unsqueeze(1)
+    def prepare(
+        self,
+        features: torch.Tensor,
+        rewards: torch.Tensor,
+        num_generations: int | None = None,
+        domains: Sequence[str] | None = None,
+        has_completion: torch.Tensor | None = None,
+    ) -> PreparedBatch:
+        """The batch as `advantages`, `predict` and `observe` use it (arguments as `advantages` takes them)."""
         if rewards.shape != features.shape[:1]:
             raise ValueError(f"Got {rewards.shape[0]} rewards for {features.shape[0]} feature rows.")
-        device = rewards.device
-        rewards = torch.where(torch.isfinite(rewards), rewards, torch.nan)
-        has_completion = (
-            torch.ones_like(rewards, dtype=torch.bool) if has_completion is None else has_completion.to(device)
+        blocks, width = self.probe_template.pca_dims, features.size(-1)
+        if (
+            self.partner_reward
+            and not isinstance(blocks, int | None)
+            and any(k > 0 and int(b) > width for _, b, k in blocks)
+        ):
+            raise ValueError(
+                f"pca_dims={blocks} covers column {width}, the partner-reward column: PCA blocks must lie within "
+                f"the {width} feature columns."
+            )
+        domain_rows = split_domains(domains, rewards.numel(), rewards.device, self.probes, self.max_domains)
+        g = num_generations or self.num_generations
+        return prepare_batch(
+            features, rewards, has_completion, g, self.partner_reward, domain_rows, domains is not None
         )
-        features = features.to(device)
-        scorable = torch.isfinite(rewards)
-        if self.partner_reward:
-            blocks, width = self.probe_template.pca_dims, features.size(-1)
-            if not isinstance(blocks, int | None) and any(k > 0 and int(b) > width for _, b, k in blocks):
-                raise ValueError(
-                    f"pca_dims={blocks} covers column {width}, the partner-reward column: PCA blocks must lie within "
-                    f"the {width} feature columns."
-                )
-            features = append_reward_column(features, torch.where(scorable, rewards, torch.zeros_like(rewards)))
-        # Non-finite anywhere in a row (a feature, or a reward too large for the column's dtype) drops the row.
-        feature_ok = has_completion & torch.isfinite(features).flatten(1).all(1)
-        usable = feature_ok & scorable if self.partner_reward else feature_ok
-        return {
-            "features": features,
-            "rewards": rewards,
-            "has_completion": has_completion,
-            "feature_ok": feature_ok,
-            "usable": usable,
-            "scorable": scorable,
-            "targets": leave_one_out_targets(rewards, num_generations, scorable),
-            "domain_rows": self._domain_rows(domains, rewards.numel(), device),
-        }
 
     # -------------------------------------------------------------------------------------------------- estimate
+    def _probe_values(self, batch: PreparedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(clipped, unclipped) probe value of each usable row from its domain's fitted probe; NaN elsewhere."""
+        values = torch.full_like(batch.rewards, torch.nan)
+        unclipped = values.clone()
+        for name, rows in batch.domain_rows.items():
+            online = self.probes.get(name)
+            if online is not None and online.probe.is_fitted:
+                clipped, raw = online.predict(batch.features, return_unclipped=True)
+                values = torch.where(rows & batch.usable, clipped, values)
+                unclipped = torch.where(rows & batch.usable, raw, unclipped)
+        return values, unclipped
+
+    def predict(
+        self,
+        features: torch.Tensor,
+        rewards: torch.Tensor,
+        domains: Sequence[str] | None = None,
+        has_completion: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Each row's probe value g(φ_j) (h(φ_j, r_j) when partner-aware, hence the rewards), from what earlier
+        `observe` calls taught: NaN where a row has no usable features or its domain no fitted probe. Changes
+        nothing; the baseline of rollout i is the mean of its partners' values (`advantages`)."""
+        return self._probe_values(self.prepare(features, rewards, None, domains, has_completion))[0]
+
     def advantages(
         self,
         features: torch.Tensor,
@@ -281,33 +207,28 @@ class POISEEstimator:
         domains: Sequence[str] | None = None,
         has_completion: torch.Tensor | None = None,
     ) -> AdvantageResult:
-        """A_i = r_i - b_i for one global batch of consecutive groups, from earlier steps' probes only.
+        """A_i = r_i - b_i for one global batch of consecutive groups, from earlier steps' probes only. Changes
+        nothing: hand the result to `observe` to learn from the batch without preparing it again.
 
         features: (N, D) or (N, C, D); rewards: (N,), NaN where unscorable; num_generations: G of this batch (the
         constructor's by default); domains: one name per row; has_completion: (N,) False for rows whose completion
         is empty or masked. Rows without a finite reward or completion get advantage 0, never NaN."""
-        g = num_generations or self.num_generations
-        batch = self._prepare(features, rewards, has_completion, g, domains)
-        self._last = (features, rewards, None, batch)  # `observe` on the same tensors reuses this step's work
-        rewards, scorable, usable = batch["rewards"], batch["scorable"], batch["usable"]
-        values, unclipped = torch.full_like(rewards, torch.nan), torch.full_like(rewards, torch.nan)
+        batch = self.prepare(features, rewards, num_generations, domains, has_completion)
+        g, rewards, scorable, usable = batch.num_generations, batch.rewards, batch.scorable, batch.usable
+        values, unclipped = self._probe_values(batch)
         trusted = torch.zeros_like(scorable)
-        fallback = batch["targets"].clone() if self.bootstrap == "shrunk" else None
+        fallback = batch.targets.clone() if self.bootstrap == "shrunk" else None
         lines = []
-        for name, rows in batch["domain_rows"].items():
+        for name, rows in batch.domain_rows.items():
             online = self.probes.get(name)
             if online is not None and online.trusted:
                 trusted = trusted | rows
-            if online is not None and online.probe.is_fitted:
-                clipped, raw = online.predict(batch["features"], return_unclipped=True)
-                values = torch.where(rows & usable, clipped, values)
-                unclipped = torch.where(rows & usable, raw, unclipped)
             if fallback is not None:
                 line = self.bootstrap_lines.get(name, torch.tensor([0.0, 1.0], dtype=torch.float64)).to(rewards.device)
-                fallback = torch.where(rows, (line[0] + line[1] * batch["targets"]).to(rewards.dtype), fallback)
+                fallback = torch.where(rows, (line[0] + line[1] * batch.targets).to(rewards.dtype), fallback)
                 lines.append(line)
         advantages, baselines, receives = poise_advantages(
-            rewards, values, g, usable, batch["has_completion"], trusted, fallback
+            rewards, values, g, usable, batch.has_completion, trusted, fallback
         )
         if self.scale_rewards == "batch":  # the std of earlier steps' rewards: independent of this batch
             advantages = advantages / self.reward_std.divisor().to(advantages.device).to(advantages.dtype)
@@ -318,7 +239,7 @@ class POISEEstimator:
         fallback_share = (receives & ~from_probe).double().sum() / receives.sum().clamp(min=1)
         extra = {
             "bootstrap": fallback_share,
-            "feature_rows_dropped": (batch["has_completion"] & ~batch["feature_ok"]).double().sum(),
+            "feature_rows_dropped": (batch.has_completion & ~batch.has_features).double().sum(),
             "unscorable_rows": (~scorable).double().sum(),
         }
         if lines:
@@ -326,73 +247,87 @@ class POISEEstimator:
             extra.update(bootstrap_intercept=mean_line[0], bootstrap_weight=mean_line[1])
         stats.append(torch.stack([v.double().reshape(()) for v in extra.values()]))
         names += list(extra)
-        if domains is not None:
-            for name, rows in batch["domain_rows"].items():
+        if batch.named_domains:
+            for name, rows in batch.domain_rows.items():
                 stats.append(diagnostic_tensors(rewards, baselines, values, g, receives & rows, unclipped))
                 names += [f"domain/{name}/{key}" for key in DIAGNOSTICS]
         result = AdvantageResult(
-            advantages, baselines, receives, values, batch["targets"], torch.cat(stats), names, _host=None
+            advantages, baselines, receives, values, batch.targets, torch.cat(stats), names, batch
         )
-        result.host_metrics = {
-            "layer": float(self.layer),
-            "buffer_size": float(sum(len(online.buffer) for online in self.probes.values())),
-        }
-        if domains is not None:
-            for name in batch["domain_rows"]:
+        result.host_metrics = {"layer": float(self.layer), **self._buffer_sizes(batch)}
+        if batch.named_domains:
+            for name in batch.domain_rows:
                 online = self.probes.get(name)
                 result.host_metrics[f"domain/{name}/bootstrap"] = float(online is None or not online.trusted)
-                result.host_metrics[f"domain/{name}/buffer_size"] = float(0 if online is None else len(online.buffer))
-        self._last = (*self._last[:2], result, batch)
         return result
+
+    def _buffer_sizes(self, batch: PreparedBatch) -> dict[str, float]:
+        """`buffer_size` (rows buffered in every domain) and, per domain of the batch, `domain/<name>/buffer_size`."""
+        sizes = {"buffer_size": float(sum(len(online.buffer) for online in self.probes.values()))}
+        if batch.named_domains:
+            for name in batch.domain_rows:
+                online = self.probes.get(name)
+                sizes[f"domain/{name}/buffer_size"] = float(0 if online is None else len(online.buffer))
+        return sizes
 
     # ---------------------------------------------------------------------------------------------------- learn
     def observe(
         self,
-        features: torch.Tensor,
-        rewards: torch.Tensor,
+        features: torch.Tensor | None = None,
+        rewards: torch.Tensor | None = None,
         group_ids: torch.Tensor | None = None,
         num_generations: int | None = None,
         domains: Sequence[str] | None = None,
         has_completion: torch.Tensor | None = None,
+        *,
+        result: AdvantageResult | None = None,
     ) -> dict[str, float]:
         """Learn from a batch after its advantages were taken: buffers, probe refit, bootstrap line, reward std, and
-        the layer choice when due. `group_ids` (N,) name each row's prompt for K-fold layer selection (default: each
-        group of G rows is a prompt of its own). Returns `probe_fit_seconds` and, when the layer was re-chosen,
-        `layer_mae/<layer>`."""
+        the layer choice when due. Give the batch as `advantages` took it, or `result`, what `advantages` returned
+        for it: its prepared batch is reused and its diagnostics come to the host in this call's one transfer.
+        `group_ids` (N,) name each row's prompt for K-fold layer selection (default: each group of G rows is a prompt
+        of its own). Returns `probe_fit_seconds`, the buffer sizes after learning (`buffer_size`, and per domain
+        with `domains`) and, when the layer was re-chosen, `layer_mae/<layer>`."""
         start = time.perf_counter()
-        g = num_generations or self.num_generations
-        last = self._last
-        reuse = last is not None and last[0] is features and last[1] is rewards
-        batch = last[3] if reuse else self._prepare(features, rewards, has_completion, g, domains)
-        self._last = None
-        targets, scorable = batch["targets"], batch["scorable"]
-        examples = batch["usable"] & scorable & torch.isfinite(targets)
+        if result is not None:
+            batch = result.batch
+            if rewards is not None and rewards.shape[:1] != (batch.rows,):
+                raise ValueError(f"Got {rewards.shape[0]} rewards, but `result` holds a batch of {batch.rows} rows.")
+        elif features is None or rewards is None:
+            raise ValueError("observe needs the batch (features and rewards) or `result`, what advantages returned.")
+        else:
+            batch = self.prepare(features, rewards, num_generations, domains, has_completion)
+        targets, scorable = batch.targets, batch.scorable
+        examples = batch.usable & scorable & torch.isfinite(targets)
         if group_ids is None:  # every group of G consecutive rows is its own prompt, distinct across steps
-            group_ids = (self.steps << 32) + torch.arange(targets.numel(), device=targets.device) // g
-        for name, rows in batch["domain_rows"].items():
+            group_ids = (self.steps << 32) + torch.arange(
+                targets.numel(), device=targets.device
+            ) // batch.num_generations
+        for name, rows in batch.domain_rows.items():
             if name not in self.probes:
                 self.probes[name] = self.new_probe(name)
-            self.probes[name].add(batch["features"], targets, group_ids.to(targets.device), keep=rows & examples)
+            self.probes[name].add(batch.features, targets, group_ids.to(targets.device), keep=rows & examples)
             if self.bootstrap == "shrunk":
                 pairs = self.bootstrap_pairs.setdefault(name, ProbeBuffer(self.capacity(name)))
-                pairs.add(targets.unsqueeze(1), batch["rewards"], keep=rows & scorable & torch.isfinite(targets))
-        self.reward_std.update(batch["rewards"])
+                pairs.add(targets.unsqueeze(1), batch.rewards, keep=rows & scorable & torch.isfinite(targets))
+        self.reward_std.update(batch.rewards)
         self.steps += 1
-        # The step's one device->host transfer: the buffers' fill levels and the pending result's diagnostics.
+        # The step's one device->host transfer: the buffers' fill levels and the handed result's diagnostics.
         rings = [online.buffer for online in self.probes.values()] + list(self.bootstrap_pairs.values())
         counts = torch.cat([ring.counts().to(targets.device) for ring in rings]).double()
-        pending = last[2].payload() if reuse and last[2]._host is None else torch.zeros(0, dtype=torch.float64)
-        host = torch.cat([counts, pending.to(counts.device)]).tolist()
+        pending = result is not None and not result.on_host
+        payload = result.payload() if pending else torch.zeros(0, dtype=torch.float64)
+        host = torch.cat([counts, payload.to(counts.device)]).tolist()
         for i, ring in enumerate(rings):
             ring.set_counts(host[2 * i], host[2 * i + 1])
-        if pending.numel():
-            last[2].fetch(host[2 * len(rings) :])
+        if pending:
+            result.receive_host(host[2 * len(rings) :])
         metrics: dict[str, float] = {}
         if self.layer_select_every and self.steps % self.layer_select_every == 0:
             metrics.update(self._select_layer(targets.device))
         refitted = False
         for name, online in self.probes.items():
-            if online.can_fit and (name in batch["domain_rows"] or online.layer_index != self.layer_index):
+            if online.can_fit and (name in batch.domain_rows or online.layer_index != self.layer_index):
                 online.fit(self.layer_index, targets.device)
                 refitted = True
                 if self.broadcast is not None:  # identical inputs, but broadcast so ranks agree to the bit
@@ -401,12 +336,7 @@ class POISEEstimator:
             if len(pairs):
                 self.bootstrap_lines[name] = shrunk_rloo_line(pairs.features[:, 0], pairs.targets)
         metrics["probe_fit_seconds"] = time.perf_counter() - start if refitted or metrics else 0.0
-        if reuse:
-            last[2].host_metrics["buffer_size"] = float(sum(len(o.buffer) for o in self.probes.values()))
-            for name in batch["domain_rows"]:
-                if domains is not None:
-                    last[2].host_metrics[f"domain/{name}/buffer_size"] = float(len(self.probes[name].buffer))
-        return metrics
+        return {**metrics, **self._buffer_sizes(batch)}
 
     def _select_layer(self, device) -> dict[str, float]:
         """Choose the candidate layer with the lowest prompt-grouped K-fold MAE over every domain's buffer, switching
@@ -422,7 +352,7 @@ class POISEEstimator:
         self.layer_index = choose_layer(host, self.layer_index, self.layer_switch_margin)
         return {f"layer_mae/{layer}": value for layer, value in zip(self.layers, host, strict=True)}
 
-    # ------------------------------------------------------------------------------------------ prompt selection
+    # ------------------------------------------------------------------------------------------- prompt values
     @property
     def trusted(self) -> bool:
         """Whether any domain's probe is trusted (past its bootstrap, or warm-started)."""
@@ -431,7 +361,8 @@ class POISEEstimator:
     def prompt_values(self, prompt_features: torch.Tensor) -> torch.Tensor | None:
         """Predicted success value of each candidate prompt from its (M, width) prompt-block features (current layer):
         a prompt-only ridge probe on the buffers' prompt block against their targets, whose mean per prompt is the
-        prompt's expected reward. None until a probe is trusted and at least two groups are buffered."""
+        prompt's expected reward. None until a probe is trusted and at least two groups are buffered. What to draw
+        from these values is `sampling.py`'s business."""
         buffers = [online.buffer for online in self.probes.values() if len(online.buffer)]
         if self.prompt_columns is None or not self.trusted or sum(map(len, buffers)) < 2 * self.num_generations:
             return None
@@ -440,28 +371,15 @@ class POISEEstimator:
         x = torch.cat([b.features[:, self.layer_index, start:stop] for b in buffers]).to(device)
         y = torch.cat([b.targets for b in buffers]).to(device)
         pca = [(0, stop - start, self.prompt_pca_dims)] if self.prompt_pca_dims else None
-        probe = ValueProbe(alpha=self.probe_template.alpha, pca_dims=pca, clip="observed")
+        probe = ValueProbe(alpha=self.alpha, pca_dims=pca, clip="observed")
         probe.fit(x, y, check_finite=False)  # buffered rows are finite
         return probe.predict(prompt_features)
 
-    def selection_scores(self, prompt_features: torch.Tensor) -> torch.Tensor | None:
-        """q(1 - q) per candidate prompt, q = the predicted value mapped from the observed reward range [low, high]
-        to [0, 1]: the expected within-group reward variance of a two-valued reward, whatever its two values
-        (±1 rewards, a format bonus). None while `prompt_values` is."""
-        values = self.prompt_values(prompt_features)
-        if values is None:
-            return None
-        targets = torch.cat([o.buffer.targets for o in self.probes.values() if len(o.buffer)]).to(values.device)
-        low, high = targets.min(), targets.max()
-        q = ((values - low) / (high - low).clamp(min=1e-12)).clamp(0, 1).double()
-        return q * (1 - q)
-
-    def random_choice(self, candidates: int, keep: int, seed: int) -> list[int]:
-        """`keep` of `candidates` indices, uniformly at random (the choice before the probe is trusted). Each draw is
-        seeded by (`seed`, draws so far), and the draw count is saved, so a resumed run draws what it would have."""
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + self.selection_draws)
-        self.selection_draws += 1
-        return torch.randperm(candidates, generator=generator)[:keep].tolist()
+    def target_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lowest, highest) buffered target over every domain: the observed reward range that `prompt_values` are
+        read on (0-d tensors, left on the buffers' device)."""
+        targets = torch.cat([o.buffer.targets for o in self.probes.values() if len(o.buffer)])
+        return targets.min(), targets.max()
 
     # ----------------------------------------------------------------------------------------------- persistence
     def state_dict(self, include_buffer: bool = True) -> dict[str, Any]:
@@ -476,14 +394,13 @@ class POISEEstimator:
         info = {
             "format": FORMAT,
             "num_generations": self.num_generations,
-            "feature_config": self.feature_config,
+            "feature_config": dict(self.feature_config or {}),
             "bootstrap": self.bootstrap,
             "domains": domains,
             "bootstrap_domains": pairs,
             "probe_steps": self.steps,
             "layer": self.layer,
             "reward_std": self.reward_std.state_dict(),
-            "selection_draws": self.selection_draws,
         }
         return {"tensors": tensors, "info": info}
 
@@ -499,12 +416,12 @@ class POISEEstimator:
         from). Refuses a state of another feature configuration, and on resume one whose refit settings or
         bootstrap differ from this estimator's."""
         tensors, info = state["tensors"], state["info"]
-        saved_features = info.get("feature_config") or {}
-        if saved_features != self.feature_config:
+        saved_features, features = info.get("feature_config") or {}, self.feature_config or {}
+        if saved_features != features:
             changed = ", ".join(
-                f"{key}={self.feature_config.get(key)!r} (saved: {saved_features.get(key)!r})"
-                for key in sorted(set(saved_features) | set(self.feature_config))
-                if saved_features.get(key) != self.feature_config.get(key)
+                f"{key}={features.get(key)!r} (saved: {saved_features.get(key)!r})"
+                for key in sorted(set(saved_features) | set(features))
+                if saved_features.get(key) != features.get(key)
             )
             raise ValueError(
                 f"The probe in {source} was fitted on features {saved_features}, but this run extracts other "
@@ -523,8 +440,8 @@ class POISEEstimator:
             saved = ValueProbe.from_config(domain["probe"])
             if not warm_start and saved.config() != online.probe.config():
                 raise ValueError(
-                    f"The probe in {source} (domain {name!r}) refits with {self.describe(saved)}, but this run sets "
-                    f"{self.describe(online.probe)}. Resume with the settings (or probe_preset) the run was started "
+                    f"The probe in {source} (domain {name!r}) refits with {self._describe(saved)}, but this run sets "
+                    f"{self._describe(online.probe)}. Resume with the settings (or probe_preset) the run was started "
                     "with; to change them, start a new run with probe_init_path pointing at this file."
                 )
             online.load_state(
@@ -541,7 +458,6 @@ class POISEEstimator:
             return
         if "reward_std" in info:
             self.reward_std.load_state_dict(info["reward_std"])
-        self.selection_draws = int(info.get("selection_draws", 0))
         self.bootstrap_pairs, self.bootstrap_lines = {}, {}
         for i, name in enumerate(info.get("bootstrap_domains", [])):
             ring = ProbeBuffer(self.capacity(name))

@@ -37,47 +37,9 @@ def atomic_save(tensors: dict[str, torch.Tensor], path: str | Path, metadata: di
         raise
 
 
-def save_batches(batches: list[dict[str, Any]], path: str | Path, step: int) -> bool:
-    """Write a list of batches (dicts of tensors or None) and a step counter atomically; False, and nothing written,
-    when a batch holds anything else (lists of images), which safetensors cannot store without pickle."""
-    tensors, missing = {}, []
-    for i, batch in enumerate(batches):
-        for key, value in batch.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{i}.{key}"] = value.detach().cpu().clone()  # slices share storage: one copy each
-            elif value is None:
-                missing.append(f"{i}.{key}")
-            else:
-                return False
-    atomic_save(tensors, path, {"poise": json.dumps({"step": step, "batches": len(batches), "none": missing})})
-    return True
-
-
-def load_batches(path: str | Path, device: torch.device | str | None = None) -> tuple[list[dict[str, Any]], int]:
-    """Inverse of `save_batches`: (batches, step), the tensors on `device`."""
-    with safe_open(str(path), framework="pt") as f:
-        info = json.loads(f.metadata()["poise"])
-    batches: list[dict[str, Any]] = [{} for _ in range(info["batches"])]
-    for name, tensor in load_file(str(path), device="cpu").items():
-        index, key = name.split(".", 1)
-        batches[int(index)][key] = tensor if device is None else tensor.to(device)
-    for name in info["none"]:
-        index, key = name.split(".", 1)
-        batches[int(index)][key] = None
-    return batches, int(info["step"])
-
-
-def newest_complete_checkpoint(output_dir: str | Path, prefix: str = "checkpoint") -> str | None:
-    """The newest `prefix-N` folder whose `trainer_state.json` (the last file transformers writes) parses: a save
-    killed before the end leaves a newer folder that is not a checkpoint."""
-    steps = []
-    for folder in Path(output_dir).glob(f"{prefix}-*"):
-        try:
-            json.loads((folder / "trainer_state.json").read_text())
-            steps.append((int(folder.name.rsplit("-", 1)[1]), folder))
-        except (FileNotFoundError, ValueError):
-            continue
-    return str(max(steps)[1]) if steps else None
+def _strip(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors whose key starts with `prefix`, keyed without it."""
+    return {key[len(prefix) :]: value for key, value in tensors.items() if key.startswith(prefix)}
 
 
 def read_state(path: str | os.PathLike, bootstrap_path: str | os.PathLike | None = None) -> dict[str, Any]:
@@ -130,11 +92,11 @@ def load_probe_file(path: str | Path) -> tuple[ValueProbe, ProbeBuffer | None, d
     info = json.loads(path.with_suffix(path.suffix + ".json").read_text())
     tensors = load_file(str(path))
     probe = ValueProbe.from_config(info["probe"])
-    probe.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("probe.")})
+    probe.load_state_dict(_strip(tensors, "probe."))
     buffer = None
     if info.get("buffer_capacity") is not None:
         buffer = ProbeBuffer(info["buffer_capacity"])
-        buffer.load_state_dict({k[7:]: v for k, v in tensors.items() if k.startswith("buffer.")})
+        buffer.load_state_dict(_strip(tensors, "buffer."))
     return probe, buffer, info
 
 
@@ -186,5 +148,5 @@ def load_probe_set(
     out = {}
     for i, domain in enumerate(info["domains"]):
         prefix = f"domain.{i}."
-        out[domain["name"]] = ({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}, domain)
+        out[domain["name"]] = (_strip(tensors, prefix), domain)
     return out, info

@@ -474,8 +474,8 @@ class OnlineProbe:
         """Restore the fit, buffer and counters from `state_dict`/`info`. This object's probe settings (alpha, PCA,
         clip) are kept, and govern every later refit; the loaded fit predicts as saved. This object's capacity is
         kept too: the newest buffered rows survive."""
-        self.probe.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("probe.")})
-        buffer = {k[7:]: v for k, v in state.items() if k.startswith("buffer.")}
+        self.probe.load_state_dict({k[len("probe.") :]: v for k, v in state.items() if k.startswith("probe.")})
+        buffer = {k[len("buffer.") :]: v for k, v in state.items() if k.startswith("buffer.")}
         self.buffer = ProbeBuffer(self.buffer.capacity)
         self.buffer.load_state_dict(buffer, device)
         # "layer" in files before poise-trl 0.2 (the same candidate index under a name that read as a layer id)

@@ -1,51 +1,26 @@
-"""Value-guided prompt selection (beyond the paper) and exact resumes: the part of `POISETrainer` that touches TRL's
-sampler.
+"""Value-guided prompt selection (beyond the paper): the part of `POISETrainer` that draws prompts before TRL
+generates.
 
 Kept beside trainer.py (and mixed into `POISETrainer` only) so that the trainer stays TRL glue of one screenful per
 concern; like trainer.py it knows TRL internals, and nothing else in the package imports it. The hook is the least
 invasive one TRL allows: TRL's `RepeatSampler` draws `prompt_selection_oversample` times more prompts per generation
-batch, each process receives its own shard of whole candidate groups as usual, and `_select_prompts` keeps the best
-whole groups of its shard before TRL generates, so generation (vLLM included), rewards, shuffling and the batch
-sizes TRL expects downstream are unchanged. The prediction costs one no-grad forward of the training model over the
-candidates' prompt tokens. `ResumableSampler` makes a resumed run see the prompts an uninterrupted run would.
+batch (the trainer's `_get_train_sampler`), each process receives its own shard of whole candidate groups as usual,
+and `_select_prompts` keeps whole groups of its shard before TRL generates, so generation (vLLM included), rewards,
+shuffling and the batch sizes TRL expects downstream are unchanged. Which groups is the sampling rule's (sampling.py),
+from the estimator's predicted prompt values; the prediction costs one no-grad forward of the training model over the
+candidates' prompt tokens.
 """
 
 import json
 import math
-from collections.abc import Callable, Iterator
 
 import torch
 from datasets import IterableDataset
-from transformers import TrainerState
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import RepeatSampler, pad
+from trl.trainer.utils import pad
 
 from .features import capture_layer, feature_spans, find_decoder_layers
-
-
-class ResumableSampler(RepeatSampler):
-    """TRL's `RepeatSampler` as TRL built it, made to resume where an uninterrupted run would be.
-
-    - TRL's sampler draws epoch e's permutation as the (e+1)-th from one generator seeded once, so the fresh sampler
-      of a resumed run would shuffle epoch e like epoch 0: a resume in any epoch after the first would train on
-      other prompts. Each pass rewinds the generator to epoch e first (transformers' `set_epoch` does not reach the
-      sampler on every path).
-    - A finished run (global step >= max steps) yields nothing: transformers would otherwise run one extra step when
-      resumed from its final checkpoint in mid-epoch."""
-
-    def __init__(self, sampler: RepeatSampler, state: Callable[[], TrainerState]):
-        vars(self).update(vars(sampler))  # everything TRL set, unchanged
-        self.state = state
-
-    def __iter__(self) -> Iterator[int]:
-        state = self.state()
-        if state.max_steps > 0 and state.global_step >= state.max_steps:
-            return iter(())
-        if self.shuffle and self.seed is not None:
-            self.generator.manual_seed(self.seed)
-            for _ in range(int(state.epoch)):
-                torch.randperm(self.num_samples, generator=self.generator)
-        return super().__iter__()
+from .sampling import draw
 
 
 class ValueGuidedSelection:
@@ -75,27 +50,6 @@ class ValueGuidedSelection:
             candidates += 1
         return candidates
 
-    def get_train_dataloader(self):
-        """TRL's dataloader, with per-process batches of `selection_candidates` whole groups under prompt_selection
-        (TRL's map-style path, `_get_dataloader`, with that batch size; selection refuses iterable datasets)."""
-        if self.args.prompt_selection is None:
-            return super().get_train_dataloader()
-        return self._get_dataloader(
-            dataset=self.train_dataset,
-            description="Training",
-            batch_size=self.selection_candidates * self.num_generations,
-            sampler_fn=self._get_train_sampler,
-            is_training=True,
-        )
-
-    def _get_train_sampler(self, dataset=None):
-        """TRL's `RepeatSampler`, drawing `selection_candidates` prompts per process under prompt_selection, and
-        resuming where an uninterrupted run would be (`ResumableSampler`)."""
-        sampler = super()._get_train_sampler(dataset)
-        if self.args.prompt_selection is not None:
-            sampler.batch_size = self.selection_candidates * self.accelerator.num_processes
-        return ResumableSampler(sampler, lambda: self.state)
-
     def _prefill_prompts(self, prompts: list) -> tuple[torch.Tensor, int]:
         """Pooled last-n prompt states at the probe layer from one no-grad pass over the prompt tokens only (tokenized
         and left-padded by TRL's own `_tokenize_prompts` and `pad`), and the number of prompt tokens processed."""
@@ -117,9 +71,9 @@ class ValueGuidedSelection:
         return capture.pooled()[:, 0], sum(map(len, prompt_ids))
 
     def _select_prompts(self, inputs: list[dict]) -> list[dict]:
-        """Keep the `per_device_train_batch_size x steps_per_generation / G` whole groups of this process's candidates
-        with the highest predicted reward variance (`POISEEstimator.selection_scores`); random ones, from a stream
-        that resumes exactly, while the probe is not trusted."""
+        """Keep `per_device_train_batch_size x steps_per_generation / G` whole groups of this process's candidates,
+        drawn by the `prompt_selection` rule from the estimator's predicted prompt values (at random, seeded by
+        (seed, rank, observed steps) so a resumed run draws the same, while the probe is not trusted)."""
         if self.args.prompt_selection is None or not self.model.training:
             return inputs
         size = self.num_generations
@@ -131,29 +85,26 @@ class ValueGuidedSelection:
                 f"prompt_selection got {len(inputs)} rows that are not {keep} or more whole groups of {size} "
                 "identical prompts: the sampler no longer yields TRL's layout."
             )
-        scores, tokens = None, 0
+        values, reward_range, tokens = None, None, 0
         if self.estimator.trusted:
             states, tokens = self._prefill_prompts([group[0]["prompt"] for group in groups])
-            scores = self.estimator.selection_scores(states)
-        random = scores is None
-        if random:
-            chosen = sorted(
-                self.estimator.random_choice(len(groups), keep, self.args.seed + self.accelerator.process_index)
-            )
-            spread = [0.0] * len(groups)
-        else:
-            spread = scores.tolist()  # the selection's one transfer: which groups to generate is decided on the host
-            chosen = sorted(sorted(range(len(groups)), key=lambda i: -spread[i])[:keep])
+            values = self.estimator.prompt_values(states)
+            reward_range = None if values is None else self.estimator.target_range()
+        drawn = draw(
+            self.args.prompt_selection, len(groups), keep, values, reward_range,
+            seed=self.args.seed, rank=self.accelerator.process_index, step=self.estimator.steps,
+        )  # fmt: skip
+        variance = drawn.scores or [0.0] * len(groups)  # predicted reward variance q(1 - q) of each candidate
         self._selection = {
             "kept_fraction": keep / len(groups),
-            "random": float(random),
-            "spread_kept": sum(spread[i] for i in chosen),
-            "spread_all": sum(spread),
+            "random": float(drawn.scores is None),
+            "variance_kept": sum(variance[i] for i in drawn.indices),
+            "variance_all": sum(variance),
             "groups_kept": float(keep),
             "groups_all": float(len(groups)),
             "prefill_tokens": float(tokens),
         }
-        return [row for i in chosen for row in groups[i]]
+        return [row for i in drawn.indices for row in groups[i]]
 
     def _selection_metrics(self, rewards: torch.Tensor, num_generations: int) -> dict[str, float]:
         """`selection/*` of this generation batch, over all processes: kept fraction, mean predicted reward variance
@@ -162,7 +113,7 @@ class ValueGuidedSelection:
         if self.args.prompt_selection is None or not self._selection:
             return {}
         s, self._selection = self._selection, {}
-        keys = ("spread_kept", "groups_kept", "spread_all", "groups_all", "prefill_tokens")
+        keys = ("variance_kept", "groups_kept", "variance_all", "groups_all", "prefill_tokens")
         local = torch.tensor([s[k] for k in keys], dtype=torch.float64, device=self.accelerator.device)
         grouped = rewards.view(-1, num_generations).double()
         complete = torch.isfinite(grouped).all(1)
@@ -175,8 +126,8 @@ class ValueGuidedSelection:
         return {
             "selection/kept_fraction": s["kept_fraction"],
             "selection/random": s["random"],
-            "selection/predicted_spread": nan if s["random"] else host["spread_kept"] / host["groups_kept"],
-            "selection/candidate_spread": nan if s["random"] else host["spread_all"] / host["groups_all"],
+            "selection/predicted_spread": nan if s["random"] else host["variance_kept"] / host["groups_kept"],
+            "selection/candidate_spread": nan if s["random"] else host["variance_all"] / host["groups_all"],
             "selection/prefill_tokens": host["prefill_tokens"],
             "selection/reward_variance": host["variance"],
             "selection/degenerate_fraction": host["degenerate"],

@@ -1,5 +1,6 @@
 """`POISETrainer`: `GRPOTrainer` with POISE's cross-rollout internal-state baseline. TRL glue around `POISEEstimator`:
-with its prompt-selection mixin (selection.py), the only module that knows TRL internals."""
+with its prompt-selection mixin (selection.py) and its checkpoints' files (resume.py), the only code that knows TRL
+internals."""
 
 import inspect
 import math
@@ -22,16 +23,21 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id
 
 from .config import POISEConfig
-from .estimator import DEFAULT_DOMAIN, POISEEstimator
+from .estimator import POISEEstimator
 from .features import assemble_features, capture_layer, feature_spans, find_decoder_layers
-from .files import load_batches, newest_complete_checkpoint, save_batches
+from .files import DEFAULT_DOMAIN
 from .probe import ProbeBuffer, ValueProbe, prompt_group_ids
+from .resume import (
+    ESTIMATOR_FILE,
+    ResumableSampler,
+    load_estimator,
+    load_generation_batch,
+    newest_complete_checkpoint,
+    save_generation_batch,
+)
 from .selection import ValueGuidedSelection
 
 TESTED_TRL = ("1.16.0", "1.17.0")  # [low, high): the GRPOTrainer internals this subclass was tested against
-ESTIMATOR_FILE = "poise_estimator.safetensors"  # a checkpoint's POISE state: `POISEEstimator.save`
-LEGACY_FILES = ("poise_probe.safetensors", "poise_bootstrap.safetensors")  # poise-trl 0.1's checkpoint files
-GENERATION_FILE = "poise_generation_batch-{rank}.safetensors"  # a checkpoint inside a generation batch: TRL's slices
 # Output keys of `_generate_and_score_completions` that TRL's own log-prob pass takes as model inputs besides the
 # token ids (pixel_values, image_grid_thw, num_images, token_type_ids, ...): POISE's feature pass forwards the same.
 _PASS_ARGUMENTS = ("self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy")
@@ -51,7 +57,7 @@ if not Version(TESTED_TRL[0]) <= Version(trl.__version__) < Version(TESTED_TRL[1
     )
 
 
-class POISETrainer(ValueGuidedSelection, GRPOTrainer):
+class POISETrainer(GRPOTrainer, ValueGuidedSelection):
     """
     Trainer for POISE (Policy Optimization with Internal State Value Estimation, arXiv 2605.07579).
 
@@ -72,7 +78,7 @@ class POISETrainer(ValueGuidedSelection, GRPOTrainer):
     - `_calculate_rewards`: keep the gathered rewards; `_generate`: keep the tool/env mask, so features use only the
       tokens the policy generated;
     - `get_train_dataloader`, `_get_train_sampler`: with `prompt_selection`, draw `prompt_selection_oversample` times
-      more candidate prompts through TRL's `RepeatSampler`; resume with the prompts of an uninterrupted run;
+      more candidate prompts through TRL's `RepeatSampler`; a resumed run sees the prompts of an uninterrupted one;
     - `_save_checkpoint`, `_load_optimizer_and_scheduler`: the estimator's one file travels with every checkpoint,
       and a checkpoint inside a generation batch keeps the batch's untrained slices, which TRL does not save;
     - `train`: `resume_from_checkpoint=True` takes the newest complete checkpoint, not a folder a killed save left;
@@ -109,6 +115,7 @@ class POISETrainer(ValueGuidedSelection, GRPOTrainer):
             args = POISEConfig.from_grpo_config(args)  # a TRL script switches by changing the trainer class only
         if not isinstance(args, POISEConfig):
             raise TypeError(f"POISETrainer needs a POISEConfig or a GRPOConfig, got {type(args).__name__}.")
+        self._resuming = False  # `train` was asked to resume: the sampler must replay the uninterrupted run
         super().__init__(model, reward_funcs, args=args, **kwargs)
         base = self.accelerator.unwrap_model(self.model)
         self.hidden_size = base.config.get_text_config().hidden_size
@@ -145,7 +152,7 @@ class POISETrainer(ValueGuidedSelection, GRPOTrainer):
 
     @property
     def probe_layers(self) -> list[int]:
-        return self.estimator.layers
+        return list(self.estimator.layers)
 
     @property
     def probe_layer(self) -> int:
@@ -286,7 +293,7 @@ class POISETrainer(ValueGuidedSelection, GRPOTrainer):
         if mode == "train":  # learn only after this batch's advantages were taken
             # Environment-routed datasets may have no `prompt` column; the row then names the prompt.
             groups = self.accelerator.gather(prompt_group_ids([x.get("prompt", x) for x in inputs]).to(device))
-            fit_metrics = self.estimator.observe(features, rewards, groups, num_generations, domains, has_completion)
+            fit_metrics = self.estimator.observe(group_ids=groups, result=result)  # learns from the prepared batch
         metrics = {**result.metrics(), **fit_metrics}  # the step's one device->host transfer (done by `observe`)
         advantages, baselines = result.logged_rows()
         logged = self._logs["advantages"]  # TRL logged its group-mean advantages for this batch: replace them
@@ -366,10 +373,32 @@ class POISETrainer(ValueGuidedSelection, GRPOTrainer):
         """`resume_from_checkpoint=True` resumes from the newest *complete* checkpoint: transformers would take the
         newest folder, which a save killed midway leaves without its trainer state."""
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = newest_complete_checkpoint(self.args.output_dir, PREFIX_CHECKPOINT_DIR)
+            resume_from_checkpoint = newest_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"No complete checkpoint found in output directory ({self.args.output_dir}).")
+        self._resuming = bool(resume_from_checkpoint)
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def get_train_dataloader(self):
+        """TRL's dataloader, with per-process batches of `selection_candidates` whole groups under prompt_selection
+        (TRL's map-style path, `_get_dataloader`, with that batch size; selection refuses iterable datasets)."""
+        if self.args.prompt_selection is None:
+            return super().get_train_dataloader()
+        return self._get_dataloader(
+            dataset=self.train_dataset,
+            description="Training",
+            batch_size=self.selection_candidates * self.num_generations,
+            sampler_fn=self._get_train_sampler,
+            is_training=True,
+        )
+
+    def _get_train_sampler(self, dataset=None):
+        """TRL's `RepeatSampler`, drawing `selection_candidates` prompts per process under prompt_selection; in a
+        resumed run, wrapped to replay the uninterrupted run's prompts (`ResumableSampler`)."""
+        sampler = super()._get_train_sampler(dataset)
+        if self.args.prompt_selection is not None:
+            sampler.batch_size = self.selection_candidates * self.accelerator.num_processes
+        return ResumableSampler(sampler, lambda: self.state) if self._resuming else sampler
 
     def _save_checkpoint(self, model, trial):
         # Written first and atomically: once transformers writes trainer_state.json, POISE's files are complete.
@@ -379,14 +408,7 @@ class POISETrainer(ValueGuidedSelection, GRPOTrainer):
         # Inside a generation batch, TRL's slices still to train on live outside its checkpoint: keep each process's.
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._buffered_inputs is not None and self._step % generate_every:
-            path = folder / GENERATION_FILE.format(rank=self.accelerator.process_index)
-            if not save_batches(self._buffered_inputs, path, self._step):
-                warnings.warn(
-                    f"{folder.name} falls inside a generation batch whose inputs safetensors cannot store (non-tensor "
-                    "values, e.g. images): a run resumed from it generates a new batch. Save at multiples of "
-                    "steps_per_generation x num_iterations steps to resume exactly.",
-                    stacklevel=2,
-                )
+            save_generation_batch(folder, self.accelerator.process_index, self._buffered_inputs, self._step)
         super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
@@ -394,19 +416,10 @@ class POISETrainer(ValueGuidedSelection, GRPOTrainer):
         if checkpoint is None:
             return
         folder, device = Path(checkpoint), self.accelerator.device
-        generation = folder / GENERATION_FILE.format(rank=self.accelerator.process_index)
-        if generation.exists():  # resume inside the generation batch, on the slices not yet trained on
-            self._buffered_inputs, self._step = load_batches(generation, device)
-        if (folder / ESTIMATOR_FILE).exists():
-            self.estimator.load(folder / ESTIMATOR_FILE, device=device)
-        elif (folder / LEGACY_FILES[0]).exists():
-            self.estimator.load(folder / LEGACY_FILES[0], bootstrap_path=folder / LEGACY_FILES[1], device=device)
-        else:
-            warnings.warn(
-                f"Resuming from {checkpoint}, which holds no POISE state ({ESTIMATOR_FILE}): the probe, its buffer "
-                "and the bootstrap start from scratch, as in a new run.",
-                stacklevel=2,
-            )
+        generation = load_generation_batch(folder, self.accelerator.process_index, device)
+        if generation is not None:  # resume inside the generation batch, on the slices not yet trained on
+            self._buffered_inputs, self._step = generation
+        load_estimator(folder, self.estimator, device)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's card, plus a "POISE" section: how the value baseline was configured and how well it predicted."""

@@ -70,19 +70,19 @@ def poise_args(tmp_path: Path, **overrides: Any):
 
 def score_and_capture_features(trainer: Any, score: Callable[[list], dict], inputs: list) -> tuple[dict, Any]:
     """Run `score(inputs)`, the parent's `_generate_and_score_completions`, and return its output with the gathered
-    (N, C, D) features the step handed to `estimator.observe`."""
+    (N, C, D) features the step handed to `estimator.advantages` (and, prepared, to `estimator.observe`)."""
     captured = []
-    observe = trainer.estimator.observe
+    advantages = trainer.estimator.advantages
 
     def spy(features, *args, **kwargs):
         captured.append(features.clone())
-        return observe(features, *args, **kwargs)
+        return advantages(features, *args, **kwargs)
 
-    trainer.estimator.observe = spy
+    trainer.estimator.advantages = spy
     try:
         output = score(inputs)
     finally:
-        del trainer.estimator.observe
+        del trainer.estimator.advantages
     return output, captured[0]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from poise_trl import cli
-from poise_trl.bench.value.collect import load_reward_fn
+from poise_trl.bench.value.resolve import load_reward_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_OPTIONS = (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)

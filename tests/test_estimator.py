@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from poise_trl import POISEConfig, files
+from poise_trl import POISEConfig, files, sampling
 from poise_trl.config import ESTIMATOR_FIELDS
 from poise_trl.estimator import POISEEstimator
 from poise_trl.files import read_state
@@ -53,10 +53,29 @@ def test_advantages_use_only_earlier_observations():
     assert not torch.equal(estimator.advantages(x, r).advantages, first.advantages)  # observe does
 
 
+def test_predict_and_advantages_change_nothing_and_observe_reuses_the_handed_batch():
+    estimator = _trained()
+    before = estimator.state_dict()
+    x, r, groups, _ = _batch(11)
+    values = estimator.predict(x, r)
+    result = estimator.advantages(x, r)
+    assert torch.equal(values, result.values) and values.isfinite().all()
+    after = estimator.state_dict()
+    assert before["info"] == after["info"]
+    assert all(torch.equal(tensor, after["tensors"][key]) for key, tensor in before["tensors"].items())
+    handed, fresh = _trained(), _trained()
+    handed.observe(group_ids=groups, result=handed.advantages(x, r))
+    fresh.observe(x, r, groups)  # the same learning, the batch prepared again
+    assert torch.equal(
+        handed.probes["default"].probe.state_dict()["coef"], fresh.probes["default"].probe.state_dict()["coef"]
+    )
+    with pytest.raises(ValueError, match="holds a batch of 16 rows"):
+        handed.observe(x[:8], r[:8], result=result)
+
+
 def test_state_round_trips_bit_for_bit_through_one_atomic_file(tmp_path):
     settings = dict(scale_rewards="batch", domain_buffer_sizes={"code": 8}, feature_config={"domain": True})
     estimator = _trained(6, **settings)
-    estimator.selection_draws = 3
     path = tmp_path / "poise.safetensors"
     estimator.save(path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["poise.safetensors"]  # one file, no temporary left
@@ -70,7 +89,7 @@ def test_state_round_trips_bit_for_bit_through_one_atomic_file(tmp_path):
     assert saved["tensors"].keys() == restored["tensors"].keys()
     for key, tensor in saved["tensors"].items():
         assert torch.equal(tensor, restored["tensors"][key]), key
-    assert loaded.selection_draws == 3 and len(loaded.probes["code"].buffer) == 8
+    assert len(loaded.probes["code"].buffer) == 8
     for step in range(6, 9):  # the two continue identically
         x, r, groups, names = _batch(step, domains=True)
         a, b = estimator.advantages(x, r, domains=names), loaded.advantages(x, r, domains=names)
@@ -83,14 +102,21 @@ def test_state_round_trips_bit_for_bit_through_one_atomic_file(tmp_path):
 
 
 def test_the_random_selection_stream_resumes_where_the_checkpoint_left_it(tmp_path):
-    estimator = POISEEstimator(G)
-    uninterrupted = [estimator.random_choice(10, 4, seed=7) for _ in range(5)]
-    first = POISEEstimator(G)
-    [first.random_choice(10, 4, seed=7) for _ in range(2)]
+    """Random draws are seeded by (seed, rank, observed steps), and the step count travels in the estimator's file."""
+
+    def choice(estimator: POISEEstimator) -> list[int]:
+        drawn = sampling.draw("value", 10, 4, seed=7, rank=0, step=estimator.steps).indices
+        estimator.observe(*_batch(estimator.steps)[:3])
+        return drawn
+
+    estimator = POISEEstimator(G, warmup_steps=100)
+    uninterrupted = [choice(estimator) for _ in range(5)]
+    first = POISEEstimator(G, warmup_steps=100)
+    [choice(first) for _ in range(2)]
     first.save(tmp_path / "e.safetensors")
-    resumed = POISEEstimator(G)
+    resumed = POISEEstimator(G, warmup_steps=100)
     resumed.load(tmp_path / "e.safetensors")
-    assert [resumed.random_choice(10, 4, seed=7) for _ in range(3)] == uninterrupted[2:]
+    assert [choice(resumed) for _ in range(3)] == uninterrupted[2:]
     assert len({tuple(c) for c in uninterrupted}) > 1
 
 
@@ -151,8 +177,7 @@ def test_selection_scores_the_reward_variance_on_the_observed_reward_range(low, 
         x, r, groups, _ = _batch(step, rewards=(low, high))
         estimator.observe(x, r, groups)
     values = torch.tensor([low, low + 0.5 * (high - low), low + 0.75 * (high - low), high])
-    estimator.prompt_values = lambda features: values
-    scores = estimator.selection_scores(torch.zeros(4, 6))
+    scores = sampling.reward_variance(values, *estimator.target_range())
     torch.testing.assert_close(scores, torch.tensor([0.0, 0.25, 0.1875, 0.0], dtype=torch.float64))
 
 
@@ -178,7 +203,7 @@ def test_one_host_transfer_per_step():
         counter.count, counter.calls = 0, []
         with counter:
             result = estimator.advantages(x, r)
-            estimator.observe(x, r, groups)
+            estimator.observe(group_ids=groups, result=result)
             result.metrics()
             result.logged_rows()
         assert counter.count == 1, (step, counter.calls)

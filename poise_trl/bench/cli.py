@@ -4,6 +4,7 @@ Only argparse and the light `common` defaults load here; each handler imports it
 """
 
 import argparse
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,10 @@ from .common import (
     SORT_DATASET,
     TASK_DIGITS,
     TASKS,
+    quiet_libraries,
+    set_cpu_threads,
 )
+from .settings import EfficiencySettings
 
 PROBE_BENCH_DESCRIPTION = """Will POISE work on my model? The paper's value-prediction benchmark in one command.
 
@@ -165,9 +169,18 @@ def task_seeds(spec: str) -> tuple[str, list[int]]:
 
 
 def _run_efficiency(args: argparse.Namespace) -> int:
-    from .report import run_efficiency
+    """`bench efficiency`: run (or resume) the study, then report from its run files."""
+    from .report import write_report
+    from .study import run_study
 
-    return run_efficiency(args)
+    settings = EfficiencySettings.from_args(args)
+    quiet_libraries()
+    set_cpu_threads(settings.cpu_threads)
+    start = time.perf_counter()
+    run_study(settings)
+    print(f"[bench efficiency] all runs done in {time.perf_counter() - start:.0f} s", flush=True)
+    print(write_report(settings.output_dir, settings.allow_mixed_code))
+    return 0
 
 
 MIXED_CODE_HELP = (
@@ -371,7 +384,7 @@ def add_gradient_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--folds", type=int, default=4, help="POISE's probe for a prompt is fitted on the other folds' prompts")
     add("--lora-rank", type=int, default=1, help="rank of the LoRA sketch (its B gradients are stored per rollout)")
     add("--output-dir", default="runs/bench/gradient", help="results.json, results.md, gradient.png")
-    parser.set_defaults(func=_run_gradient, layers="", pools="")
+    parser.set_defaults(func=_run_gradient)
     return parser
 
 

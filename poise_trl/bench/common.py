@@ -121,6 +121,19 @@ def device_kind() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def resolve_device(name: str) -> str:
+    """`--device auto`: cuda if available, else cpu; any other name as given."""
+    return name if name != "auto" else device_kind()
+
+
+def config_default(name: str) -> Any:
+    """A `POISEConfig` field's default, so a benchmark measures what the trainer would run."""
+    from poise_trl.config import POISEConfig
+
+    field = POISEConfig.__dataclass_fields__[name]
+    return field.default_factory() if callable(field.default_factory) else field.default
+
+
 def trainer_device_args(gradient_checkpointing: bool = False) -> dict[str, Any]:
     """TRL settings every benchmark run shares. On CPU, GRPOConfig's default `bf16=True` would fail (DESIGN §4)."""
     args: dict[str, Any] = dict(
@@ -196,7 +209,7 @@ def environment() -> dict[str, Any]:
     return info
 
 
-def spread(values: Iterable[float | None]) -> dict[str, Any]:
+def summarize(values: Iterable[float | None]) -> dict[str, Any]:
     """Median, min and max over seeds. None (e.g. a target never reached) counts as +inf and is reported as None."""
     finite = [math.inf if v is None else float(v) for v in values]
     if not finite:
@@ -226,7 +239,7 @@ def fmt(value: float | None, digits: int = 3) -> str:
     return f"{value:.{digits}g}"
 
 
-def fmt_spread(stats: dict[str, Any], digits: int = 3) -> str:
+def fmt_summary(stats: dict[str, Any], digits: int = 3) -> str:
     """`median [min, max]`; a never-reached median prints as `never`."""
     if stats["n"] == 0:
         return "–"

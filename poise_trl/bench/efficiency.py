@@ -2,7 +2,6 @@
 completions generated. The study around it (tuning, resuming, the report) is `bench.study`; the method is
 `bench.EFFICIENCY_DESCRIPTION` (`--help`)."""
 
-import argparse
 import dataclasses
 import gc
 import tempfile
@@ -29,11 +28,11 @@ from .common import (
     ARITH_DATASET,
     ARITH_EVAL_PROMPTS,
     COUNTERS,
-    TASK_WARMUP_STEPS,
     Contender,
     mean_or_none,
     trainer_device_args,
 )
+from .settings import EfficiencySettings
 from .trainers import TRAINERS
 
 # Logged every step. The `poise/` keys (value-probe quality, paper App. C) exist for POISE only, `dapo/` for DAPO-DS.
@@ -146,26 +145,23 @@ def _sampling_evaluator(dataset: Dataset, k: int, max_new_tokens: int, batch_siz
     return evaluate
 
 
-def warmup_steps(args: argparse.Namespace, task: str) -> int:
-    """The task's supervised warm-up steps: `--warmup-steps` if given, else the task's default."""
-    return args.warmup_steps if args.warmup_steps is not None else TASK_WARMUP_STEPS[task]
-
-
-def _task_factory(args: argparse.Namespace, task: str = "sort") -> Callable[[int], SeedTask]:
+def task_factory(settings: EfficiencySettings, task: str = "sort") -> Callable[[int], SeedTask]:
     """Seed -> SeedTask for an offline demo task (own warm start and splits per seed) or a real model and dataset."""
-    if args.model is None:
-        cache_dir = Path(args.cache_dir or default_cache_dir() / "bench")
-        max_length = args.max_completion_length or MAX_COMPLETION_LENGTH
+    if settings.model is None:
+        cache_dir = Path(settings.cache_dir or default_cache_dir() / "bench")
+        max_length = settings.max_completion_length or MAX_COMPLETION_LENGTH
 
         def demo(seed: int) -> SeedTask:
             # The warm start trains on the same splits' train part, so its held-out split stays unseen.
-            splits = dict(num_eval=args.num_eval, min_digits=args.min_digits, max_digits=args.max_digits, seed=seed)
+            splits = dict(
+                num_eval=settings.num_eval, min_digits=settings.min_digits, max_digits=settings.max_digits, seed=seed
+            )
             train, held_out = make_splits(task, **splits)
-            path = prepare_demo_model(cache_dir, warmup_steps=warmup_steps(args, task), task=task, **splits)
+            path = prepare_demo_model(cache_dir, warmup_steps=settings.warmup_steps_of(task), task=task, **splits)
 
             def evaluate(model: Any, tokenizer: Any) -> float:
                 result = evaluate_avg_at_k(
-                    model, tokenizer, held_out, k=args.eval_k, max_new_tokens=max_length, seed=args.eval_seed
+                    model, tokenizer, held_out, k=settings.eval_k, max_new_tokens=max_length, seed=settings.eval_seed
                 )
                 return result["avg_at_k"]
 
@@ -173,33 +169,35 @@ def _task_factory(args: argparse.Namespace, task: str = "sort") -> Callable[[int
 
         return demo
 
-    model = resolve_model(args.model)
-    if args.train_dataset == ARITH_DATASET:
-        return _arith_factory(args, model)
-    if args.train_dataset is None or args.eval_dataset is None:
+    model = resolve_model(settings.model)
+    if settings.train_dataset == ARITH_DATASET:
+        return _arith_factory(settings, model)
+    if settings.train_dataset is None or settings.eval_dataset is None:
         raise SystemExit(f"--model needs --train-dataset and --eval-dataset (or --train-dataset {ARITH_DATASET})")
-    train = load_math_dataset(args.train_dataset, limit=args.train_limit)
-    held_out = load_math_dataset(args.eval_dataset, limit=args.eval_limit)
-    max_length = args.max_completion_length or 2048
-    evaluate = _sampling_evaluator(held_out, args.eval_k, max_length, args.eval_batch_size, args.eval_seed)
+    train = load_math_dataset(settings.train_dataset, limit=settings.train_limit)
+    held_out = load_math_dataset(settings.eval_dataset, limit=settings.eval_limit)
+    max_length = settings.max_completion_length or 2048
+    evaluate = _sampling_evaluator(held_out, settings.eval_k, max_length, settings.eval_batch_size, settings.eval_seed)
     return lambda seed: SeedTask(model, train, math_answer_reward, evaluate, max_length)
 
 
-def _arith_factory(args: argparse.Namespace, model: str) -> Callable[[int], SeedTask]:
+def _arith_factory(settings: EfficiencySettings, model: str) -> Callable[[int], SeedTask]:
     """A real model on `arith`: one split for every seed (seed 0), so every run is evaluated on the same held-out
     prompts; the seed changes the data order and the sampling."""
-    train, held_out = make_arith_splits(args.train_limit or 2000, args.eval_limit or ARITH_EVAL_PROMPTS, seed=0)
-    max_length = args.max_completion_length or ARITH_MAX_COMPLETION_LENGTH
+    train, held_out = make_arith_splits(
+        settings.train_limit or 2000, settings.eval_limit or ARITH_EVAL_PROMPTS, seed=0
+    )
+    max_length = settings.max_completion_length or ARITH_MAX_COMPLETION_LENGTH
 
     def evaluate(policy: Any, tokenizer: Any) -> float:
         result = evaluate_avg_at_k(
             policy,
             tokenizer,
             held_out,
-            k=args.eval_k,
+            k=settings.eval_k,
             max_new_tokens=max_length,
-            batch_size=args.eval_batch_size,
-            seed=args.eval_seed,
+            batch_size=settings.eval_batch_size,
+            seed=settings.eval_seed,
             reward=arith_reward,
         )
         return result["avg_at_k"]
@@ -226,36 +224,41 @@ def micro_batching(completions_per_step: int, per_device: int | None) -> dict[st
 
 
 def _config(
-    contender: Contender, task: SeedTask, args: argparse.Namespace, seed: int, output_dir: Path, learning_rate: float
+    contender: Contender,
+    task: SeedTask,
+    settings: EfficiencySettings,
+    seed: int,
+    output_dir: Path,
+    learning_rate: float,
 ):
     """The contender's TRL config: everything but the algorithm's own knobs, its overrides and its (tuned) learning
     rate is shared. `max_steps` is what B per step needs to reach the budget; a contender that generates more per step
     (DAPO-DS) stops earlier, at the budget (HeldOutCurve)."""
     config_class = TRAINERS[contender.trainer][1]
     fields = {f.name for f in dataclasses.fields(config_class)}
-    settings: dict[str, Any] = dict(
+    config: dict[str, Any] = dict(
         output_dir=str(output_dir),
         num_generations=contender.group_size,
-        max_steps=-(-args.budget // args.completions_per_step),
+        max_steps=-(-settings.budget // settings.completions_per_step),
         learning_rate=learning_rate,
         lr_scheduler_type="constant",
-        epsilon=args.epsilon,
-        epsilon_high=args.epsilon_high,
+        epsilon=settings.epsilon,
+        epsilon_high=settings.epsilon_high,
         beta=0.0,
         temperature=1.0,
         top_p=1.0,
         max_completion_length=task.max_completion_length,
         seed=seed,
-        **micro_batching(args.completions_per_step, args.per_device_batch_size),
-        **trainer_device_args(args.gradient_checkpointing),
+        **micro_batching(settings.completions_per_step, settings.per_device_batch_size),
+        **trainer_device_args(settings.gradient_checkpointing),
     )
     if contender.trainer != "rloo":  # RLOOTrainer has no loss_type (sequence mean, fixed)
-        settings["loss_type"] = "dapo"
+        config["loss_type"] = "dapo"
     if contender.trainer in ("grpo", "dapo_ds", "dapo_ds_carry"):
-        settings["scale_rewards"] = args.grpo_scale_rewards
-    settings.update({key: value for key, value in contender.pins.items() if key in fields})
-    settings.update(contender.overrides)
-    return config_class(**settings)
+        config["scale_rewards"] = settings.grpo_scale_rewards
+    config.update({key: value for key, value in contender.pins.items() if key in fields})
+    config.update(contender.overrides)
+    return config_class(**config)
 
 
 def _after_bootstrap(per_step: dict[str, list], key: str) -> list[float | None]:
@@ -264,22 +267,22 @@ def _after_bootstrap(per_step: dict[str, list], key: str) -> list[float | None]:
 
 
 def run_one(
-    contender: Contender, seed: int, task: SeedTask, args: argparse.Namespace, learning_rate: float
+    contender: Contender, seed: int, task: SeedTask, settings: EfficiencySettings, learning_rate: float
 ) -> dict[str, Any]:
     """Train one contender on one seed; return its held-out curve, compute counts and per-step training metrics."""
     trainer_class = TRAINERS[contender.trainer][0]
     scratch = tempfile.TemporaryDirectory(prefix="poise-bench-")  # the trainer saves nothing (save_strategy="no")
     output_dir = Path(scratch.name)
-    curve = HeldOutCurve(task.evaluate, args.eval_every, args.budget)
+    curve = HeldOutCurve(task.evaluate, settings.eval_every, settings.budget)
     trainer = trainer_class(
         model=task.model,
         reward_funcs=task.reward,
-        args=_config(contender, task, args, seed, output_dir, learning_rate),
+        args=_config(contender, task, settings, seed, output_dir, learning_rate),
         train_dataset=task.train,
         callbacks=[curve],
     )
     trainer.remove_callback(PrinterCallback)  # disable_tqdm swaps the progress bar for a per-step print
-    trainer.dapo_max_rounds = args.dapo_max_rounds
+    trainer.dapo_max_rounds = settings.dapo_max_rounds
     curve.counts = trainer.bench_counts
     start = time.perf_counter()
     trainer.train()
@@ -297,7 +300,7 @@ def run_one(
         "contender": contender.name,
         "seed": seed,
         "learning_rate": learning_rate,
-        "completions_per_step": args.completions_per_step,
+        "completions_per_step": settings.completions_per_step,
         "eval_steps": curve.steps,
         "eval_completions": curve.completions_generated,
         "avg_at_k": curve.avg_at_k,

@@ -38,9 +38,10 @@ import torch
 from poise_trl.baselines import leave_one_out_targets
 from poise_trl.estimator import POISEEstimator
 
-from .common import CONTENDERS, format_table, write_json
+from .common import CONTENDERS, format_table, resolve_device, write_json
 from .common import GRADIENT_REFERENCE_BUDGET as REFERENCE_BUDGET
-from .value.collect import Collection, Log, _device, collect_from_args
+from .value.collect import Collection, Log
+from .value.resolve import collect_from_args
 
 SUBSPACES = ("lora", "norms")
 GOALS = {"rloo2": 0.6, "dapo_ds_carry": 0.5}  # issue 23: POISE's completions as a share of the comparator's
@@ -416,7 +417,7 @@ def run_gradient(args: argparse.Namespace, log: Log = print) -> int:
     collection = collect_from_args(args, log)
     seconds = {k: float(v) for k, v in collection.meta["seconds"].items()}
     model = AutoModelForCausalLM.from_pretrained(collection.meta["model_path"], dtype=torch.float32)
-    model.to(_device(args.device))
+    model.to(resolve_device(args.device))
     log(f"[3/4] per-rollout gradients of {collection.rewards.numel()} rollouts (LoRA r={args.lora_rank} and norms)")
     t = time.perf_counter()
     gradients = rollout_gradients(model, collection, args.lora_rank, args.seed, log)

@@ -8,10 +8,8 @@ the report. A run that never reaches the target counts as needing infinitely man
 contender.
 """
 
-import argparse
 import json
 import math
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,18 +20,13 @@ from scipy import stats
 from .common import (
     ALPHA,
     CONTENDERS,
-    DEMO_LEARNING_RATE,
     HEADLINE_CONTENDERS,
-    PAPER_LEARNING_RATE,
     REFERENCES,
     TASKS,
-    default_jobs,
     fmt,
     format_table,
     mean_or_none,
     median,
-    quiet_libraries,
-    set_cpu_threads,
     smallest_p_holm,
     write_json,
 )
@@ -45,26 +38,6 @@ _LOG_NEVER = 50.0  # a log-ratio standing for "never reached" (ranks and medians
 _LOG_REAL = 20.0  # no real ratio of completion counts comes near e^20; a median or bound beyond it involves "never"
 GOAL_CONTENDER = "poise"
 GOAL_RATIO_BOUNDS = {"dapo_ds_carry": 0.6, "rloo2": 0.9}  # the study's goal: upper CI ends of completions to target
-
-
-def run_efficiency(args: argparse.Namespace) -> int:
-    """Handler of `poise-trl bench efficiency`: run (or resume) the study, then report from its run files."""
-    from .study import run_study
-
-    quiet_libraries()
-    set_cpu_threads(args.cpu_threads)
-    args.task_seeds = dict(args.task_seeds)
-    if args.learning_rate is None:
-        args.learning_rate = DEMO_LEARNING_RATE if args.model is None else PAPER_LEARNING_RATE
-    if args.gradient_checkpointing is None:
-        args.gradient_checkpointing = args.model is not None  # a real model's activations need it (OOM otherwise)
-    if args.jobs is None:
-        args.jobs = 1 if args.model is not None else default_jobs()  # one GPU: one run at a time
-    start = time.perf_counter()
-    run_study(args)
-    print(f"[bench efficiency] all runs done in {time.perf_counter() - start:.0f} s", flush=True)
-    print(write_report(args.output_dir, args.allow_mixed_code))
-    return 0
 
 
 def _bootstrap_ci(values: list[float], statistic=np.median) -> tuple[float | None, float | None]:

@@ -6,12 +6,12 @@ The work is ordered so that what matters most finishes first: a task's tuning, t
 contenders of one seed before the next, so partial results stay paired), then the next task.
 """
 
-import argparse
 import json
 import math
 import multiprocessing
 import os
 import time
+from collections.abc import Sequence
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, as_completed
 from functools import partial
 from pathlib import Path
@@ -20,7 +20,6 @@ from typing import Any
 from .common import (
     ABLATIONS,
     ALPHA,
-    ARITH_DATASET,
     CONTENDERS,
     HEADLINE_CONTENDERS,
     REFERENCES,
@@ -32,17 +31,11 @@ from .common import (
     set_cpu_threads,
     smallest_p_holm,
 )
-from .efficiency import _task_factory, run_one, warmup_steps
+from .efficiency import run_one, task_factory
+from .settings import EfficiencySettings
 from .summary import normalized_auc
 from .trainers import unavailable_reason
 
-# The settings a run's result depends on (besides task, contender, rate and seed): a results directory holds runs of
-# one value of each, checked on every resume.
-RUN_SETTINGS = (
-    "budget", "completions_per_step", "per_device_batch_size", "eval_every", "eval_k", "eval_seed", "epsilon",
-    "epsilon_high", "grpo_scale_rewards", "dapo_max_rounds", "num_eval", "min_digits", "max_digits",
-    "max_completion_length", "model", "train_dataset", "eval_dataset", "train_limit", "eval_limit",
-)  # fmt: skip
 Job = tuple[str, float, int]  # (contender, learning rate, seed)
 
 
@@ -63,38 +56,22 @@ def _write_atomic(path: Path, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def study_settings(args: argparse.Namespace) -> dict[str, Any]:
-    settings = {key: getattr(args, key, None) for key in RUN_SETTINGS}
-    settings["warmup_steps"] = {task: warmup_steps(args, task) for task in tasks_of(args) if args.model is None}
-    return settings
-
-
-def check_settings(results_dir: Path, settings: dict[str, Any]) -> None:
-    """Refuse to mix runs of different settings in one results directory (a resume must match the first launch)."""
+def check_identity(results_dir: Path, identity: dict[str, Any]) -> None:
+    """Refuse to mix runs of different settings in one results directory (a resume must match the first launch):
+    `identity` is the study's `EfficiencySettings.identity()`."""
     path = results_dir / "study.json"
     if path.exists():
         before = json.loads(path.read_text())["settings"]
-        differ = {k: (before.get(k), v) for k, v in settings.items() if k != "warmup_steps" and before.get(k) != v}
-        for task, steps in settings["warmup_steps"].items():
+        differ = {k: (before.get(k), v) for k, v in identity.items() if k != "warmup_steps" and before.get(k) != v}
+        for task, steps in identity["warmup_steps"].items():
             if before.get("warmup_steps", {}).get(task, steps) != steps:
                 differ[f"warmup_steps[{task}]"] = (before["warmup_steps"][task], steps)
         if differ:
             detail = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in differ.items())
             raise SystemExit(f"{results_dir} holds runs with other settings ({detail}); pass the same settings to "
                              "resume, or another --output-dir")  # fmt: skip
-        settings = {**settings, "warmup_steps": {**before.get("warmup_steps", {}), **settings["warmup_steps"]}}
-    _write_atomic(path, {"settings": settings})
-
-
-def tasks_of(args: argparse.Namespace) -> list[str]:
-    """The offline tasks, or with `--model` one task named after its training data (`arith`) or "model"."""
-    if args.model is None:
-        return list(args.task)
-    return [ARITH_DATASET] if args.train_dataset == ARITH_DATASET else ["model"]
-
-
-def eval_seeds(args: argparse.Namespace, task: str) -> list[int]:
-    return list(args.task_seeds.get(task, args.seeds))
+        identity = {**identity, "warmup_steps": {**before.get("warmup_steps", {}), **identity["warmup_steps"]}}
+    _write_atomic(path, {"settings": identity})
 
 
 def _worker_setup(cpu_threads: int) -> None:
@@ -103,14 +80,16 @@ def _worker_setup(cpu_threads: int) -> None:
     quiet_libraries()
 
 
-def _run_in_worker(task: str, name: str, learning_rate: float, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+def _run_in_worker(
+    task: str, name: str, learning_rate: float, seed: int, settings: EfficiencySettings
+) -> dict[str, Any]:
     """One run in a worker process; the seed's task is rebuilt there from its cached files."""
     contender = CONTENDERS[name]
-    run = run_one(contender, seed, _task_factory(args, task)(seed), args, learning_rate)
-    role = "tune" if seed in args.tuning_seeds else "eval"
+    run = run_one(contender, seed, task_factory(settings, task)(seed), settings, learning_rate)
+    role = "tune" if seed in settings.tuning_seeds else "eval"
     run.update(task=task, label=contender.label, trainer=contender.trainer, role=role, environment=environment())
     print(
-        f"[bench efficiency] {task} {role} seed {seed} {contender.label} lr {learning_rate:g}: avg@{args.eval_k} "
+        f"[bench efficiency] {task} {role} seed {seed} {contender.label} lr {learning_rate:g}: avg@{settings.eval_k} "
         f"{fmt(run['avg_at_k'][0])} -> {fmt(run['avg_at_k'][-1])}, {run['completions_generated']} generated, "
         f"{run['train_seconds']:.0f} s (+{run['eval_seconds']:.0f} s eval)",
         flush=True,
@@ -119,11 +98,11 @@ def _run_in_worker(task: str, name: str, learning_rate: float, seed: int, args: 
 
 
 class Study:
-    """Runs jobs that have no result file yet, `args.jobs` at a time, and writes each result as it finishes."""
+    """Runs jobs that have no result file yet, `settings.jobs` at a time, and writes each result as it finishes."""
 
-    def __init__(self, args: argparse.Namespace, pool: Executor):
-        self.args, self.pool = args, pool
-        self.results_dir = Path(args.output_dir)
+    def __init__(self, settings: EfficiencySettings, pool: Executor):
+        self.settings, self.pool = settings, pool
+        self.results_dir = Path(settings.output_dir)
 
     def ensure(self, task: str, jobs: list[Job]) -> dict[Job, dict[str, Any]]:
         results, missing = {}, []
@@ -135,12 +114,12 @@ class Study:
                 missing.append(job)
         if not missing:
             return results
-        make_task, prepared, futures = _task_factory(self.args, task), set(), {}
+        make_task, prepared, futures = task_factory(self.settings, task), set(), {}
         for job in missing:  # warm starts are built here, one at a time, so workers only read the cache
             if job[2] not in prepared:
                 make_task(job[2])
                 prepared.add(job[2])
-            future = self.pool.submit(_run_in_worker, task, *job, self.args)
+            future = self.pool.submit(_run_in_worker, task, *job, self.settings)
             # Written the moment it finishes, even while this loop still builds later seeds' warm starts.
             future.add_done_callback(partial(self._save, run_path(self.results_dir, task, *job)))
             futures[future] = job
@@ -154,14 +133,15 @@ class Study:
             _write_atomic(path, future.result())
 
 
-def tune(study: Study, task: str, names: list[str], args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+def tune(study: Study, task: str, names: list[str]) -> dict[str, dict[str, Any]]:
     """Each contender's rate with the best median AUC over the tuning seeds; a best rate at the grid's edge extends
-    the grid by a factor of 2 that way (at most `args.max_grid_extensions` times per contender)."""
-    grids = {name: sorted(args.lr_grid) for name in names}
+    the grid by a factor of 2 that way (at most `max_grid_extensions` times per contender)."""
+    settings = study.settings
+    grids = {name: sorted(settings.lr_grid) for name in names}
     extensions = dict.fromkeys(names, 0)
     while True:
         # Seed-major, so a study stopped midway has every contender and rate on the first tuning seeds.
-        jobs = [(name, lr, seed) for seed in args.tuning_seeds for lr in sorted({*sum(grids.values(), [])})
+        jobs = [(name, lr, seed) for seed in settings.tuning_seeds for lr in sorted({*sum(grids.values(), [])})
                 for name in names if lr in grids[name]]  # fmt: skip
         runs = study.ensure(task, jobs)
         tuned, extended = {}, False
@@ -169,7 +149,9 @@ def tune(study: Study, task: str, names: list[str], args: argparse.Namespace) ->
             table = [
                 {
                     "learning_rate": lr,
-                    "aucs": [normalized_auc(runs[(name, lr, seed)], args.budget) for seed in args.tuning_seeds],
+                    "aucs": [
+                        normalized_auc(runs[(name, lr, seed)], settings.budget) for seed in settings.tuning_seeds
+                    ],
                 }
                 for lr in grids[name]
             ]
@@ -177,7 +159,7 @@ def tune(study: Study, task: str, names: list[str], args: argparse.Namespace) ->
                 row["median_auc"] = median(row["aucs"])
             best = max(table, key=lambda row: row["median_auc"])["learning_rate"]
             at_edge = best in (grids[name][0], grids[name][-1])
-            if at_edge and extensions[name] < args.max_grid_extensions:
+            if at_edge and extensions[name] < settings.max_grid_extensions:
                 grids[name].insert(0, best / 2) if best == grids[name][0] else grids[name].append(best * 2)
                 extensions[name] += 1
                 extended = True
@@ -186,26 +168,27 @@ def tune(study: Study, task: str, names: list[str], args: argparse.Namespace) ->
             return tuned
 
 
-def learning_rates(study: Study, task: str, contenders: list[Contender], args: argparse.Namespace) -> dict[str, Any]:
+def learning_rates(study: Study, task: str, contenders: list[Contender]) -> dict[str, Any]:
     """Per contender: its rate and how it was chosen (tuned, or POISE (paper)'s for the one-change ablations)."""
+    settings = study.settings
     names = [c.name for c in contenders]
-    if not args.tune_lr:
-        return {name: {"learning_rate": args.learning_rate, "source": "--learning-rate"} for name in names}
+    if not settings.tune_lr:
+        return {name: {"learning_rate": settings.learning_rate, "source": "--learning-rate"} for name in names}
     ablations = [name for name in names if name in ABLATIONS]
     if ablations and "poise_paper" not in names:
         raise SystemExit(f"--tune-lr runs the ablations {', '.join(ablations)} at POISE (paper)'s rate: add "
                          "poise_paper to --contenders")  # fmt: skip
-    tuned = tune(study, task, [name for name in names if name not in ABLATIONS], args)
+    tuned = tune(study, task, [name for name in names if name not in ABLATIONS])
     rates = {name: {**tuned[name], "source": "tuned"} for name in tuned}
     for name in ablations:
         rates[name] = {"learning_rate": tuned["poise_paper"]["learning_rate"], "source": "poise_paper's tuned rate"}
     _write_atomic(
-        study.results_dir / f"tuning_{task}.json", {"task": task, "tuning_seeds": args.tuning_seeds, **rates}
+        study.results_dir / f"tuning_{task}.json", {"task": task, "tuning_seeds": settings.tuning_seeds, **rates}
     )
     return rates
 
 
-def available(names: list[str]) -> list[Contender]:
+def available(names: Sequence[str]) -> list[Contender]:
     """The contenders this library version can run (each other one is reported, not run)."""
     contenders = []
     for name in names:
@@ -217,49 +200,50 @@ def available(names: list[str]) -> list[Contender]:
     return contenders
 
 
-def validate(args: argparse.Namespace, contenders: list[Contender]) -> None:
+def validate(settings: EfficiencySettings, contenders: list[Contender]) -> None:
     """Bad settings fail here, before any run, with what to change."""
     for contender in contenders:
-        if args.completions_per_step % contender.group_size:
+        if settings.completions_per_step % contender.group_size:
             raise SystemExit(
-                f"--completions-per-step {args.completions_per_step} is not a multiple of {contender.label}'s group"
+                f"--completions-per-step {settings.completions_per_step} is not a multiple of {contender.label}'s "
+                "group"
             )
-    if args.budget < args.completions_per_step or args.eval_every <= 0:
+    if settings.budget < settings.completions_per_step or settings.eval_every <= 0:
         raise SystemExit("--budget must be at least --completions-per-step and --eval-every positive")
-    if args.tune_lr:
-        overlap = set(args.tuning_seeds) & {s for task in tasks_of(args) for s in eval_seeds(args, task)}
+    if settings.tune_lr:
+        overlap = set(settings.tuning_seeds) & {s for task in settings.tasks for s in settings.eval_seeds(task)}
         if overlap:
             raise SystemExit(f"tuning and evaluation seeds overlap ({sorted(overlap)}): choose disjoint --seeds, "
                              "--task-seeds and --tuning-seeds")  # fmt: skip
-        if len(args.lr_grid) < 2 or any(not math.isfinite(lr) or lr <= 0 for lr in args.lr_grid):
+        if len(settings.lr_grid) < 2 or any(not math.isfinite(lr) or lr <= 0 for lr in settings.lr_grid):
             raise SystemExit("--lr-grid needs at least two positive rates")
     headline = [c.name for c in contenders if c.name in HEADLINE_CONTENDERS]
-    tests = 2 * len(headline) * sum(c.name in REFERENCES for c in contenders) * len(tasks_of(args))
-    for task in tasks_of(args):
-        seeds = len(eval_seeds(args, task))
+    tests = 2 * len(headline) * sum(c.name in REFERENCES for c in contenders) * len(settings.tasks)
+    for task in settings.tasks:
+        seeds = len(settings.eval_seeds(task))
         if tests and (floor := smallest_p_holm(seeds, tests)) >= ALPHA:
             print(f"[bench efficiency] warning: {task} has {seeds} evaluation seeds; across {tests} headline tests "
                   f"no Holm-corrected p-value can fall below {floor:.2g}, so no verdict can be decided: run more "
                   "seeds (--seeds, --task-seeds)", flush=True)  # fmt: skip
 
 
-def run_study(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+def run_study(settings: EfficiencySettings) -> dict[str, dict[str, Any]]:
     """Every task's tuning and evaluation runs, skipping those already on disk; returns the rates per task."""
-    contenders = available(args.contenders)
+    contenders = available(settings.contenders)
     if not contenders:
         raise SystemExit("no contender can run with this library version")
-    validate(args, contenders)
-    results_dir = Path(args.output_dir)
-    check_settings(results_dir, study_settings(args))
+    validate(settings, contenders)
+    results_dir = Path(settings.output_dir)
+    check_identity(results_dir, settings.identity())
     context = multiprocessing.get_context("spawn")  # no worker inherits this process's thread pools
-    setup = dict(mp_context=context, initializer=_worker_setup, initargs=(args.cpu_threads,))
+    setup = dict(mp_context=context, initializer=_worker_setup, initargs=(settings.cpu_threads,))
     rates: dict[str, dict[str, Any]] = {}
     start = time.perf_counter()
-    with ProcessPoolExecutor(max(1, args.jobs), **setup) as pool:
-        study = Study(args, pool)
-        for task in tasks_of(args):
-            rates[task] = learning_rates(study, task, contenders, args)
-            for seed in eval_seeds(args, task):
+    with ProcessPoolExecutor(max(1, settings.jobs), **setup) as pool:
+        study = Study(settings, pool)
+        for task in settings.tasks:
+            rates[task] = learning_rates(study, task, contenders)
+            for seed in settings.eval_seeds(task):
                 study.ensure(task, [(c.name, rates[task][c.name]["learning_rate"], seed) for c in contenders])
                 print(f"[bench efficiency] {task}: seed {seed} done ({time.perf_counter() - start:.0f} s)", flush=True)
     return rates

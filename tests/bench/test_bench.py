@@ -11,9 +11,10 @@ import threading
 import pytest
 import torch
 
-from poise_trl.bench.common import CONTENDERS, spread
+from poise_trl.bench.common import CONTENDERS, summarize
 from poise_trl.bench.efficiency import micro_batching
 from poise_trl.bench.overhead.timing import Baton
+from poise_trl.bench.settings import EfficiencySettings
 from poise_trl.bench.trainers import DynamicSampling
 
 from .conftest import parse_bench
@@ -33,11 +34,11 @@ def test_parser_registers_both_subcommands():
         parse_bench(["bench"])
 
 
-def test_spread_counts_never_reached_as_infinite():
-    assert spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
-    assert spread([1.0, None, 3.0, None])["median"] is None  # two of four never reached: the median is not finite
-    assert spread([1.0, None, 3.0]) == {"median": 3.0, "min": 1.0, "max": None, "n": 3}
-    assert spread([])["n"] == 0
+def test_summarize_counts_never_reached_as_infinite():
+    assert summarize([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert summarize([1.0, None, 3.0, None])["median"] is None  # two of four never reached: the median is not finite
+    assert summarize([1.0, None, 3.0]) == {"median": 3.0, "min": 1.0, "max": None, "n": 3}
+    assert summarize([])["n"] == 0
 
 
 def test_micro_batching_keeps_the_completions_per_step():
@@ -123,7 +124,8 @@ def test_efficiency_smoke_with_a_model_and_dataset(tmp_path, tiny_model_path, ca
         + ["--completions-per-step", "8", "--per-device-batch-size", "4", "--output-dir", str(out)]
     )
     assert args.func(args) == 0
-    assert args.gradient_checkpointing and args.jobs == 1  # resolved for --model
+    settings = EfficiencySettings.from_args(args)  # what the handler ran with; the namespace stays as parsed
+    assert settings.gradient_checkpointing and settings.jobs == 1  # resolved for --model
     result = json.loads((out / "efficiency.json").read_text())
     assert result["settings"]["model"] == str(tiny_model_path) and set(result["tasks"]) == {"model"}
     runs = [json.loads(p.read_text()) for p in sorted(out.glob("runs/model/*/*.json"))]

@@ -4,6 +4,7 @@ Timings are never asserted.
 """
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -12,9 +13,11 @@ import pytest
 import torch
 
 import poise_trl
+from poise_trl.bench.cli import add_efficiency_parser
 from poise_trl.bench.common import CONTENDERS, PAPER_PINS, REFERENCES, environment, smallest_p_holm
 from poise_trl.bench.efficiency import HeldOutCurve, _config, micro_batching
 from poise_trl.bench.report import _log_ratio, _wilcoxon, goal, holm, summarize_task, verdict, write_report
+from poise_trl.bench.settings import EfficiencySettings
 from poise_trl.bench.study import run_path, validate
 from poise_trl.bench.summary import completions_to_gain, normalized_auc
 from poise_trl.bench.trainers import DynamicSampling, unavailable_reason
@@ -33,20 +36,33 @@ def test_parser_defaults_size_the_study_per_the_issue():
         parse_bench(["bench", "efficiency", "--task-seeds", "nosuchtask=0-3"])
 
 
+def test_every_flag_is_a_setting_with_a_role():
+    """A new flag must be declared in EfficiencySettings, where its role says whether it decides a run's result (and
+    so joins the identity a resumed study must match)."""
+    parser = argparse.ArgumentParser()
+    add_efficiency_parser(parser.add_subparsers())
+    flags = {a.dest for a in parser._subparsers._group_actions[0].choices["efficiency"]._actions} - {"help"}
+    assert flags == {f.name for f in dataclasses.fields(EfficiencySettings)}
+    identity = EfficiencySettings.from_args(parse_bench(["bench", "efficiency"])).identity()
+    assert {"budget", "completions_per_step", "model", "eval_seed", "warmup_steps"} <= set(identity)
+    assert not {"jobs", "cpu_threads", "output_dir", "seeds", "learning_rate"} & set(identity)
+
+
 def test_tuning_and_evaluation_seeds_must_be_disjoint():
     args = parse_bench(["bench", "efficiency", "--tune-lr", "--seeds", "0", "1", "--tuning-seeds", "1", "2"])
-    args.task_seeds = {}
     with pytest.raises(SystemExit, match="overlap"):
-        validate(args, [CONTENDERS["grpo8"]])
-    args = parse_bench(["bench", "efficiency", "--tune-lr", "--seeds", "0", "--task", "sort", "hops"])
-    args.task_seeds = {"hops": [1000]}  # a task's own seeds count too
+        validate(EfficiencySettings.from_args(args), [CONTENDERS["grpo8"]])
+    argv = ["--tune-lr", "--seeds", "0", "--task", "sort", "hops", "--task-seeds", "hops=1000"]
+    args = parse_bench(["bench", "efficiency", *argv])  # a task's own seeds count too
     with pytest.raises(SystemExit, match="overlap"):
-        validate(args, [CONTENDERS["grpo8"]])
+        validate(EfficiencySettings.from_args(args), [CONTENDERS["grpo8"]])
 
 
 def test_contender_configs(tmp_path):
-    args = parse_bench(["bench", "efficiency", "--completions-per-step", "8", "--budget", "20"])
-    args.gradient_checkpointing = False
+    args = EfficiencySettings.from_args(
+        parse_bench(["bench", "efficiency", "--completions-per-step", "8", "--budget", "20"])
+    )
+    assert args.gradient_checkpointing is False  # the tiny demo model's default
     task = argparse.Namespace(max_completion_length=4)
     paper = _config(CONTENDERS["poise_paper"], task, args, 0, tmp_path, 3e-5)
     assert paper.probe_preset == "paper" and paper.loss_type == "dapo" and paper.learning_rate == 3e-5

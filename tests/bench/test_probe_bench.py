@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from poise_trl import POISEConfig, POISETrainer
 from poise_trl.bench.cli import add_probe_bench_parser
 from poise_trl.bench.critic import load_critic, predict_critic, train_critic
-from poise_trl.bench.value.collect import Collection, collect, load_prompts
+from poise_trl.bench.value.collect import Collection, collect
+from poise_trl.bench.value.resolve import load_prompts
 from poise_trl.bench.value.score import ValueBenchmark, split_by_prompt
 from poise_trl.files import read_state
 

@@ -35,7 +35,7 @@ for step in range(6):
     counter = HostSyncCounter()
     with counter:
         result = estimator.advantages(x, r)
-        estimator.observe(x, r, torch.arange(16) // 2 + 100 * step)
+        estimator.observe(group_ids=torch.arange(16) // 2 + 100 * step, result=result)
         result.metrics()
     counts.append({"step": step + 1, "transfers": counter.count, "calls": counter.calls})
 state = estimator.state_dict()["tensors"]

@@ -17,7 +17,7 @@ from ..common import (
     ARITH_DATASET,
     environment,
     fmt,
-    fmt_spread,
+    fmt_summary,
     format_table,
     quiet_libraries,
     ratio,
@@ -52,11 +52,11 @@ def format_report(timing: list[dict], memory: list[dict], probe: list[dict], set
         rows.append(
             [
                 t["name"],
-                fmt_spread(t["poise_cycle_seconds"]),
-                fmt_spread(t["grpo_cycle_seconds"]),
-                fmt_spread(t["time_ratio"]),
+                fmt_summary(t["poise_cycle_seconds"]),
+                fmt_summary(t["grpo_cycle_seconds"]),
+                fmt_summary(t["time_ratio"]),
                 str(t["extra_passes_observed"]),
-                fmt_spread(t["poise_probe_fit_seconds_per_step"], 2),
+                fmt_summary(t["poise_probe_fit_seconds_per_step"], 2),
                 peaks,
                 fmt(m.get("training_peak_ratio")),
             ]
@@ -140,7 +140,7 @@ def run_overhead(args: argparse.Namespace) -> int:
     timing = []
     for row in rows:
         timing.append(time_row(row, settings, model, prompts))
-        print(f"[bench overhead] {row.name}: time ratio {fmt_spread(timing[-1]['time_ratio'])}", flush=True)
+        print(f"[bench overhead] {row.name}: time ratio {fmt_summary(timing[-1]['time_ratio'])}", flush=True)
         if timing[-1]["extra_passes_observed"] != row.extra_passes:
             print(
                 f"  warning: POISE ran {timing[-1]['extra_passes_observed']} passes per cycle, not {row.extra_passes}"

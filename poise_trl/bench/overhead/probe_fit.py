@@ -10,7 +10,7 @@ import torch
 from poise_trl.features import block_sizes, pca_blocks
 from poise_trl.probe import ValueProbe
 
-from ..common import PROBE_FIT_ROWS, QWEN3_4B_HIDDEN, spread
+from ..common import PROBE_FIT_ROWS, QWEN3_4B_HIDDEN, summarize
 
 
 def _probe_data(rows: int, hidden: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +41,7 @@ def _median_seconds(fn: Callable[[], Any], repeats: int, sync: bool = False) -> 
         if sync:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return spread(times)["median"]
+    return summarize(times)["median"]
 
 
 def probe_fit_benchmark(repeats: int, hidden: int = QWEN3_4B_HIDDEN, rows: int = PROBE_FIT_ROWS) -> list[dict]:

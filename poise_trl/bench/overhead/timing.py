@@ -24,7 +24,7 @@ from poise_trl.demo.tasks import make_sort_splits
 from poise_trl.rlvr.data import load_math_dataset
 from poise_trl.trainer import POISETrainer
 
-from ..common import ARITH_DATASET, spread, trainer_device_args
+from ..common import ARITH_DATASET, summarize, trainer_device_args
 
 
 def any_text_reward(completions: list, **kwargs: Any) -> list[float]:
@@ -243,9 +243,9 @@ def time_row(row: Row, settings: dict[str, Any], model: str, prompts: Dataset) -
         "poise_seconds": poise,
         "grpo_seconds": grpo,
         "poise_feature_passes_per_cycle": passes,
-        "time_ratio": spread(p / g for p, g in zip(poise, grpo, strict=True)),
-        "poise_cycle_seconds": spread(poise),
-        "grpo_cycle_seconds": spread(grpo),
+        "time_ratio": summarize(p / g for p, g in zip(poise, grpo, strict=True)),
+        "poise_cycle_seconds": summarize(poise),
+        "grpo_cycle_seconds": summarize(grpo),
         "extra_passes_observed": max(passes) if passes else None,
-        "poise_probe_fit_seconds_per_step": spread(h["poise/probe_fit_seconds"] for h in timed_steps),
+        "poise_probe_fit_seconds_per_step": summarize(h["poise/probe_fit_seconds"] for h in timed_steps),
     }

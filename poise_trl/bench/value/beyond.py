@@ -5,8 +5,9 @@ Two questions, each answered on held-out prompts with the same split protocol as
 - Baseline rules: the variance reduction at G = `vr_group_size` of RLOO, the shrunk RLOO a + w * RLOO ((a, w) a
   least-squares fit on the train prompts' groups), the POISE probe g(φ_j) and the partner-aware probe h(φ_j, r_j).
 - Value-guided prompt selection: from `oversample` x `batch_prompts` random held-out candidates, keep `batch_prompts`
-  by the predicted p(1 - p) of a prompt-only probe (top-k, or sampled in proportion to p(1 - p) + ε) or at random,
-  and compare the kept prompts' true p(1 - p) (p = avg@K) and their share of degenerate prompts (avg@K in {0, 1}).
+  by the predicted reward variance of a prompt-only probe (the trainer's rule, `poise_trl.sampling`: top-k by
+  q(1 - q); or sampled in proportion to q(1 - q) + ε) or at random, and compare the kept prompts' true p(1 - p)
+  (p = avg@K) and their share of degenerate prompts (avg@K in {0, 1}).
 
 Each split reports one number per row; the tables give the median and [min, max] over splits.
 """
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from poise_trl.baselines import append_reward_column, leave_one_out_targets, shrunk_rloo_fit
+from poise_trl.sampling import reward_variance, top_k
 
 from .collect import Collection
 from .score import ValueBenchmark
@@ -86,19 +88,27 @@ def prompt_values(bench: ValueBenchmark, preset: str) -> np.ndarray:
 
 
 def selection_trials(
-    predicted: np.ndarray, avg_at_k: np.ndarray, batch_prompts: int, oversample: float, trials: int, seed: int
+    predicted: np.ndarray,
+    avg_at_k: np.ndarray,
+    batch_prompts: int,
+    oversample: float,
+    trials: int,
+    seed: int,
+    reward_range: tuple[float, float] = (0.0, 1.0),
 ) -> dict[str, dict[str, float]]:
-    """Mean true p(1 - p) and degenerate share of the kept prompts under each rule, over random candidate draws."""
+    """Mean true p(1 - p) and degenerate share of the kept prompts under each rule, over random candidate draws;
+    `predicted` values are read on the observed `reward_range`, as the trainer reads them."""
     rng = np.random.default_rng(seed)
     candidates = min(len(avg_at_k), math.ceil(oversample * batch_prompts))
     batch_prompts = min(batch_prompts, max(1, math.floor(candidates / oversample)))  # few held-out prompts
-    spread_true, spread_predicted = avg_at_k * (1 - avg_at_k), predicted * (1 - predicted)
+    variance_true = avg_at_k * (1 - avg_at_k)
+    variance_predicted = reward_variance(torch.from_numpy(predicted), *reward_range).numpy()
     kept: dict[str, list[np.ndarray]] = {"random": [], "value: top-k": [], "value: sampled ∝ p(1-p)+ε": []}
     for _ in range(trials):
         pool = rng.choice(len(avg_at_k), size=candidates, replace=False)
         kept["random"].append(rng.choice(pool, size=batch_prompts, replace=False))
-        kept["value: top-k"].append(pool[np.argsort(-spread_predicted[pool], kind="stable")[:batch_prompts]])
-        weights = spread_predicted[pool] + SAMPLING_EPSILON
+        kept["value: top-k"].append(pool[top_k(variance_predicted[pool].tolist(), batch_prompts)])
+        weights = variance_predicted[pool] + SAMPLING_EPSILON
         kept["value: sampled ∝ p(1-p)+ε"].append(
             rng.choice(pool, size=batch_prompts, replace=False, p=weights / weights.sum())
         )
@@ -106,7 +116,7 @@ def selection_trials(
     for rule, rows in kept.items():
         index = np.concatenate(rows)
         degenerate = (avg_at_k[index] == 0) | (avg_at_k[index] == 1)
-        out[rule] = {"mean p(1-p)": float(spread_true[index].mean()), "degenerate share": float(degenerate.mean())}
+        out[rule] = {"mean p(1-p)": float(variance_true[index].mean()), "degenerate share": float(degenerate.mean())}
     return out
 
 
@@ -136,10 +146,11 @@ def run_beyond(
         bench = ValueBenchmark(collection, test_fraction, seed + split, n_bootstrap=1, vr_group_size=vr_group_size)
         for name, value in baseline_rules(bench, blocks, preset).items():
             rules.setdefault(name, []).append(value)
-        scored = bench.scored
+        scored, rewards = bench.scored, collection.rewards[torch.isfinite(collection.rewards)]
         trials_out = selection_trials(
-            prompt_values(bench, preset)[scored], bench.avg_at_k[scored], batch_prompts, oversample, trials, split
-        )
+            prompt_values(bench, preset)[scored], bench.avg_at_k[scored], batch_prompts, oversample, trials, split,
+            (float(rewards.min()), float(rewards.max())),
+        )  # fmt: skip
         for rule, stats in trials_out.items():
             for stat, value in stats.items():
                 selection.setdefault(rule, {}).setdefault(stat, []).append(value)

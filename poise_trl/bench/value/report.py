@@ -16,8 +16,10 @@ from poise_trl.bench.common import DEMO_MODEL
 from poise_trl.features import FEATURE_BLOCKS, pca_blocks
 from poise_trl.probe import ValueProbe
 
+from ..common import config_default, resolve_device
 from .beyond import format_beyond, run_beyond
-from .collect import Collection, Log, _config_default, _device, collect_from_args
+from .collect import Collection, Log
+from .resolve import collect_from_args
 from .score import parse_mlps, run_benchmark
 
 COLLECTION_FILE = "collection.safetensors"
@@ -123,7 +125,7 @@ def export_probe(collection: Collection, features: Sequence[str], path: str | Pa
     scored = torch.isfinite(collection.rewards)
     targets = leave_one_out_targets(collection.rewards, collection.k, scored)
     rows = scored & torch.isfinite(targets)
-    partner_reward = bool(_config_default("probe_partner_reward"))  # the probe POISEConfig's default would fit
+    partner_reward = bool(config_default("probe_partner_reward"))  # the probe POISEConfig's default would fit
     if partner_reward:
         x = append_reward_column(x, torch.nan_to_num(collection.rewards))
     alpha, dims = PROBE_PRESETS["release"]
@@ -165,22 +167,22 @@ def run_probe_bench(args: argparse.Namespace, log: Log = print) -> int:
         if args.model != DEMO_MODEL:  # the name the user gave, for the report (the collection keeps its path)
             collection.meta["model_name"] = args.model
     else:
-        collection = collect_from_args(args, log)
+        collection = collect_from_args(args, log, args.layers, args.pools)
         log(f"      saved {collection.save(output_dir / COLLECTION_FILE)}")
     critic = None
     if not args.no_critic:
         meta = collection.meta
         critic = dict(
             model_name_or_path=meta.get("model_path") or meta["model_name"],
-            device=_device(args.device),
+            device=resolve_device(args.device),
             epochs=args.critic_epochs,
             lr=args.critic_lr,
             batch_size=args.critic_batch_size,
         )
     results = run_benchmark(
         collection,
-        features=args.features or _config_default("probe_features"),
-        preset=args.preset or _config_default("probe_preset"),
+        features=args.features or config_default("probe_features"),
+        preset=args.preset or config_default("probe_preset"),
         test_fraction=args.test_fraction,
         seed=args.seed,
         n_bootstrap=args.bootstrap,

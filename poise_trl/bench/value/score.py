@@ -18,7 +18,8 @@ from poise_trl.baselines import baseline_diagnostics, cross_rollout_baselines, l
 from poise_trl.features import FEATURE_BLOCKS, layer_candidates, pca_blocks
 from poise_trl.probe import ValueProbe, choose_layer, grouped_kfold_errors
 
-from .collect import Collection, Log, _config_default
+from ..common import config_default
+from .collect import Collection, Log
 
 ABLATIONS = (  # paper Table 3; `run_benchmark` adds the full set, with and without response length
     ("prompt hidden states only", ("prompt",)),
@@ -321,7 +322,7 @@ def run_benchmark(
         for lay in layers
     ]
     candidates = [lay for lay in layer_candidates(None, meta["num_layers"]) if lay in layers]
-    folds, margin = _config_default("probe_layer_folds"), _config_default("probe_layer_switch_margin")
+    folds, margin = config_default("probe_layer_folds"), config_default("probe_layer_switch_margin")
     start = time.perf_counter()
     auto = bench.auto_layer(blocks, preset, candidates, folds, margin) if len(candidates) > 1 else None
     if auto is not None:

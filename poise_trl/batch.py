@@ -1,0 +1,141 @@
+"""One step's batch as `POISEEstimator` sees it, and what the step hands on. Pure torch.
+
+`advantages` prepares the batch once (`PreparedBatch`) and returns it inside its `AdvantageResult`; `observe` takes
+that result explicitly, learns from its batch without preparing it again, and brings the result's diagnostics to the
+host in the step's one device->host transfer. Without the result, `observe` prepares the batch itself.
+"""
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .baselines import append_reward_column, leave_one_out_targets
+from .files import DEFAULT_DOMAIN
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    """The per-batch tensors both `advantages` and `observe` need, on the rewards' device; rows in consecutive groups
+    of `num_generations`."""
+
+    features: torch.Tensor  # (N, C, D), with the rollout's reward as a last column when the probe is partner-aware
+    rewards: torch.Tensor  # (N,), NaN where unscorable
+    has_completion: torch.Tensor  # (N,) bool
+    has_features: torch.Tensor  # (N,) a completion and finite features (the reward column included)
+    usable: torch.Tensor  # (N,) rows whose probe value may serve as a partner's baseline
+    scorable: torch.Tensor  # (N,) finite reward
+    targets: torch.Tensor  # (N,) leave-one-out mean of the partners' rewards
+    domain_rows: dict[str, torch.Tensor]  # domain name -> (N,) bool; one, the default, when rows carry no domain
+    num_generations: int
+    named_domains: bool  # the caller named each row's domain (per-domain diagnostics are logged)
+
+    @property
+    def rows(self) -> int:
+        return self.rewards.numel()
+
+
+def split_domains(
+    domains: Sequence[str] | None, n: int, device: torch.device | str, known: Iterable[str], max_domains: int
+) -> dict[str, torch.Tensor]:
+    """Domain name -> (n,) bool rows of that domain (one, `DEFAULT_DOMAIN`, without names); refuses more than
+    `max_domains` distinct domains with the `known` ones."""
+    if domains is None:
+        return {DEFAULT_DOMAIN: torch.ones(n, dtype=torch.bool, device=device)}
+    names = [str(d) for d in domains]
+    if len(names) != n:
+        raise ValueError(f"Got {len(names)} domain names for {n} rows.")
+    seen = {**dict.fromkeys(known), **dict.fromkeys(names)}
+    if len(seen) > max_domains:
+        raise ValueError(
+            f"{len(seen)} distinct domains ({', '.join(map(repr, list(seen)[:5]))}{', ...' * (len(seen) > 5)}) "
+            f"exceed max_domains={max_domains}: each keeps its own probe and buffer. Map the domain column "
+            "to fewer values, or raise max_domains if the memory allows (see the estimator's docstring)."
+        )
+    return {
+        name: torch.tensor([d == name for d in names], dtype=torch.bool, device=device)
+        for name in dict.fromkeys(names)
+    }
+
+
+def prepare_batch(
+    features: torch.Tensor,
+    rewards: torch.Tensor,
+    has_completion: torch.Tensor | None,
+    num_generations: int,
+    partner_reward: bool,
+    domain_rows: dict[str, torch.Tensor],
+    named_domains: bool,
+) -> PreparedBatch:
+    """Bring a batch to the rewards' device, append the reward column (partner-aware probe) and decide which rows are
+    usable. A non-finite value anywhere in a row (a feature, or a reward too large for the column's dtype) drops it."""
+    if features.ndim == 2:
+        features = features.unsqueeze(1)
+    device = rewards.device
+    rewards = torch.where(torch.isfinite(rewards), rewards, torch.nan)
+    has_completion = (
+        torch.ones_like(rewards, dtype=torch.bool) if has_completion is None else has_completion.to(device)
+    )
+    features = features.to(device)
+    scorable = torch.isfinite(rewards)
+    if partner_reward:
+        features = append_reward_column(features, torch.where(scorable, rewards, torch.zeros_like(rewards)))
+    has_features = has_completion & torch.isfinite(features).flatten(1).all(1)
+    return PreparedBatch(
+        features=features,
+        rewards=rewards,
+        has_completion=has_completion,
+        has_features=has_features,
+        usable=has_features & scorable if partner_reward else has_features,
+        scorable=scorable,
+        targets=leave_one_out_targets(rewards, num_generations, scorable),
+        domain_rows=domain_rows,
+        num_generations=num_generations,
+        named_domains=named_domains,
+    )
+
+
+@dataclass
+class AdvantageResult:
+    """One batch's advantages (N,), baselines (N,, NaN where a row got none), the rows that received a baseline, the
+    probe values and the leave-one-out targets, and the prepared `batch` that `observe` reuses; `metrics()` brings the
+    diagnostics to the host in one transfer (shared with `observe`'s when the result is handed to it)."""
+
+    advantages: torch.Tensor
+    baselines: torch.Tensor
+    receives: torch.Tensor
+    values: torch.Tensor
+    targets: torch.Tensor
+    stats: torch.Tensor  # float64, in `names` order
+    names: list[str]
+    batch: PreparedBatch
+    host_metrics: dict[str, float] = field(default_factory=dict)  # known on the host when taken (layer, buffer size)
+    _host: list[float] | None = None
+
+    def payload(self) -> torch.Tensor:
+        """Everything a logger needs from the device: diagnostics, advantages and logged baselines."""
+        logged = torch.where(self.receives, self.baselines, torch.nan)
+        return torch.cat([self.stats, self.advantages.double(), logged.double()])
+
+    @property
+    def on_host(self) -> bool:
+        return self._host is not None
+
+    def receive_host(self, values: Sequence[float]) -> None:
+        """Take `payload()` as host floats that a caller fetched in a transfer of its own (`observe` does)."""
+        self._host = list(values)
+
+    def host(self) -> list[float]:
+        """`payload()` on the host: fetched now unless it already came with another transfer."""
+        if self._host is None:
+            self._host = self.payload().tolist()
+        return self._host
+
+    def metrics(self) -> dict[str, float]:
+        """`poise/*` diagnostics of this batch as floats (NaN where undefined)."""
+        return {**dict(zip(self.names, self.host()[: len(self.names)], strict=True)), **self.host_metrics}
+
+    def logged_rows(self) -> tuple[list[float], list[float]]:
+        """(advantages, baselines with NaN where a row got none) as host lists, from the same transfer."""
+        host, n = self.host()[len(self.names) :], self.advantages.numel()
+        return host[:n], host[n:]

@@ -1,0 +1,57 @@
+"""The rules every POISE estimator's settings obey, in one place: `POISEEstimator` checks its arguments with them and
+`POISEConfig` its fields, so each bad value gets one clear error early, named as the caller wrote it."""
+
+from typing import Any
+
+
+def check_settings(settings: dict[str, Any], names: dict[str, str] | None = None) -> None:
+    """The rules every POISE estimator obeys, in one place: `POISEEstimator` checks its arguments with them and
+    `POISEConfig` its fields (`names` maps an argument to the field that sets it, so each error names what the
+    caller wrote). Only the keys present are checked."""
+
+    name = (names or {}).get
+
+    def bad(key: str, rule: str) -> ValueError:
+        return ValueError(f"{name(key, key)}={settings[key]!r} {rule}")
+
+    g = settings.get("num_generations", 2)
+    if "num_generations" in settings and (isinstance(g, bool) or not isinstance(g, int) or g < 2):
+        raise bad(
+            "num_generations",
+            "is too small: POISE's cross-rollout baseline needs at least 2 rollouts per prompt. Set "
+            "num_generations=2 (the paper's value) or more.",
+        )
+    if "scale_rewards" in settings and settings["scale_rewards"] not in ("none", "batch"):
+        raise bad(
+            "scale_rewards",
+            "is not supported by POISE: a per-group std includes the rollout's own reward and biases the gradient. "
+            "Use 'none' (paper) or 'batch'.",
+        )
+    if "bootstrap" in settings and settings["bootstrap"] not in ("rloo", "shrunk"):
+        raise bad("bootstrap", "is not a bootstrap: choose 'rloo' (paper) or 'shrunk'.")
+    if "alpha" in settings and not settings["alpha"] > 0:
+        raise bad("alpha", "must be > 0 (ridge needs a positive penalty).")
+    clip = settings.get("clip")
+    if clip is not None and (len(clip) != 2 or not clip[0] < clip[1]):
+        raise bad("clip", "is not a range: give [low, high] with low < high, or None.")
+    sizes = [(name("buffer_size", "buffer_size"), settings.get("buffer_size", 2 * g))]
+    domain_sizes = settings.get("domain_buffer_sizes") or {}
+    sizes += [(f"{name('domain_buffer_sizes', 'domain_buffer_sizes')}[{d!r}]", n) for d, n in domain_sizes.items()]
+    for shown, size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 2 * g:
+            raise ValueError(f"{shown}={size!r} must be an int holding at least two groups ({2 * g} examples).")
+    if settings.get("max_domains", 1) < 1:
+        raise bad("max_domains", "must be >= 1.")
+    if settings.get("warmup_steps", 0) < 0:
+        raise bad("warmup_steps", "must be >= 0.")
+    if settings.get("layer_select_every") is not None and settings["layer_select_every"] < 1:
+        raise bad("layer_select_every", "must be >= 1 (steps between layer choices).")
+    if not 0 <= settings.get("layer_switch_margin", 0) < 1:
+        raise bad("layer_switch_margin", "must be in [0, 1) (a relative improvement).")
+    if settings.get("layer_folds", 2) < 2:
+        raise bad("layer_folds", "must be >= 2 (prompt-grouped K-fold needs two folds).")
+    layers = settings.get("layers", [0])
+    if not layers or not 0 <= settings.get("layer_index", 0) < len(layers):
+        raise bad("layer_index", f"is not a slice of the {len(layers)} hooked layers {list(layers)}.")
+    if settings.get("prompt_pca_dims", 0) < 0:
+        raise bad("prompt_pca_dims", "must be >= 0 (0: no PCA).")
