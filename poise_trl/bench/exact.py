@@ -43,8 +43,10 @@ class RuleMoments:
 
 def check_binary(rewards: np.ndarray) -> None:
     if not np.isin(rewards, (0.0, 1.0)).all():
-        raise ValueError("the exact group-rule moments need binary rewards (0 or 1); this pool has others: use a "
-                         "binary reward function")  # fmt: skip
+        raise ValueError(
+            "the exact group-rule moments need binary rewards (0 or 1); this pool has others: use a "
+            "binary reward function"
+        )
 
 
 def truth_weights(rewards: np.ndarray) -> np.ndarray:
@@ -63,7 +65,9 @@ def _advantage(r: np.ndarray, c: np.ndarray, group: int, scale: bool) -> np.ndar
     return a
 
 
-def _expect(fn: Callable[[np.ndarray], np.ndarray], total: np.ndarray, successes: np.ndarray, draws: int) -> np.ndarray:
+def _expect(
+    fn: Callable[[np.ndarray], np.ndarray], total: np.ndarray, successes: np.ndarray, draws: int
+) -> np.ndarray:
     """E fn(C), C ~ Hypergeometric(total, successes, draws), elementwise; impossible arguments give 0 (unused)."""
     total, successes = np.rint(total).astype(int), np.rint(successes).astype(int)
     valid = (successes >= 0) & (successes <= total)
@@ -83,15 +87,24 @@ def group_moments(rewards: np.ndarray, group: int, scale: bool, informative_only
         raise ValueError(f"G={group} needs at least {group} rollouts per prompt; the pool has K={k}")
     s = rewards.sum(1)[:, None]
     ri, rj = rewards[:, :, None], rewards[:, None, :]
-    diag = _expect(lambda c: _advantage(ri[..., 0], c, group, scale) ** 2, np.full_like(s, k - 1),
-                   s - ri[..., 0], group - 1)  # fmt: skip
-    cross = _expect(lambda c: _advantage(ri, rj + c, group, scale) * _advantage(rj, ri + c, group, scale),
-                    np.full((1, 1, 1), k - 2), s[..., None] - ri - rj, group - 2)  # fmt: skip
+    diag = _expect(
+        lambda c: _advantage(ri[..., 0], c, group, scale) ** 2, np.full_like(s, k - 1), s - ri[..., 0], group - 1
+    )
+    cross = _expect(
+        lambda c: _advantage(ri, rj + c, group, scale) * _advantage(rj, ri + c, group, scale),
+        np.full((1, 1, 1), k - 2),
+        s[..., None] - ri - rj,
+        group - 2,
+    )
     weights = cross * group * (group - 1) / (k * (k - 1))
     idx = np.arange(k)
     weights[:, idx, idx] = diag * group / k
-    slope = _expect(lambda c: _advantage(np.ones(1), c, group, scale) - _advantage(np.zeros(1), c, group, scale),
-                    np.full_like(s, k - 1), s - rewards, group - 1)  # fmt: skip
+    slope = _expect(
+        lambda c: _advantage(np.ones(1), c, group, scale) - _advantage(np.zeros(1), c, group, scale),
+        np.full_like(s, k - 1),
+        s - rewards,
+        group - 1,
+    )
     informative = None
     if informative_only:
         informative = 1 - hypergeom.pmf(0, k, s[:, 0], group) - hypergeom.pmf(group, k, s[:, 0], group)
