@@ -280,10 +280,16 @@ def measure(
     bootstrap: int,
     seed: int,
 ) -> dict[str, Any]:
-    """Per subspace and rule: relative per-completion variance, bias², the mean's cosine with g, the scale-matched
-    variance's share against GRPO-8 and RLOO-2; and the Bv/W decomposition. Point estimates with 95% percentile
-    intervals over `bootstrap` resamples of the prompts (the same resamples for every rule)."""
+    """Per subspace and rule: per-completion variance and scale-matched variance in units of the within-prompt
+    noise W, bias² relative to ||g||², the scale-matched variance's share against GRPO-8 and RLOO-2; and ||g||²/W
+    and Bv/W. Point estimates with 95% percentile intervals over `bootstrap` resamples of the prompts (the same
+    resamples for every rule)."""
     num_prompts, k = rewards.shape
+    if not (rewards.max(1) > rewards.min(1)).any():
+        raise ValueError(
+            "no prompt of the pool has mixed rewards, so there is no policy gradient to estimate: use more prompts, "
+            "more rollouts per prompt, or a task the model solves sometimes"
+        )
     counts = bootstrap_counts(num_prompts, bootstrap, seed)
     truth = truth_weights(rewards)
     moments = rule_moments(rewards, values, rules)
@@ -298,31 +304,25 @@ def measure(
             for rule, m in moments.items()
         }
         gg = stats["oracle"]["signal"]
-        if gg[0] <= 0:
-            raise ValueError(
-                "the pool's true gradient has no positive squared norm (no prompt with mixed rewards, "
-                "or too few): use more prompts, more rollouts, or a task the model solves sometimes"
-            )
         matched = {rule: s["variance"] * (gg / s["mean_dot"]) ** 2 for rule, s in stats.items()}
+        within = weights @ pool.second(noise) - weights @ pool.second(signal)
+        between = weights @ pool.second(signal) - gg
         table = {}
         for rule, s in stats.items():
             cell = {
-                "variance": _interval(s["variance"] / gg),
+                "variance": _interval(s["variance"] / within),
                 "bias2": _interval(s["bias2"] / gg),
-                "cosine": _interval(s["mean_dot"] / np.sqrt(np.clip(s["mean_sq"] * gg, 1e-300, None))),
-                "matched_variance": _interval(matched[rule] / gg),
+                "matched_variance": _interval(matched[rule] / within),
             }
             for comparator in COMPARATORS:
                 if comparator in matched:
                     cell[f"share_{comparator}"] = _interval(matched[rule] / matched[comparator])
             table[rule] = cell
-        within = weights @ pool.second(noise) - weights @ pool.second(signal)
-        between = weights @ pool.second(signal) - gg
         out[subspace] = {
             "table": table,
             "signal": float(gg[0]),
-            "within_noise": _interval(within / gg),
-            "between_prompts": _interval(between / gg),
+            "within_noise": float(within[0]),
+            "signal_over_within": _interval(gg / within),
             "between_over_within": _interval(between / within),
         }
     return out
@@ -362,13 +362,14 @@ def format_report(results: dict[str, Any]) -> str:
         "",
         "POISE's probes: " + "; ".join(f"{label(r)}: {src}" for r, src in results["probes"].items()) + ".",
         "",
-        "Columns, relative to ||g||² (g the true gradient): the per-completion variance B·tr Cov(ĝ) (the completions "
-        "a rule needs for a relative MSE of 1); bias² = ||E ĝ − g||²; the cosine of E ĝ with g; the scale-matched "
-        "variance (the variance of ĝ·||g||²/(E ĝ·g), which a tuned learning rate sees: equal to the variance for "
-        "unbiased rules, fair to rules that rescale); shares are ratios of scale-matched variances, i.e. the "
-        "completions a rule needs as a share of GRPO G=8's and RLOO k=2's for the same error. DAPO-DS-carry keeps "
-        "a fixed number of informative groups and is charged its expected G/q completions per kept group. The "
-        "oracle sampler draws prompts with probability ∝ sqrt(E[(r − b)² | x]) read off the pool, weighted 1/(n q).",
+        "Columns: the per-completion variance B·tr Cov(ĝ), in units of W = E tr Cov((r − p) ∇log π | x), the "
+        "within-prompt noise that no sequence-level baseline removes (a G = 2 rule with the true success rate p as "
+        "baseline pays W + 2 Bv); bias² = ||E ĝ − g||² relative to ||g||² (g the true gradient); the scale-matched "
+        "variance, of ĝ·||g||²/(E ĝ·g), what a tuned learning rate sees (equal to the variance for unbiased rules, "
+        "fair to rules that rescale); shares are ratios of scale-matched variances: the completions a rule needs, as "
+        "a share of GRPO G=8's and RLOO k=2's, for the same error. DAPO-DS-carry keeps a fixed number of informative "
+        "groups and is charged its expected G/q completions per kept group. The oracle sampler draws prompts with "
+        "probability ∝ sqrt(E[(r − b)² | x]) read off the pool, weighted 1/(n q).",
     ]
     for subspace in SUBSPACES:
         block = results["subspaces"][subspace]
@@ -376,10 +377,9 @@ def format_report(results: dict[str, Any]) -> str:
         rows = [
             [
                 label(rule),
-                _fmt(c["variance"], 1),
+                _fmt(c["variance"], 2),
                 _fmt(c["bias2"]),
-                _fmt(c["cosine"]),
-                _fmt(c["matched_variance"], 1),
+                _fmt(c["matched_variance"], 2),
                 _fmt(c.get("share_grpo8"), 2),
                 _fmt(c.get("share_rloo2"), 2),
             ]
@@ -387,19 +387,18 @@ def format_report(results: dict[str, Any]) -> str:
         ]
         headers = [
             "Rule",
-            "Variance per completion",
-            "Bias²",
-            "Cosine",
-            "Scale-matched variance",
+            "Variance per completion (W)",
+            "Bias² (||g||²)",
+            "Scale-matched variance (W)",
             "Share of GRPO G=8",
             "Share of RLOO k=2",
         ]
         lines.append(format_table(headers, rows))
         lines += [
             "",
-            f"Between-prompt over within-prompt variance Bv/W: {_fmt(block['between_over_within'], 4)} "
-            f"(W = {_fmt(block['within_noise'], 1)}, Bv = {_fmt(block['between_prompts'], 2)}, relative to "
-            "||g||²). A G = 2 rule with any baseline pays at least W + 2 Bv per completion: the oracle row.",
+            f"Between-prompt over within-prompt variance Bv/W: {_fmt(block['between_over_within'], 4)}. Signal "
+            f"||g||²/W: {_fmt(block['signal_over_within'], 5)} (an unbiased rule needs its variance / ||g||² "
+            "completions for a relative MSE of 1).",
         ]
     lines += ["", f"Ranking agreement between subspaces (Kendall's tau): {results['ranking_agreement']:+.2f}"]
     lines += ["", "Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in results["seconds"].items())]

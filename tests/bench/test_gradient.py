@@ -136,7 +136,7 @@ def test_bootstrap_intervals_contain_their_estimates(synthetic_pool):
     out = measure(rewards, {"poise": values, "poise_paper": values[::-1].copy()}, grams, rules, 300, 0)
     for block in out.values():
         cells = [c for row in block["table"].values() for c in row.values()]
-        cells += [block[key] for key in ("within_noise", "between_prompts", "between_over_within")]
+        cells += [block[key] for key in ("signal_over_within", "between_over_within")]
         for cell in cells:
             low, high = cell["ci"]
             assert low <= cell["value"] <= high
@@ -153,16 +153,21 @@ def test_bad_pools_are_refused_early():
         oracle_moments(np.zeros((2, 2)))
 
 
+def parity_reward(completions: list[str], **kwargs) -> list[float]:
+    """Binary and mixed within most prompts: the parity of the completion's character codes."""
+    return [float(sum(map(ord, c)) % 2) for c in completions]
+
+
 def test_command_end_to_end_on_the_tiny_model(tiny_model_path, tmp_path):
     out = tmp_path / "gradient"
-    argv = ["bench", "gradient", str(tiny_model_path), "--dataset", "sort", "--num-prompts", "12", "--k", "8"]
-    argv += ["--reward-fn", "tests.bench.test_probe_bench:toy_reward", "--max-new-tokens", "6", "--device", "cpu"]
-    argv += ["--pool-tokens", "3", "--bootstrap", "20", "--probe-prompts", "40", "--cache-dir", str(tmp_path)]
+    argv = ["bench", "gradient", str(tiny_model_path), "--dataset", "sort", "--num-prompts", "10", "--k", "8"]
+    argv += ["--reward-fn", "tests.bench.test_gradient:parity_reward", "--max-new-tokens", "6", "--device", "cpu"]
+    argv += ["--pool-tokens", "3", "--bootstrap", "20", "--probe-prompts", "24", "--cache-dir", str(tmp_path)]
     argv += ["--output-dir", str(out)]
     assert cli.main(argv) == 0
     results = json.loads((out / "results.json").read_text())
-    assert results["pool"]["prompts"] == 12 and results["pool"]["k"] == 8
-    assert results["probes"]["poise"].startswith("fitted on a separate pool of 40 prompts x 2")
+    assert results["pool"]["prompts"] == 10 and results["pool"]["k"] == 8
+    assert results["probes"]["poise"].startswith("fitted on a separate pool of 24 prompts x 2")
     for subspace in ("lora", "norms"):
         table = results["subspaces"][subspace]["table"]
         assert set(table) == {"grpo8", "grpo8_noscale", "dapo_ds_carry", "rloo2", "poise_paper", "poise", "oracle",
