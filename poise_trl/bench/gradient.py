@@ -46,7 +46,6 @@ from .value.collect import Collection, Log, _device, collect_from_args
 
 SUBSPACES = ("lora", "norms")
 PROBE_K = 2  # the online buffer holds POISE's G = 2 groups
-ESTIMATOR_FILE = "poise_estimator.safetensors"  # what `POISETrainer.save_probe` writes beside a trained model
 CACHE_VERSION = 1
 COMPARATORS = ("grpo8", "rloo2")  # shares are variance ratios against these
 EXTRA_ROWS = {
@@ -203,36 +202,45 @@ def load_pool(args: argparse.Namespace, log: Log = print) -> tuple[Collection, C
 
 
 # --------------------------------------------------------------------------------------------- POISE's probes
+def fitted_probe(rule: str, collection: Collection, probe: Collection, keep: np.ndarray) -> tuple[Any, list[str]]:
+    """`rule`'s estimator after observing the probe pool's prompts `keep` in pairs, over its warm-up steps plus a
+    few, as it would online; and the feature blocks its probe reads."""
+    from poise_trl import POISEConfig
+
+    layer, pool = int(collection.meta["default_layer"]), int(collection.meta["default_pool"])
+    config = POISEConfig(
+        output_dir="unused", report_to="none", use_cpu=True, **CONTENDERS[rule].overrides, **CONTENDERS[rule].pins
+    )
+    settings = config.estimator_settings(int(collection.meta["num_layers"]), int(collection.meta["hidden_size"]))
+    settings.update(layers=[layer], layer_index=0)
+    estimator = POISEEstimator(PROBE_K, **settings)
+    features = probe.columns(config.probe_features, layer, pool)
+    for chunk in np.array_split(keep, estimator.warmup_steps + 4):
+        rows = torch.from_numpy((chunk[:, None] * PROBE_K + np.arange(PROBE_K)).ravel())
+        estimator.observe(features[rows], probe.rewards[rows].nan_to_num(0.0))
+    return estimator, list(config.probe_features)
+
+
 def online_values(
     collection: Collection, probe: Collection, keep: np.ndarray, log: Log = print
 ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Each measured rollout's probe value for POISE (paper) and POISE (default), and where the probe came from: the
-    snapshot's own saved estimator (POISE (default), when the model folder holds one), else an estimator that
-    observed the separate pool's prompts in pairs, over its warm-up steps plus a few, as it would online."""
-    from poise_trl import POISEConfig
+    snapshot's own saved estimator (POISE (default), when the model folder holds the file `POISETrainer.save_probe`
+    writes), else `fitted_probe` on the separate pool."""
+    from poise_trl.trainer import ESTIMATOR_FILE
 
     layer, pool = int(collection.meta["default_layer"]), int(collection.meta["default_pool"])
     saved = Path(collection.meta["model_path"]) / ESTIMATOR_FILE
     values, sources = {}, {}
     for rule in ("poise_paper", "poise"):
-        overrides = {**CONTENDERS[rule].overrides, **CONTENDERS[rule].pins}
-        config = POISEConfig(output_dir="unused", report_to="none", use_cpu=True, **overrides)
-        settings = config.estimator_settings(int(collection.meta["num_layers"]), int(collection.meta["hidden_size"]))
-        settings.update(layers=[layer], layer_index=0)
-        estimator = POISEEstimator(PROBE_K, **settings)
+        estimator, blocks = fitted_probe(rule, collection, probe, keep)
+        sources[rule] = f"fitted on a separate pool of {len(keep)} prompts x {PROBE_K} rollouts"
         if rule == "poise" and saved.exists():
             estimator.load(saved)
             sources[rule] = f"the run's saved estimator ({ESTIMATOR_FILE})"
-        else:
-            features = probe.columns(config.probe_features, layer, pool)
-            steps = estimator.warmup_steps + 4
-            for chunk in np.array_split(keep, steps):
-                rows = torch.from_numpy((chunk[:, None] * PROBE_K + np.arange(PROBE_K)).ravel())
-                estimator.observe(features[rows], probe.rewards[rows].nan_to_num(0.0))
-            sources[rule] = f"fitted on a separate pool of {len(keep)} prompts x {PROBE_K} rollouts in {steps} steps"
         if not estimator.trusted:
             raise RuntimeError(f"{rule}: the probe is not trusted; give more --probe-prompts")
-        features = collection.columns(config.probe_features, layer, pool)
+        features = collection.columns(blocks, layer, pool)
         out = estimator.advantages(features, collection.rewards.nan_to_num(0.0)).values.double().numpy()
         if not np.isfinite(out).all():
             raise RuntimeError(f"{rule}: the probe gave non-finite values for {int((~np.isfinite(out)).sum())} rows")

@@ -19,7 +19,9 @@ from poise_trl.bench.exact import (
     summarize,
     truth_weights,
 )
-from poise_trl.bench.gradient import measure
+from poise_trl.bench.gradient import fitted_probe, measure, online_values, separate_prompts
+from poise_trl.bench.value.collect import Collection
+from poise_trl.trainer import ESTIMATOR_FILE
 
 TYPES, DIM = 12, 4
 RNG = np.random.default_rng(0)
@@ -162,7 +164,16 @@ def test_command_end_to_end_on_the_tiny_model(tiny_model_path, tmp_path):
     out = tmp_path / "gradient"
     argv = ["bench", "gradient", str(tiny_model_path), "--dataset", "sort", "--num-prompts", "10", "--k", "8"]
     argv += ["--reward-fn", "tests.bench.test_gradient:parity_reward", "--max-new-tokens", "6", "--device", "cpu"]
-    argv += ["--pool-tokens", "3", "--bootstrap", "20", "--probe-prompts", "24", "--cache-dir", str(tmp_path)]
+    argv += [
+        "--pool-tokens",
+        "3",
+        "--bootstrap",
+        "20",
+        "--probe-prompts",
+        "24",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
     argv += ["--output-dir", str(out)]
     assert cli.main(argv) == 0
     results = json.loads((out / "results.json").read_text())
@@ -180,3 +191,18 @@ def test_command_end_to_end_on_the_tiny_model(tiny_model_path, tmp_path):
     assert "Share of GRPO G=8" in first and "Bv/W" in first
     assert cli.main(argv) == 0  # the second run reads the pool from the cache
     assert json.loads((out / "results.json").read_text())["subspaces"] == results["subspaces"]
+
+    # a trained snapshot's folder that holds its run's saved estimator: POISE (default) uses it
+    folder = next((tmp_path / "cache" / "gradient").iterdir())
+    pool, probe = Collection.load(folder / "pool.safetensors"), Collection.load(folder / "probe_pool.safetensors")
+    keep = separate_prompts(pool, probe, 24)
+    saved, blocks = fitted_probe("poise", pool, probe, keep[:20])  # another probe than the 24-prompt fit
+    saved.save(tmp_path / ESTIMATOR_FILE)
+    fresh, _ = online_values(pool, probe, keep)
+    pool.meta["model_path"] = str(tmp_path)
+    values, sources = online_values(pool, probe, keep)
+    assert sources["poise"] == f"the run's saved estimator ({ESTIMATOR_FILE})"
+    assert sources["poise_paper"].startswith("fitted on a separate pool")
+    features = pool.columns(blocks, int(pool.meta["default_layer"]), int(pool.meta["default_pool"]))
+    expected = saved.advantages(features, pool.rewards.nan_to_num(0.0)).values.double().numpy()
+    assert np.array_equal(values["poise"], expected) and not np.allclose(values["poise"], fresh["poise"])
