@@ -26,7 +26,7 @@ from poise_trl.trainer import ESTIMATOR_FILE
 TYPES, DIM = 12, 4
 RNG = np.random.default_rng(0)
 P_SUCCESS = np.concatenate([[0.0, 1.0, 0.05], RNG.uniform(0.1, 0.9, TYPES - 3)])  # prompts that always tie, too
-DIRECTION = RNG.normal(size=(TYPES, DIM)) * np.linspace(0.5, 2, TYPES)[:, None]
+DIRECTION = RNG.normal(size=(TYPES, DIM)) * np.linspace(1.5, 6, TYPES)[:, None]
 TRUE_GRADIENT = (P_SUCCESS * (1 - P_SUCCESS))[:, None] * DIRECTION  # E[r g | x], g = (r - p) a_x + noise
 G_TRUE = TRUE_GRADIENT.mean(0)
 
@@ -73,13 +73,13 @@ def _monte_carlo(rule: str, group: int, rng: np.random.Generator, n: int = 200_0
 def synthetic_pool():
     rng = np.random.default_rng(1)
     types = np.repeat(np.arange(TYPES), 250)  # every prompt type equally often: the pool's mix adds no noise
-    r, g, v = _rollouts(types, 8, rng)
+    r, g, v = _rollouts(types, 12, rng)
     return types, r, v, g
 
 
 def test_exact_moments_match_brute_force_monte_carlo(synthetic_pool):
     types, r, v, g = synthetic_pool
-    pool = PoolGram(len(r), 8, scores=g.reshape(-1, DIM))
+    pool = PoolGram(len(r), 12, scores=g.reshape(-1, DIM))
     counts, truth = bootstrap_counts(len(r), 0, 0), truth_weights(r)
     rules = {
         "grpo": (group_moments(r, 8, scale=True), 8),
@@ -94,10 +94,11 @@ def test_exact_moments_match_brute_force_monte_carlo(synthetic_pool):
         exact = summarize(pool, moments, truth, counts)
         brute = _monte_carlo(name, group, rng)
         assert exact["variance"][0] == pytest.approx(brute["variance"], rel=0.02), name
-        assert exact["mean_dot"][0] == pytest.approx(brute["mean_dot"], rel=0.03), name
+        # E ĝ·g is a product over pairs of prompts: the pool's 3,000 prompts leave it a few % of noise
+        assert exact["mean_dot"][0] == pytest.approx(brute["mean_dot"], rel=0.05), name
         if name in ("rloo", "poise", "oracle"):  # a baseline that never sees its rollout: unbiased, exactly
             assert abs(exact["bias2"][0]) < 1e-12 * exact["signal"][0]
-    assert summarize(pool, rules["grpo"][0], truth, counts)["signal"][0] == pytest.approx(G_TRUE @ G_TRUE, rel=0.03)
+    assert summarize(pool, rules["grpo"][0], truth, counts)["signal"][0] == pytest.approx(G_TRUE @ G_TRUE, rel=0.05)
     noscale = summarize(pool, rules["noscale"][0], truth, counts)  # its mean is exactly (G - 1) / G of g
     assert noscale["bias2"][0] == pytest.approx(noscale["signal"][0] / 64, rel=1e-9)
     score = np.sqrt(P_SUCCESS * (1 - P_SUCCESS)) + 0.1  # a prompt sampler q(x) ∝ score, weights 1 / (n q)
