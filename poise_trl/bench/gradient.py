@@ -126,8 +126,15 @@ def cache_dir(args: argparse.Namespace) -> Path:
         "seed",
         "lora_rank",
         "probe_prompts",
+        "batch_size",
+        "backend",
+        "device",
     )
-    spec = json.dumps({key: getattr(args, key, None) for key in keys}, sort_keys=True, default=str)
+    spec = {key: getattr(args, key, None) for key in keys}
+    local = Path(str(args.model))
+    if local.is_dir():  # a snapshot on disk: a new save under the same path is a new pool
+        spec["model_mtime"] = max(f.stat().st_mtime for f in local.iterdir())
+    spec = json.dumps(spec, sort_keys=True, default=str)
     name = "".join(c if c.isalnum() else "-" for c in Path(str(args.model)).name)[:40]
     digest = hashlib.sha256(f"v{CACHE_VERSION} {spec}".encode()).hexdigest()[:12]
     return Path(args.cache_dir or default_cache_dir()) / "gradient" / f"{name}-{digest}"
@@ -178,7 +185,8 @@ def load_pool(args: argparse.Namespace, log: Log = print) -> tuple[Collection, C
         tensors = load_file(str(files["grams"]))
         info = json.loads((folder / "grams.json").read_text())
         grams = {name: tensors[name] for name in SUBSPACES}
-        return Collection.load(files["pool"]), Collection.load(files["probe_pool"]), {**info, "grams": grams}, folder
+        pools = Collection.load(files["pool"]), Collection.load(files["probe_pool"])
+        return *pools, {**info, "grams": grams, "cached": True}, folder
     seconds: dict[str, float] = {}
     collection = collect_from_args(args, log)
     seconds.update({k: float(v) for k, v in collection.meta["seconds"].items()})
@@ -198,7 +206,7 @@ def load_pool(args: argparse.Namespace, log: Log = print) -> tuple[Collection, C
     info = {"dimensions": {name: int(g.size(1)) for name, g in gradients.items()}, "seconds": seconds}
     save_file({name: g.contiguous() for name, g in grams.items()}, str(files["grams"]))
     (folder / "grams.json").write_text(json.dumps(info))
-    return collection, probe, {**info, "grams": grams}, folder
+    return collection, probe, {**info, "grams": grams, "cached": False}, folder
 
 
 # --------------------------------------------------------------------------------------------- POISE's probes
@@ -409,7 +417,8 @@ def format_report(results: dict[str, Any]) -> str:
             "completions for a relative MSE of 1).",
         ]
     lines += ["", f"Ranking agreement between subspaces (Kendall's tau): {results['ranking_agreement']:+.2f}"]
-    lines += ["", "Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in results["seconds"].items())]
+    cached = " (the pool's from its first run; this run read it from the cache)" if results["cached"] else ""
+    lines += ["", "Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in results["seconds"].items()) + cached]
     return "\n".join(lines) + "\n"
 
 
@@ -485,6 +494,7 @@ def run_gradient(args: argparse.Namespace, log: Log = print) -> int:
         "subspaces": measured,
         "ranking_agreement": ranking_agreement(measured),
         "seconds": seconds,
+        "cached": pool["cached"],
     }
     write_json(output_dir / "results.json", results)
     report = format_report(results)
