@@ -47,6 +47,10 @@ from .value.collect import Collection, Log, _device, collect_from_args
 SUBSPACES = ("lora", "norms")
 PROBE_K = 2  # the online buffer holds POISE's G = 2 groups
 CACHE_VERSION = 1
+CACHE_KEYS = (  # the arguments that decide a pool's content
+    "model dataset split task reward_fn num_prompts k temperature top_p max_new_tokens layer pool_tokens "
+    "reasoning_end_marker seed lora_rank probe_prompts batch_size backend device"
+).split()
 COMPARATORS = ("grpo8", "rloo2")  # shares are variance ratios against these
 EXTRA_ROWS = {
     "oracle": "Oracle baseline (true p) G=2",
@@ -109,28 +113,7 @@ def cache_dir(args: argparse.Namespace) -> Path:
     """One folder per pool: the model, prompts, sampling, features and sketch that decide its content."""
     from poise_trl.demo.model import default_cache_dir
 
-    keys = (
-        "model",
-        "dataset",
-        "split",
-        "task",
-        "reward_fn",
-        "num_prompts",
-        "k",
-        "temperature",
-        "top_p",
-        "max_new_tokens",
-        "layer",
-        "pool_tokens",
-        "reasoning_end_marker",
-        "seed",
-        "lora_rank",
-        "probe_prompts",
-        "batch_size",
-        "backend",
-        "device",
-    )
-    spec = {key: getattr(args, key, None) for key in keys}
+    spec = {key: getattr(args, key, None) for key in CACHE_KEYS}
     local = Path(str(args.model))
     if local.is_dir():  # a snapshot on disk: a new save under the same path is a new pool
         spec["model_mtime"] = max(f.stat().st_mtime for f in local.iterdir())
