@@ -31,9 +31,10 @@ STD_EPS = 1e-4  # TRL's GRPO: (r - mean) / (std + 1e-4)
 
 @dataclass(frozen=True)
 class RuleMoments:
-    """What the pool says about one rule, per prompt: `second` (P,) estimates E||Y/G||² | x (without a sampler);
-    `mean` (P, K) weights whose Σ_i mean_i g_i estimates E[Y/G | x]; `cost` completions per unit; `informative`
-    (P,) P(group kept | x) when only informative groups enter the loss (DAPO), else None."""
+    """What the pool says about one rule, per prompt: `second` (P, K, K) weights whose Σ_ij second_ij g_i·g_j
+    estimates E[||Y/G||² | x] (without a sampler); `mean` (P, K) weights whose Σ_i mean_i g_i estimates E[Y/G | x];
+    `cost` completions per unit; `informative` (P,) P(group kept | x) when only informative groups enter the loss
+    (DAPO), else None."""
 
     second: np.ndarray
     mean: np.ndarray
