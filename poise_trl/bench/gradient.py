@@ -55,6 +55,7 @@ COMPARATORS = ("grpo8", "rloo2")  # shares are variance ratios against these
 EXTRA_ROWS = {
     "oracle": "Oracle baseline (true p) G=2",
     "poise_sampler": "POISE (default) + oracle sampler G=2",
+    "grpo8_sampler": "GRPO G=8 + oracle sampler",
 }
 SAMPLER_FLOOR = 0.05  # the oracle sampler's score is floored at this share of its mean: every prompt stays possible
 
@@ -242,7 +243,8 @@ def online_values(
 
 # --------------------------------------------------------------------------------------------------- measuring
 def rule_moments(rewards: np.ndarray, values: dict[str, np.ndarray], rules: list[str]) -> dict[str, RuleMoments]:
-    """Every contender's moments, the oracle baseline's, and POISE (default)'s again for the oracle sampler."""
+    """Every contender's moments, the oracle baseline's, and POISE (default)'s and GRPO G=8's again for the oracle
+    sampler."""
     out: dict[str, RuleMoments] = {}
     for rule in rules:
         group = CONTENDERS[rule].group_size
@@ -255,16 +257,22 @@ def rule_moments(rewards: np.ndarray, values: dict[str, np.ndarray], rules: list
         else:
             out[rule] = pair_moments(rewards, values[rule].reshape(rewards.shape))
     out["oracle"] = oracle_moments(rewards)[0]
-    if "poise" in rules:
-        out["poise_sampler"] = out["poise"]
+    for rule in ("poise", "grpo8"):
+        if rule in rules:
+            out[f"{rule}_sampler"] = out[rule]
     return out
 
 
-def oracle_sampler(rewards: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """q(x) ∝ sqrt(E[(r − b)² | x]) of POISE (default)'s baseline, read off the pool (an oracle: a deployed sampler
-    predicts it before generating), floored at `SAMPLER_FLOOR` of its mean."""
-    score = pair_sampler_score(rewards, values.reshape(rewards.shape))
-    return np.maximum(score, SAMPLER_FLOOR * score.mean())
+def oracle_samplers(rewards: np.ndarray, values: dict[str, np.ndarray], rules: list[str]) -> dict[str, np.ndarray]:
+    """q(x) ∝ sqrt(E[(r − b)² | x]) read off the pool (an oracle: a deployed sampler predicts it before generating),
+    floored at `SAMPLER_FLOOR` of its mean: b is POISE (default)'s partner value, or for GRPO G=8 the other
+    rollouts' mean reward (E[(r − b)² | x] ∝ p(1 − p) for every G, so RLOO's pair score serves)."""
+    scores = {}
+    if "poise" in rules:
+        scores["poise_sampler"] = pair_sampler_score(rewards, values["poise"].reshape(rewards.shape))
+    if "grpo8" in rules:
+        scores["grpo8_sampler"] = pair_sampler_score(rewards, rewards)
+    return {rule: np.maximum(score, SAMPLER_FLOOR * score.mean()) for rule, score in scores.items()}
 
 
 def _interval(replicates: np.ndarray) -> dict[str, Any]:
@@ -292,16 +300,13 @@ def measure(
     counts = bootstrap_counts(num_prompts, bootstrap, seed)
     truth = truth_weights(rewards)
     moments = rule_moments(rewards, values, rules)
-    sampler = oracle_sampler(rewards, values["poise"]) if "poise" in rules else None
+    samplers = oracle_samplers(rewards, values, rules)
     _, noise, signal = oracle_moments(rewards)
     out: dict[str, Any] = {}
     for subspace, matrix in grams.items():
         pool = PoolGram(num_prompts, k, gram=matrix.double().numpy())
         weights = counts / counts.sum(1, keepdims=True)
-        stats = {
-            rule: summarize(pool, m, truth, counts, sampler if rule == "poise_sampler" else None)
-            for rule, m in moments.items()
-        }
+        stats = {rule: summarize(pool, m, truth, counts, samplers.get(rule)) for rule, m in moments.items()}
         gg = stats["oracle"]["signal"]
         matched = {rule: s["variance"] * (gg / s["mean_dot"]) ** 2 for rule, s in stats.items()}
         within = weights @ pool.second(noise) - weights @ pool.second(signal)
