@@ -24,9 +24,7 @@ from .common import (
     DEFAULT_TUNING_SEEDS,
     DEMO_LEARNING_RATE,
     DEMO_MODEL,
-    GRADIENT_BUDGETS,
     GRADIENT_CONTENDERS,
-    GRADIENT_REFERENCE_BUDGET,
     MAX_GRID_EXTENSIONS,
     PAPER_LEARNING_RATE,
     PROBE_FIT_ROWS,
@@ -104,25 +102,22 @@ smollm2-135m`, prepared from its package) on the arith task, every seed evaluate
 held-out arith prompts (default 96).
 """
 
-GRADIENT_DESCRIPTION = f"""Does POISE need fewer completions? The error of each method's policy-gradient estimate per
+GRADIENT_DESCRIPTION = """Does POISE need fewer completions? The error of each method's policy-gradient estimate per
 completion, at one fixed policy (run it at the start model and at a trained one).
 
 A pool of NUM_PROMPTS prompts x K rollouts is sampled and scored once; each rollout's gradient of log pi(y|x) is taken
 once in two subspaces: the B matrices of a rank-r LoRA on every linear layer (zero at init, so dL/dB is a fixed random
 sketch of every layer's weight gradient) and the exact gradient of every norm gain (a check that the ranking does not
-depend on the sketch). A contender's batch gradient is a weighted sum of those, so thousands of batches per budget
-cost little:
-  - GRPO G=8 with and without std scaling, DAPO-DS-carry G=8 (every completion generated counts, the
-    uninformative groups it drops included), RLOO k=2, POISE (paper) and POISE (default) at G=2, whose probe for a
-    prompt is fitted on rollouts of the pool's other prompts (K folds), never on the batch's own;
-  - reference: the unbiased leave-one-out estimate from all rollouts of every prompt;
-  - reported per contender and budget: relative MSE against the reference, its bias and variance parts, the cosine
-    with the reference (95% CIs over bootstrap resamples of the prompts), and the completions each contender needs
-    to reach POISE (default)'s error at {GRADIENT_REFERENCE_BUDGET}, read off the measured curves (log-log
-    interpolation, no 1/n law assumed).
-Gradients are centred within each prompt (the true score has mean zero; a finite pool's does not). Batch prompts are
-drawn with replacement, a group's rollouts without replacement from the prompt's K, which scales within-prompt
-variance by about (K - G) / (K - 1): 0.53 for G = 8 of K = 16, 0.77 of 32; this favours G = 8, less so at larger K.
+depend on the sketch). Each rule's per-completion variance B tr Cov and bias against the true gradient of the prompt
+distribution are exact expectations over the pool (U-statistics; no batches, no reference, no centring):
+  - GRPO G=8 with and without std scaling, DAPO-DS-carry G=8 (a fixed number of informative groups, charged its
+    expected G/q completions per kept group), RLOO k=2, POISE (paper) and POISE (default) at G=2, whose probe is
+    fitted on a separate pool of --probe-prompts prompts x 2 rollouts (or is the snapshot's saved estimator);
+  - the oracle baseline (the true success rate) and POISE (default) with the oracle prompt sampler, as headroom;
+  - reported: variance, bias^2, the shares of GRPO G=8's and RLOO k=2's completions for the same error (ratios of
+    scale-matched variances) and the between/within-prompt decomposition Bv/W, with 95% percentile bootstrap
+    intervals over the prompts.
+The pool, its features and Gram matrices are cached (--cache-dir/gradient), so a rerun is the analysis alone.
 """
 
 OVERHEAD_DESCRIPTION = """POISE's per-step time and peak memory against plain GRPO, and the probe fit's cost.
@@ -377,11 +372,13 @@ def add_gradient_parser(subparsers: Any) -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--contenders", nargs="+", choices=GRADIENT_CONTENDERS, default=list(GRADIENT_CONTENDERS), metavar="NAME",
         help=f"any of {', '.join(GRADIENT_CONTENDERS)}")  # fmt: skip
-    add("--budgets", nargs="+", type=int, default=list(GRADIENT_BUDGETS), help="completions generated per batch")
-    add("--batches", type=int, default=2000, help="batches drawn per contender and budget")
-    add("--bootstrap", type=int, default=100, help="bootstrap resamples of the pool's prompts for the CIs")
-    add("--bootstrap-batches", type=int, default=200, help="batches per contender and budget in each resample")
-    add("--folds", type=int, default=4, help="POISE's probe for a prompt is fitted on the other folds' prompts")
+    add("--bootstrap", type=int, default=1000, help="bootstrap resamples of the pool's prompts for the CIs")
+    add(
+        "--probe-prompts",
+        type=int,
+        default=256,
+        help="POISE's probe is fitted on a separate pool of this many prompts x 2 rollouts (the online buffer)",
+    )
     add("--lora-rank", type=int, default=1, help="rank of the LoRA sketch (its B gradients are stored per rollout)")
     add("--output-dir", default="runs/bench/gradient", help="results.json, results.md, gradient.png")
     parser.set_defaults(func=_run_gradient)

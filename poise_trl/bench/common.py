@@ -101,11 +101,7 @@ DEFAULT_EVAL_EVERY = 320  # completions generated between held-out evaluations, 
 TASK_WARMUP_STEPS = {"sort": 200, "hops": 200}
 TASK_DIGITS = {"sort": (2, 9)}  # the sort task's digit range in the bench (hops has one length)
 DAPO_MAX_ROUNDS = 8  # DAPO's recipe caps dynamic sampling at a few generation batches per step (max_num_gen_batches)
-# bench gradient: the issue's comparators, the completions per batch, and the budget at which POISE (default)'s error
-# sets the target every other contender must reach
-GRADIENT_CONTENDERS = ("grpo8", "grpo8_noscale", "dapo_ds_carry", "rloo2", "poise_paper", "poise")
-GRADIENT_BUDGETS = (32, 64, 128, 256)
-GRADIENT_REFERENCE_BUDGET = 32
+GRADIENT_CONTENDERS = ("grpo8", "grpo8_noscale", "dapo_ds_carry", "rloo2", "poise_paper", "poise")  # bench gradient
 
 
 def smallest_p_holm(seeds: int, tests: int) -> float:

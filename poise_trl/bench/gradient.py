@@ -1,6 +1,6 @@
 """`poise-trl bench gradient`: how good each method's policy-gradient estimate is per completion, at a fixed policy.
 
-At one policy snapshot a pool of P prompts x M rollouts is sampled and scored once, and each rollout's score-function
+At one policy snapshot a pool of P prompts x K rollouts is sampled and scored once, and each rollout's score-function
 gradient g_i = ∇ log π(y_i | x) is taken once, in two parameter subspaces small enough to keep for every rollout:
 
 - "lora": the gradient of rank-r LoRA B matrices (zero at init) on every linear layer. dL/dB = s · (dL/dW) Aᵀ with A
@@ -8,44 +8,57 @@ gradient g_i = ∇ log π(y_i | x) is taken once, in two parameter subspaces sma
 - "norms": the exact gradient of every RMSNorm/LayerNorm gain, a small subspace of a different kind, as the check
   that the contenders' ranking does not depend on the sketch.
 
-Every contender's batch gradient is a weighted sum ĝ = Σ_i w_i g_i of the stored gradients (w_i = A_i / completions
-used), so its error against the reference depends on the gradients only through their Gram matrix K = G Gᵀ and
-thousands of batches cost a few matrix gathers. The reference is the unbiased leave-one-out estimate from every
-rollout of every prompt, g_ref = mean over prompts and rollouts of (r_i - mean of the prompt's other rewards) g_i;
-RLOO drawn from the pool is unbiased for it exactly. The gradients are centred within each prompt before the Gram
-matrix (the true score has mean zero; a pool's does not, which would charge a probe's baseline with a bias that is
-the pool's, see `gram`). Batch prompts are drawn with replacement (the prompt-level variance is the same at every
-budget) and a group's rollouts without replacement from the prompt's M, which scales within-prompt variance by about
-(M - G) / (M - 1): 0.53 for G = 8 of M = 16, 0.77 of 32, 0.93 and 0.97 for G = 2; this favours G = 8 (run a larger
---k to shrink it).
-
-POISE's probe for a prompt is fitted on rollouts of the pool's other prompts, in pairs as its online buffer would
-hold them (K-fold by prompt, `POISEEstimator.observe`), never on the batch's own rows; the G = 2 baseline of rollout
-i is its partner's value, as `POISEEstimator.advantages` gives it.
+Each rule's per-completion variance and bias against the true gradient of the prompt distribution are then exact
+expectations over the pool (`exact`: U-statistics, no batches drawn, no reference, no centring), with percentile
+bootstrap intervals over the prompts. POISE's probe is the one it would run online: fitted on a separate pool of
+`--probe-prompts` prompts x 2 rollouts (the online buffer's shape), or, when the snapshot is a POISE run's output
+holding its saved estimator, that estimator. The samples, features and Gram matrices are cached on disk, so a rerun
+is the analysis alone.
 """
 
 import argparse
-import math
+import hashlib
+import json
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
-from poise_trl.baselines import leave_one_out_targets
 from poise_trl.estimator import POISEEstimator
 
 from .common import CONTENDERS, format_table, resolve_device, write_json
-from .common import GRADIENT_REFERENCE_BUDGET as REFERENCE_BUDGET
+from .exact import (
+    PoolGram,
+    RuleMoments,
+    bootstrap_counts,
+    group_moments,
+    oracle_moments,
+    pair_moments,
+    pair_sampler_score,
+    percentile_interval,
+    summarize,
+    truth_weights,
+)
 from .value.collect import Collection, Log
 from .value.resolve import collect_from_args
 
 SUBSPACES = ("lora", "norms")
-GOALS = {"rloo2": 0.6, "dapo_ds_carry": 0.5}  # issue 23: POISE's completions as a share of the comparator's
-STD_EPS = 1e-4  # TRL's GRPO: (r - mean) / (std + 1e-4)
+PROBE_K = 2  # the online buffer holds POISE's G = 2 groups
+CACHE_VERSION = 1
+CACHE_KEYS = (  # the arguments that decide a pool's content
+    "model dataset split task reward_fn num_prompts k temperature top_p max_new_tokens layer pool_tokens "
+    "reasoning_end_marker seed lora_rank probe_prompts batch_size backend device"
+).split()
+COMPARATORS = ("grpo8", "rloo2")  # shares are variance ratios against these
+EXTRA_ROWS = {
+    "oracle": "Oracle baseline (true p) G=2",
+    "poise_sampler": "POISE (default) + oracle sampler G=2",
+    "grpo8_sampler": "GRPO G=8 + oracle sampler",
+}
+SAMPLER_FLOOR = 0.05  # the oracle sampler's score is floored at this share of its mean: every prompt stays possible
 
 
 # ----------------------------------------------------------------------------------------- per-rollout gradients
@@ -88,248 +101,258 @@ def rollout_gradients(
     return {name: torch.stack(rows) for name, rows in out.items()}
 
 
-def gram(gradients: torch.Tensor, k: int | None = None) -> torch.Tensor:
-    """K = G Gᵀ in float64 (the errors subtract nearly equal quadratic forms), of gradients centred within each
-    prompt's k rollouts when `k` is given.
-
-    The true score has mean zero under the policy, E[∇ log π(y|x)] = 0, but a pool of 16 rollouts has a non-zero
-    mean score ḡ_x. Taken as the population, it would charge a baseline b that is not a function of the pool's own
-    rewards (a probe's value) with a bias (r̄_x − b_x) ḡ_x that no budget shrinks, a property of the pool, not of
-    the rule. Centring restores the identity; it leaves every rule whose advantages sum to zero within a group
-    (GRPO, DAPO, RLOO, the reference) exactly as it was."""
-    g = gradients.double()  # a copy: centred in place
-    if k is not None:
-        grouped = g.view(-1, k, g.size(1))
-        grouped -= grouped.mean(1, keepdim=True)
-    return g @ g.T
-
-
-# -------------------------------------------------------------------------------------------------- the rules
-def loo_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
-    """r_i minus the mean reward of the prompt's other k - 1 rollouts (the reference's advantage)."""
-    return rewards - leave_one_out_targets(rewards, k)
-
-
-def reference_weights(rewards: torch.Tensor, k: int, prompt_counts: np.ndarray | None = None) -> np.ndarray:
-    """w_ref with g_ref = Σ w_ref_i g_i: the mean over prompts (weighted by `prompt_counts` in a bootstrap
-    resample) of the mean over their rollouts of A_i^LOO g_i."""
-    num_prompts = rewards.numel() // k
-    counts = np.ones(num_prompts) if prompt_counts is None else prompt_counts
-    a = loo_advantages(rewards, k).double().numpy()
-    return a * np.repeat(counts, k) / (k * counts.sum())
-
-
-@dataclass(frozen=True)
-class Batches:
-    """`num` batches of one contender at one budget: row indices (num, n) into the pool and their weights."""
-
-    index: np.ndarray
-    weight: np.ndarray
-
-
-def draw_batches(
-    rule: str,
-    budget: int,
-    rewards: np.ndarray,
-    k: int,
-    prompt_pool: np.ndarray,
-    num: int,
-    rng: np.random.Generator,
-    values: dict[str, np.ndarray] | None = None,
-) -> Batches:
-    """Batches of `budget` completions generated: budget / G prompts drawn from `prompt_pool` with replacement, G of
-    each prompt's k rollouts without replacement, and each rule's weight A_i / (completions in its loss)."""
-    group = CONTENDERS[rule].group_size
-    if budget % group or group > k:
-        raise ValueError(f"{rule}: budget {budget} must hold whole groups of {group}, and G={group} <= k={k}")
-    prompts = prompt_pool[rng.integers(len(prompt_pool), size=(num, budget // group))]
-    choice = np.argsort(rng.random((num, budget // group, k)), axis=-1)[..., :group]
-    index = prompts[..., None] * k + choice
-    r = rewards[index]
-    mean = r.mean(-1, keepdims=True)
-    if rule in ("grpo8", "grpo8_noscale", "dapo_ds_carry"):
-        advantage = r - mean
-        if rule != "grpo8_noscale":
-            advantage = advantage / (r.std(-1, ddof=1, keepdims=True) + STD_EPS)
-        used = np.full((num, 1, 1), float(budget))
-        if rule == "dapo_ds_carry":  # every informative group generated enters a loss (the surplus carried over)
-            informative = (r.max(-1, keepdims=True) > r.min(-1, keepdims=True)).astype(float)
-            advantage = advantage * informative
-            used = informative.sum((1, 2), keepdims=True) * group
-        weight = np.divide(advantage, used, out=np.zeros_like(advantage), where=used > 0)
-    elif rule == "rloo2":
-        weight = (r - (r.sum(-1, keepdims=True) - r) / (group - 1)) / budget
-    else:  # POISE, G = 2: the baseline of rollout i is its partner's probe value
-        v = values[rule][index]
-        weight = (r - v[..., ::-1]) / budget
-    return Batches(index.reshape(num, -1), weight.reshape(num, -1))
-
-
-def batch_errors(batches: Batches, k_matrix: torch.Tensor, w_ref: np.ndarray) -> dict[str, float]:
-    """The batches' relative MSE against g_ref (||ĝ - g_ref||² / ||g_ref||²), its bias² part, mean cosine, and the
-    relative MSE at the best constant scale c ĝ (1 - E[ĝ·g]² / (E||ĝ||² ||g||²)): what a tuned learning rate leaves,
-    equal in ranking to the plain MSE between unbiased rules and fair to rules that rescale (std scaling)."""
-    ref = torch.from_numpy(w_ref)
-    u = k_matrix @ ref
-    ref_norm = float(ref @ u)
-    if ref_norm <= 0:  # no prompt with mixed rewards: there is no gradient to estimate
-        return dict.fromkeys(("relative_mse", "bias", "cosine", "best_scale_mse"), math.nan)
-    index, weight = torch.from_numpy(batches.index), torch.from_numpy(batches.weight)
-    quad = torch.empty(index.size(0), dtype=torch.float64)
-    for s in range(0, index.size(0), 64):
-        i, w = index[s : s + 64], weight[s : s + 64]
-        quad[s : s + 64] = torch.einsum("bi,bij,bj->b", w, k_matrix[i[:, :, None], i[:, None, :]], w)
-    cross = (weight * u[index]).sum(1)
-    cosine = torch.where(quad > 0, cross / (quad.clamp(min=1e-300) * ref_norm).sqrt(), 0.0)
-    mean_w = torch.zeros_like(ref).index_add_(0, index.flatten(), weight.flatten()) / index.size(0)
-    return {
-        "relative_mse": float((quad - 2 * cross + ref_norm).mean()) / ref_norm,
-        "bias": float((mean_w - ref) @ k_matrix @ (mean_w - ref)) / ref_norm,
-        "cosine": float(cosine.mean()),
-        "best_scale_mse": 1 - float(cross.mean()) ** 2 / max(float(quad.mean()) * ref_norm, 1e-300),
-    }
-
-
-def bias_corrected_interval(point: float, replicates: np.ndarray, level: float = 0.95) -> list[float]:
-    """Efron's bias-corrected percentile interval: a resample with repeated prompts has a larger reference norm, so
-    its errors sit systematically below the point estimate and a plain percentile interval can miss it."""
-    from scipy.stats import norm
-
-    replicates = replicates[np.isfinite(replicates)]
-    if not len(replicates):
-        return [math.nan, math.nan]
-    below = np.clip((replicates < point).mean() + 0.5 * (replicates == point).mean(), 0.5 / len(replicates),
-                    1 - 0.5 / len(replicates))  # fmt: skip
-    z0, z = norm.ppf(below), norm.ppf(0.5 + level / 2)
-    return np.quantile(replicates, norm.cdf([2 * z0 - z, 2 * z0 + z])).tolist()
-
-
-# --------------------------------------------------------------------------------------------- POISE's probes
-def cross_fitted_values(
-    collection: Collection, folds: int = 4, seed: int = 0, log: Log = print
-) -> dict[str, np.ndarray]:
-    """Each rollout's probe value for POISE (paper) and POISE (default), from an estimator that observed only the
-    other folds' prompts, their rollouts paired as G = 2 steps, until trusted (warm-up steps plus a few)."""
-    from poise_trl import POISEConfig
-
-    layer, pool, k = int(collection.meta["default_layer"]), int(collection.meta["default_pool"]), collection.k
-    fold_of = np.random.default_rng(seed).permutation(collection.num_prompts) % folds
-    rewards = collection.rewards
-    values: dict[str, np.ndarray] = {}
-    for rule in ("poise_paper", "poise"):
-        overrides = {**CONTENDERS[rule].overrides, **CONTENDERS[rule].pins}
-        config = POISEConfig(output_dir="unused", report_to="none", use_cpu=True, **overrides)
-        features = collection.columns(config.probe_features, layer, pool)
-        settings = config.estimator_settings(int(collection.meta["num_layers"]), int(collection.meta["hidden_size"]))
-        settings.update(layers=[layer], layer_index=0)
-        out = np.full(rewards.numel(), np.nan)
-        for fold in range(folds):
-            estimator = POISEEstimator(2, **settings)
-            train = np.flatnonzero(fold_of != fold)
-            rows = torch.from_numpy((train[:, None] * k + np.arange(k)).ravel())
-            steps = estimator.warmup_steps + 4
-            for chunk in torch.tensor_split(rows, steps):
-                chunk = chunk[: chunk.numel() // 2 * 2]  # whole pairs: a prompt's k rollouts pair up in order
-                estimator.observe(features[chunk], rewards[chunk])
-            if not estimator.trusted:
-                raise RuntimeError(f"{rule}: the probe is not trusted after {steps} steps; give more prompts")
-            held = torch.from_numpy((np.flatnonzero(fold_of == fold)[:, None] * k + np.arange(k)).ravel())
-            out[held.numpy()] = estimator.advantages(features[held], rewards[held]).values.double().numpy()
-        if not np.isfinite(out).all():
-            raise RuntimeError(f"{rule}: the probe gave non-finite values for {int((~np.isfinite(out)).sum())} rows")
-        values[rule] = out
-        log(f"      {CONTENDERS[rule].label}: cross-fitted probe values over {folds} folds of prompts")
-    return values
-
-
-# --------------------------------------------------------------------------------------------------- measuring
-def needed_completions(budgets: Sequence[int], errors: Sequence[float], target: float) -> float:
-    """Completions at which a contender's error curve reaches `target`, interpolated log-log between measured
-    budgets (no 1/n law assumed): inf when even the largest budget misses it, the smallest budget when that one
-    already reaches it (nothing below the measured range is claimed); NaN when a curve is undefined."""
-    if math.isnan(target) or any(math.isnan(e) for e in errors):
-        return math.nan
-    log_n, log_e = np.log(np.asarray(budgets, float)), np.log(np.asarray(errors, float))
-    if errors[0] <= target:
-        return float(budgets[0])
-    for i in range(1, len(budgets)):
-        if errors[i] <= target:
-            t = (math.log(target) - log_e[i - 1]) / (log_e[i] - log_e[i - 1])
-            return float(math.exp(log_n[i - 1] + t * (log_n[i] - log_n[i - 1])))
-    return math.inf
-
-
-def measure(
-    rewards: torch.Tensor,
-    k: int,
-    grams: dict[str, torch.Tensor],
-    values: dict[str, np.ndarray],
-    rules: Sequence[str],
-    budgets: Sequence[int],
-    num_batches: int,
-    bootstrap: int,
-    bootstrap_batches: int,
-    seed: int,
-) -> dict[str, Any]:
-    """Per subspace, rule and budget: `batch_errors` with bias-corrected 95% intervals over bootstrap resamples of
-    the pool's prompts; and the completions each rule needs to reach POISE (default)'s best-scale error at
-    `REFERENCE_BUDGET`, as a share POISE's completions are of them."""
-    r = rewards.double().numpy()
-    num_prompts = r.size // k
-    out: dict[str, Any] = {}
-    for subspace, k_matrix in grams.items():
-        rng = np.random.default_rng(seed)
-        pools = [np.arange(num_prompts)] + [rng.integers(num_prompts, size=num_prompts) for _ in range(bootstrap)]
-        cells: dict[tuple[str, int], list[dict[str, float]]] = {}
-        for rep, pool in enumerate(pools):
-            w_ref = reference_weights(rewards, k, np.bincount(pool, minlength=num_prompts).astype(float))
-            for rule in rules:
-                for budget in budgets:
-                    num = num_batches if rep == 0 else bootstrap_batches
-                    batches = draw_batches(rule, budget, r, k, pool, num, rng, values)
-                    cells.setdefault((rule, budget), []).append(batch_errors(batches, k_matrix, w_ref))
-            if rep == 0 and math.isnan(cells[rules[0], budgets[0]][0]["relative_mse"]):
-                raise ValueError("no prompt of the pool has mixed rewards, so there is no policy gradient to "
-                                 "estimate: use more prompts, more rollouts per prompt, or a task the model solves "
-                                 "sometimes")  # fmt: skip
-        table: dict[str, dict[int, dict[str, Any]]] = {rule: {} for rule in rules}
-        for (rule, budget), reps in cells.items():
-            cell = dict(reps[0], variance=reps[0]["relative_mse"] - reps[0]["bias"])
-            if bootstrap:
-                for key in ("relative_mse", "cosine", "best_scale_mse"):
-                    cell[f"{key}_ci"] = bias_corrected_interval(cell[key], np.array([c[key] for c in reps[1:]]))
-            table[rule][budget] = cell
-        needed: dict[str, Any] = {}
-        if "poise" in rules and REFERENCE_BUDGET in budgets:
-            for rule in rules:
-                shares = [
-                    REFERENCE_BUDGET
-                    / needed_completions(budgets, [cells[rule, b][rep]["best_scale_mse"] for b in budgets],
-                                         cells["poise", REFERENCE_BUDGET][rep]["best_scale_mse"])
-                    for rep in range(len(pools))
-                ]  # fmt: skip
-                needed[rule] = {
-                    "completions": REFERENCE_BUDGET / shares[0] if shares[0] > 0 else math.inf,
-                    "poise_share": shares[0],
-                    "poise_share_ci": bias_corrected_interval(shares[0], np.array(shares[1:])) if bootstrap else None,
-                    "goal": GOALS.get(rule),
-                }
-        out[subspace] = {"table": table, "needed": needed}
+def gram(gradients: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+    """G Gᵀ in float64, accumulated over column chunks (a float64 copy of every gradient would not fit)."""
+    out = torch.zeros(gradients.size(0), gradients.size(0), dtype=torch.float64)
+    for s in range(0, gradients.size(1), chunk):
+        block = gradients[:, s : s + chunk].double()
+        out += block @ block.T
     return out
 
 
-def ranking_agreement(results: dict[str, Any], budgets: Sequence[int]) -> dict[int, float]:
-    """Kendall's tau between the two subspaces' orderings of the rules by best-scale error, per budget."""
+# ------------------------------------------------------------------------------------------- the pool, cached
+def cache_dir(args: argparse.Namespace) -> Path:
+    """One folder per pool: the model, prompts, sampling, features and sketch that decide its content."""
+    from poise_trl.demo.model import default_cache_dir
+
+    spec = {key: getattr(args, key, None) for key in CACHE_KEYS}
+    local = Path(str(args.model))
+    if local.is_dir():  # a snapshot on disk: a new save under the same path is a new pool
+        spec["model_mtime"] = max(f.stat().st_mtime for f in local.iterdir())
+    spec = json.dumps(spec, sort_keys=True, default=str)
+    name = "".join(c if c.isalnum() else "-" for c in Path(str(args.model)).name)[:40]
+    digest = hashlib.sha256(f"v{CACHE_VERSION} {spec}".encode()).hexdigest()[:12]
+    return Path(args.cache_dir or default_cache_dir()) / "gradient" / f"{name}-{digest}"
+
+
+def probe_pool_args(args: argparse.Namespace, collection: Collection) -> argparse.Namespace:
+    """The separate pool for POISE's probe: the same model, dataset and sampling, P + probe-prompts prompts (the
+    measured ones are dropped afterwards) x 2 rollouts."""
+    return argparse.Namespace(
+        **{
+            **vars(args),
+            "model": collection.meta["model_path"],
+            "dataset": collection.meta["dataset"],
+            "k": PROBE_K,
+            "num_prompts": args.num_prompts + args.probe_prompts,
+        }
+    )
+
+
+def _prompt_keys(collection: Collection) -> list[tuple[int, ...]]:
+    return [
+        tuple(ids[mask.bool()].tolist())
+        for ids, mask in zip(collection.prompt_ids, collection.prompt_mask, strict=True)
+    ]
+
+
+def separate_prompts(pool: Collection, probe: Collection, wanted: int) -> np.ndarray:
+    """The first `wanted` prompts of the probe pool that the measured pool does not hold."""
+    measured = set(_prompt_keys(pool))
+    keep = [p for p, key in enumerate(_prompt_keys(probe)) if key not in measured][:wanted]
+    if len(keep) < wanted:
+        raise SystemExit(
+            f"only {len(keep)} prompts outside the measured pool for the probe's pool, not "
+            f"{wanted}: lower --probe-prompts or --num-prompts"
+        )
+    return np.asarray(keep)
+
+
+def load_pool(args: argparse.Namespace, log: Log = print) -> tuple[Collection, Collection, dict[str, Any], Path]:
+    """The measured pool, the probe's pool and the per-subspace Gram matrices ({"grams", "dimensions", "seconds"}),
+    from the cache when an earlier run made them."""
+    from transformers import AutoModelForCausalLM
+
+    folder = cache_dir(args)
+    files = {name: folder / f"{name}.safetensors" for name in ("pool", "probe_pool", "grams")}
+    if all(f.exists() for f in files.values()):
+        log(f"[cache] pool, probe pool and Gram matrices from {folder}")
+        tensors = load_file(str(files["grams"]))
+        info = json.loads((folder / "grams.json").read_text())
+        grams = {name: tensors[name] for name in SUBSPACES}
+        pools = Collection.load(files["pool"]), Collection.load(files["probe_pool"])
+        return *pools, {**info, "grams": grams, "cached": True}, folder
+    seconds: dict[str, float] = {}
+    collection = collect_from_args(args, log)
+    seconds.update({k: float(v) for k, v in collection.meta["seconds"].items()})
+    collection.save(files["pool"])
+    log(f"      the probe's separate pool: {args.probe_prompts} prompts x {PROBE_K} rollouts")
+    t = time.perf_counter()
+    probe = collect_from_args(probe_pool_args(args, collection), log)
+    probe.save(files["probe_pool"])
+    seconds["probe_pool"] = time.perf_counter() - t
+    model = AutoModelForCausalLM.from_pretrained(collection.meta["model_path"], dtype=torch.float32)
+    model.to(resolve_device(args.device))
+    log(f"[3/4] per-rollout gradients of {collection.rewards.numel()} rollouts (LoRA r={args.lora_rank} and norms)")
+    t = time.perf_counter()
+    gradients = rollout_gradients(model, collection, args.lora_rank, args.seed, log)
+    grams = {name: gram(g) for name, g in gradients.items()}
+    seconds["gradients"] = time.perf_counter() - t
+    info = {"dimensions": {name: int(g.size(1)) for name, g in gradients.items()}, "seconds": seconds}
+    save_file({name: g.contiguous() for name, g in grams.items()}, str(files["grams"]))
+    (folder / "grams.json").write_text(json.dumps(info))
+    return collection, probe, {**info, "grams": grams, "cached": False}, folder
+
+
+# --------------------------------------------------------------------------------------------- POISE's probes
+def fitted_probe(rule: str, collection: Collection, probe: Collection, keep: np.ndarray) -> tuple[Any, list[str]]:
+    """`rule`'s estimator after observing the probe pool's prompts `keep` in pairs, over its warm-up steps plus a
+    few, as it would online; and the feature blocks its probe reads."""
+    from poise_trl import POISEConfig
+
+    layer, pool = int(collection.meta["default_layer"]), int(collection.meta["default_pool"])
+    config = POISEConfig(
+        output_dir="unused", report_to="none", use_cpu=True, **CONTENDERS[rule].overrides, **CONTENDERS[rule].pins
+    )
+    settings = config.estimator_settings(int(collection.meta["num_layers"]), int(collection.meta["hidden_size"]))
+    settings.update(layers=[layer], layer_index=0)
+    estimator = POISEEstimator(PROBE_K, **settings)
+    features = probe.columns(config.probe_features, layer, pool)
+    for chunk in np.array_split(keep, estimator.warmup_steps + 4):
+        rows = torch.from_numpy((chunk[:, None] * PROBE_K + np.arange(PROBE_K)).ravel())
+        estimator.observe(features[rows], probe.rewards[rows].nan_to_num(0.0))
+    return estimator, list(config.probe_features)
+
+
+def online_values(
+    collection: Collection, probe: Collection, keep: np.ndarray, log: Log = print
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Each measured rollout's probe value for POISE (paper) and POISE (default), and where the probe came from: the
+    snapshot's own saved estimator (POISE (default), when the model folder holds the file `POISETrainer.save_probe`
+    writes), else `fitted_probe` on the separate pool."""
+    from poise_trl.trainer import ESTIMATOR_FILE
+
+    layer, pool = int(collection.meta["default_layer"]), int(collection.meta["default_pool"])
+    saved = Path(collection.meta["model_path"]) / ESTIMATOR_FILE
+    values, sources = {}, {}
+    for rule in ("poise_paper", "poise"):
+        estimator, blocks = fitted_probe(rule, collection, probe, keep)
+        sources[rule] = f"fitted on a separate pool of {len(keep)} prompts x {PROBE_K} rollouts"
+        if rule == "poise" and saved.exists():
+            estimator.load(saved)
+            sources[rule] = f"the run's saved estimator ({ESTIMATOR_FILE})"
+        if not estimator.trusted:
+            raise RuntimeError(f"{rule}: the probe is not trusted; give more --probe-prompts")
+        features = collection.columns(blocks, layer, pool)
+        out = estimator.predict(features, collection.rewards.nan_to_num(0.0)).double().numpy()
+        if not np.isfinite(out).all():
+            raise RuntimeError(f"{rule}: the probe gave non-finite values for {int((~np.isfinite(out)).sum())} rows")
+        values[rule] = out
+        log(f"      {CONTENDERS[rule].label}: probe {sources[rule]}")
+    return values, sources
+
+
+# --------------------------------------------------------------------------------------------------- measuring
+def rule_moments(rewards: np.ndarray, values: dict[str, np.ndarray], rules: list[str]) -> dict[str, RuleMoments]:
+    """Every contender's moments, the oracle baseline's, and POISE (default)'s and GRPO G=8's again for the oracle
+    sampler."""
+    out: dict[str, RuleMoments] = {}
+    for rule in rules:
+        group = CONTENDERS[rule].group_size
+        if rule in ("grpo8", "grpo8_noscale", "dapo_ds_carry"):
+            out[rule] = group_moments(
+                rewards, group, rule != "grpo8_noscale", informative_only=rule == "dapo_ds_carry"
+            )
+        elif rule == "rloo2":
+            out[rule] = pair_moments(rewards, rewards)
+        else:
+            out[rule] = pair_moments(rewards, values[rule].reshape(rewards.shape))
+    out["oracle"] = oracle_moments(rewards)[0]
+    for rule in ("poise", "grpo8"):
+        if rule in rules:
+            out[f"{rule}_sampler"] = out[rule]
+    return out
+
+
+def oracle_samplers(rewards: np.ndarray, values: dict[str, np.ndarray], rules: list[str]) -> dict[str, np.ndarray]:
+    """q(x) ∝ sqrt(E[(r − b)² | x]) read off the pool (an oracle: a deployed sampler predicts it before generating),
+    floored at `SAMPLER_FLOOR` of its mean: b is POISE (default)'s partner value, or for GRPO G=8 the other
+    rollouts' mean reward (E[(r − b)² | x] ∝ p(1 − p) for every G, so RLOO's pair score serves)."""
+    scores = {}
+    if "poise" in rules:
+        scores["poise_sampler"] = pair_sampler_score(rewards, values["poise"].reshape(rewards.shape))
+    if "grpo8" in rules:
+        scores["grpo8_sampler"] = pair_sampler_score(rewards, rewards)
+    return {rule: np.maximum(score, SAMPLER_FLOOR * score.mean()) for rule, score in scores.items()}
+
+
+def _interval(replicates: np.ndarray) -> dict[str, Any]:
+    return {"value": float(replicates[0]), "ci": percentile_interval(replicates[1:]) if len(replicates) > 1 else None}
+
+
+def measure(
+    rewards: np.ndarray,
+    values: dict[str, np.ndarray],
+    grams: dict[str, torch.Tensor],
+    rules: list[str],
+    bootstrap: int,
+    seed: int,
+) -> dict[str, Any]:
+    """Per subspace and rule: per-completion variance and scale-matched variance in units of the within-prompt
+    noise W, bias² relative to ||g||², the scale-matched variance's share against GRPO-8 and RLOO-2; and ||g||²/W
+    and Bv/W. Point estimates with 95% percentile intervals over `bootstrap` resamples of the prompts (the same
+    resamples for every rule)."""
+    num_prompts, k = rewards.shape
+    if not (rewards.max(1) > rewards.min(1)).any():
+        raise ValueError(
+            "no prompt of the pool has mixed rewards, so there is no policy gradient to estimate: use more prompts, "
+            "more rollouts per prompt, or a task the model solves sometimes"
+        )
+    counts = bootstrap_counts(num_prompts, bootstrap, seed)
+    truth = truth_weights(rewards)
+    moments = rule_moments(rewards, values, rules)
+    samplers = oracle_samplers(rewards, values, rules)
+    _, noise, signal = oracle_moments(rewards)
+    out: dict[str, Any] = {}
+    for subspace, matrix in grams.items():
+        pool = PoolGram(num_prompts, k, gram=matrix.double().numpy())
+        weights = counts / counts.sum(1, keepdims=True)
+        stats = {rule: summarize(pool, m, truth, counts, samplers.get(rule)) for rule, m in moments.items()}
+        gg = stats["oracle"]["signal"]
+        matched = {rule: s["variance"] * (gg / s["mean_dot"]) ** 2 for rule, s in stats.items()}
+        within = weights @ pool.second(noise) - weights @ pool.second(signal)
+        between = weights @ pool.second(signal) - gg
+        table = {}
+        for rule, s in stats.items():
+            cell = {
+                "variance": _interval(s["variance"] / within),
+                "bias2": _interval(s["bias2"] / gg),
+                "matched_variance": _interval(matched[rule] / within),
+            }
+            for comparator in COMPARATORS:
+                if comparator in matched:
+                    cell[f"share_{comparator}"] = _interval(matched[rule] / matched[comparator])
+            table[rule] = cell
+        out[subspace] = {
+            "table": table,
+            "signal": float(gg[0]),
+            "within_noise": float(within[0]),
+            "signal_over_within": _interval(gg / within),
+            "between_over_within": _interval(between / within),
+        }
+    return out
+
+
+def ranking_agreement(results: dict[str, Any]) -> float:
+    """Kendall's tau between the two subspaces' orderings of the rules by scale-matched variance."""
     from scipy.stats import kendalltau
 
     a, b = (results[s]["table"] for s in SUBSPACES)
-    return {n: float(kendalltau([a[r][n]["best_scale_mse"] for r in a], [b[r][n]["best_scale_mse"] for r in a])[0])
-            for n in budgets}  # fmt: skip
+    return float(
+        kendalltau([a[r]["matched_variance"]["value"] for r in a], [b[r]["matched_variance"]["value"] for r in a])[0]
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- report
-def _ci(ci: Sequence[float] | None) -> str:
-    return "" if not ci else f" [{ci[0]:.3f}, {ci[1]:.3f}]"
+def label(rule: str) -> str:
+    return EXTRA_ROWS.get(rule) or CONTENDERS[rule].label
+
+
+def _fmt(cell: dict[str, Any] | None, digits: int = 3) -> str:
+    if cell is None:
+        return ""
+    ci = cell["ci"]
+    return f"{cell['value']:.{digits}f}" + ("" if not ci else f" [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]")
 
 
 def format_report(results: dict[str, Any]) -> str:
@@ -338,65 +361,77 @@ def format_report(results: dict[str, Any]) -> str:
         f"# bench gradient: {pool['model_name']} on {pool['dataset']}",
         "",
         f"Pool: {pool['prompts']} prompts x {pool['k']} rollouts, mean reward {pool['mean_reward']:.3f}, "
-        f"{pool['mixed_share']:.0%} of prompts with mixed outcomes. {s['batches']} batches per contender and budget; "
-        f"95% CIs over {s['bootstrap']} bootstrap resamples of the prompts ({s['bootstrap_batches']} batches each). "
-        "Errors are relative to the reference's squared norm: relative MSE = bias² + variance; the best-scale MSE is "
-        "that of c·ĝ with the best constant c (what a tuned learning rate leaves; for unbiased rules a monotone "
-        "function of the plain MSE). Intervals: bias-corrected bootstrap.",
+        f"{pool['mixed_share']:.0%} of prompts with mixed outcomes. Exact expectations over the pool (U-statistics: "
+        "a batch of n prompts drawn with replacement, G rollouts per prompt, for every n); 95% percentile intervals "
+        f"over {s['bootstrap']} bootstrap resamples of the prompts.",
+        "",
+        "POISE's probes: " + "; ".join(f"{label(r)}: {src}" for r, src in results["probes"].items()) + ".",
+        "",
+        "Columns: the per-completion variance B·tr Cov(ĝ), in units of W = E tr Cov((r − p) ∇log π | x), the "
+        "within-prompt noise that no sequence-level baseline removes (a G = 2 rule with the true success rate p as "
+        "baseline pays W + 2 Bv); bias² = ||E ĝ − g||² relative to ||g||² (g the true gradient); the scale-matched "
+        "variance, of ĝ·||g||²/(E ĝ·g), what a tuned learning rate sees (equal to the variance for unbiased rules, "
+        "fair to rules that rescale); shares are ratios of scale-matched variances: the completions a rule needs, as "
+        "a share of GRPO G=8's and RLOO k=2's, for the same error. DAPO-DS-carry keeps a fixed number of informative "
+        "groups and is charged its expected G/q completions per kept group. The oracle sampler draws prompts with "
+        "probability ∝ sqrt(E[(r − b)² | x]) read off the pool, weighted 1/(n q).",
     ]
     for subspace in SUBSPACES:
         block = results["subspaces"][subspace]
         lines += ["", f"## Subspace: {subspace} ({results['dimensions'][subspace]} dimensions)", ""]
-        rows = []
-        for rule, cells in block["table"].items():
-            for budget, c in cells.items():
-                rows.append([
-                    CONTENDERS[rule].label, str(budget), f"{c['relative_mse']:.3f}{_ci(c.get('relative_mse_ci'))}",
-                    f"{c['bias']:.3f}", f"{c['variance']:.3f}", f"{c['cosine']:.3f}{_ci(c.get('cosine_ci'))}",
-                    f"{c['best_scale_mse']:.3f}{_ci(c.get('best_scale_mse_ci'))}",
-                ])  # fmt: skip
-        headers = ["Contender", "Completions", "Rel. MSE", "Bias²", "Variance", "Cosine", "Rel. MSE, best scale"]
+        rows = [
+            [
+                label(rule),
+                _fmt(c["variance"], 2),
+                _fmt(c["bias2"]),
+                _fmt(c["matched_variance"], 2),
+                _fmt(c.get("share_grpo8"), 2),
+                _fmt(c.get("share_rloo2"), 2),
+            ]
+            for rule, c in block["table"].items()
+        ]
+        headers = [
+            "Rule",
+            "Variance per completion (W)",
+            "Bias² (||g||²)",
+            "Scale-matched variance (W)",
+            "Share of GRPO G=8",
+            "Share of RLOO k=2",
+        ]
         lines.append(format_table(headers, rows))
-        if block["needed"]:
-            lines += ["", f"Completions needed to reach POISE (default)'s best-scale error at {REFERENCE_BUDGET} "
-                      "(POISE's share = its completions / theirs; the goal is met when the interval's top is below "
-                      "it):", ""]  # fmt: skip
-            rows = []
-            for rule, c in block["needed"].items():
-                goal = "" if c["goal"] is None else f"<= {c['goal']}"
-                met = "" if c["goal"] is None or c["poise_share_ci"] is None else (
-                    "met" if c["poise_share_ci"][1] <= c["goal"] else "not met")  # fmt: skip
-                rows.append([CONTENDERS[rule].label, f"{c['completions']:.0f}",
-                             f"{c['poise_share']:.2f}{_ci(c['poise_share_ci'])}", goal, met])  # fmt: skip
-            lines.append(format_table(["Contender", "Completions", "POISE's share", "Goal", "CI below goal"], rows))
-    tau = results["ranking_agreement"]
-    lines += ["", "Ranking agreement between subspaces (Kendall's tau by budget): "
-              + ", ".join(f"{n}: {t:+.2f}" for n, t in tau.items())]  # fmt: skip
-    seconds = results["seconds"]
-    lines += ["", "Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())]
+        lines += [
+            "",
+            f"Between-prompt over within-prompt variance Bv/W: {_fmt(block['between_over_within'], 4)}. Signal "
+            f"||g||²/W: {_fmt(block['signal_over_within'], 5)} (an unbiased rule needs its variance / ||g||² "
+            "completions for a relative MSE of 1).",
+        ]
+    lines += ["", f"Ranking agreement between subspaces (Kendall's tau): {results['ranking_agreement']:+.2f}"]
+    cached = " (the pool's from its first run; this run read it from the cache)" if results["cached"] else ""
+    lines += ["", "Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in results["seconds"].items()) + cached]
     return "\n".join(lines) + "\n"
 
 
-def plot_curves(results: dict[str, Any], path: Path) -> Path:
-    """Best-scale relative MSE against completions, log-log, one line per contender with its interval band, one panel
-    per subspace."""
+def plot_shares(results: dict[str, Any], path: Path) -> Path:
+    """Each rule's completions as a share of GRPO G=8's for the same error, with its interval, one panel per
+    subspace."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(SUBSPACES), figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, len(SUBSPACES), figsize=(11, 4.2), sharey=True)
     for ax, subspace in zip(axes, SUBSPACES, strict=True):
-        for rule, cells in results["subspaces"][subspace]["table"].items():
-            budgets = [int(b) for b in cells]
-            ax.plot(budgets, [c["best_scale_mse"] for c in cells.values()], marker="o", label=CONTENDERS[rule].label)
-            if all("best_scale_mse_ci" in c for c in cells.values()):
-                low, high = zip(*(c["best_scale_mse_ci"] for c in cells.values()), strict=True)
-                ax.fill_between(budgets, low, high, alpha=0.15)
-        ax.set(xscale="log", yscale="log", xlabel="completions generated", ylabel="relative MSE at the best scale",
-               title=subspace)  # fmt: skip
-        ax.grid(alpha=0.3, which="both")
-    axes[0].legend(fontsize=8)
+        table = results["subspaces"][subspace]["table"]
+        rules = [r for r in table if "share_grpo8" in table[r]]
+        shares = [table[r]["share_grpo8"] for r in rules]
+        low = [c["value"] - c["ci"][0] if c["ci"] else 0 for c in shares]
+        high = [c["ci"][1] - c["value"] if c["ci"] else 0 for c in shares]
+        ax.barh([label(r) for r in rules], [c["value"] for c in shares], xerr=[low, high], color="tab:blue", alpha=0.7)
+        ax.axvline(1.0, color="black", lw=0.8)
+        ax.set(
+            xscale="log", xlabel="completions as a share of GRPO G=8's (scale-matched variance ratio)", title=subspace
+        )
+        ax.grid(alpha=0.3, axis="x", which="both")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -404,58 +439,56 @@ def plot_curves(results: dict[str, Any], path: Path) -> Path:
 
 
 def run_gradient(args: argparse.Namespace, log: Log = print) -> int:
-    """Handler of `poise-trl bench gradient`: sample the pool, take per-rollout gradients, fit the probes, measure."""
-    from transformers import AutoModelForCausalLM
-
+    """Handler of `poise-trl bench gradient`: sample the pools, take per-rollout gradients (or read them from the
+    cache), fit the probes, and measure."""
     start = time.perf_counter()
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    budgets = sorted(args.budgets)
     largest = max(CONTENDERS[r].group_size for r in args.contenders)
-    if args.k < largest:
-        raise SystemExit(f"--k {args.k}: the pool needs at least G={largest} rollouts per prompt for every contender")
-    collection = collect_from_args(args, log)
-    seconds = {k: float(v) for k, v in collection.meta["seconds"].items()}
-    model = AutoModelForCausalLM.from_pretrained(collection.meta["model_path"], dtype=torch.float32)
-    model.to(resolve_device(args.device))
-    log(f"[3/4] per-rollout gradients of {collection.rewards.numel()} rollouts (LoRA r={args.lora_rank} and norms)")
+    if args.k < max(largest, 3):
+        raise SystemExit(
+            f"--k {args.k}: the pool needs at least {max(largest, 3)} rollouts per prompt (G={largest} "
+            "and the oracle baseline's 3)"
+        )
+    if args.probe_prompts < 1:
+        raise SystemExit(f"--probe-prompts {args.probe_prompts}: the probe needs a pool of its own")
+    collection, probe, pool, folder = load_pool(args, log)
+    seconds = dict(pool["seconds"])
     t = time.perf_counter()
-    gradients = rollout_gradients(model, collection, args.lora_rank, args.seed, log)
-    grams = {name: gram(g, collection.k) for name, g in gradients.items()}
-    seconds["gradients"] = time.perf_counter() - t
-    t = time.perf_counter()
-    values = cross_fitted_values(collection, args.folds, args.seed, log)
+    values, sources = online_values(collection, probe, separate_prompts(collection, probe, args.probe_prompts), log)
     seconds["probes"] = time.perf_counter() - t
-    log(f"[4/4] {args.batches} batches per contender and budget, {args.bootstrap} bootstrap resamples")
+    log(f"[4/4] exact moments of {len(args.contenders)} rules, {args.bootstrap} bootstrap resamples")
     t = time.perf_counter()
-    rewards = collection.rewards.nan_to_num(0.0)
-    measured = measure(rewards, collection.k, grams, values, args.contenders, budgets, args.batches, args.bootstrap,
-                       args.bootstrap_batches, args.seed)  # fmt: skip
+    rewards = collection.rewards.nan_to_num(0.0).double().view(-1, collection.k).numpy()
+    measured = measure(rewards, values, pool["grams"], list(args.contenders), args.bootstrap, args.seed)
     seconds["measure"] = time.perf_counter() - t
     seconds["total"] = time.perf_counter() - start
     by_prompt = collection.rewards.view(-1, collection.k)
     results = {
         "pool": {
             "model_name": args.model,
-            "model_path": collection.meta["model_path"],
             "dataset": collection.meta["dataset"],
             "prompts": collection.num_prompts,
             "k": collection.k,
             "mean_reward": float(collection.rewards.nanmean()),
-            "mixed_share": float(((by_prompt.amax(1) > by_prompt.amin(1))).float().mean()),
+            "mixed_share": float((by_prompt.amax(1) > by_prompt.amin(1)).float().mean()),
             "mean_completion_tokens": collection.meta["mean_completion_tokens"],
+            "probe_pool": f"{args.probe_prompts} prompts x {PROBE_K} rollouts",
         },
-        "settings": {key: getattr(args, key) for key in ("batches", "bootstrap", "bootstrap_batches", "folds",
-                                                         "lora_rank", "seed", "contenders")} | {"budgets": budgets},
-        "dimensions": {name: int(g.size(1)) for name, g in gradients.items()},
+        "probes": sources,
+        "settings": {
+            key: getattr(args, key) for key in ("bootstrap", "lora_rank", "seed", "contenders", "probe_prompts")
+        },
+        "dimensions": pool["dimensions"],
         "subspaces": measured,
-        "ranking_agreement": ranking_agreement(measured, budgets),
+        "ranking_agreement": ranking_agreement(measured),
         "seconds": seconds,
-    }  # fmt: skip
+        "cached": pool["cached"],
+    }
     write_json(output_dir / "results.json", results)
     report = format_report(results)
     (output_dir / "results.md").write_text(report)
-    plot_curves(results, output_dir / "gradient.png")
+    plot_shares(results, output_dir / "gradient.png")
     log(report)
-    log(f"wrote {output_dir / 'results.json'}, results.md and gradient.png")
+    log(f"wrote {output_dir / 'results.json'}, results.md and gradient.png (pool cached in {folder})")
     return 0

@@ -1,6 +1,7 @@
-"""`poise-trl bench gradient`: the reference, the rules' batch weights and the measured errors, on known gradients and
-end to end on the tiny model."""
+"""`poise-trl bench gradient`: the exact moments against brute-force Monte Carlo on a synthetic population with a
+known true gradient, against enumeration of every group, their bootstrap intervals, and the command end to end."""
 
+import itertools
 import json
 
 import numpy as np
@@ -8,126 +9,201 @@ import pytest
 import torch
 
 from poise_trl import cli
-from poise_trl.bench.gradient import (
-    batch_errors,
-    draw_batches,
-    gram,
-    loo_advantages,
-    needed_completions,
-    reference_weights,
+from poise_trl.bench.exact import (
+    STD_EPS,
+    PoolGram,
+    bootstrap_counts,
+    group_moments,
+    oracle_moments,
+    pair_moments,
+    summarize,
+    truth_weights,
 )
+from poise_trl.bench.gradient import fitted_probe, measure, online_values, separate_prompts
+from poise_trl.bench.value.collect import Collection
+from poise_trl.trainer import ESTIMATOR_FILE
 
-K = 8  # rollouts per prompt in the synthetic pools
-
-
-def _pool(num_prompts: int = 40, dim: int = 30, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rewards with per-prompt success rates, and per-rollout 'gradients' whose mean depends on the reward, so the
-    reward-weighted mean is a non-zero signal among noise."""
-    g = torch.Generator().manual_seed(seed)
-    p = torch.rand(num_prompts, generator=g).repeat_interleave(K)
-    rewards = torch.bernoulli(p, generator=g)
-    direction = torch.randn(dim, generator=g)
-    gradients = torch.randn(num_prompts * K, dim, generator=g) + rewards[:, None] * direction
-    return rewards, gradients
+TYPES, DIM = 12, 4
+RNG = np.random.default_rng(0)
+P_SUCCESS = np.concatenate([[0.0, 1.0, 0.05], RNG.uniform(0.1, 0.9, TYPES - 3)])  # prompts that always tie, too
+DIRECTION = RNG.normal(size=(TYPES, DIM)) * np.linspace(1.5, 6, TYPES)[:, None]
+TRUE_GRADIENT = (P_SUCCESS * (1 - P_SUCCESS))[:, None] * DIRECTION  # E[r g | x], g = (r - p) a_x + noise
+G_TRUE = TRUE_GRADIENT.mean(0)
 
 
-def test_reference_is_the_mean_of_the_per_rollout_leave_one_out_estimates():
-    rewards, gradients = _pool()
-    per_rollout = loo_advantages(rewards, K)[:, None].double() * gradients.double()
-    reference = gradients.double().T @ torch.from_numpy(reference_weights(rewards, K))
-    assert torch.allclose(reference, per_rollout.mean(0), atol=1e-12)
-    counts = np.zeros(40)
-    counts[3], counts[7] = 2, 1  # a bootstrap resample that holds prompt 3 twice and prompt 7 once
-    weighted = gradients.double().T @ torch.from_numpy(reference_weights(rewards, K, counts))
-    expected = (2 * per_rollout[3 * K : 4 * K].sum(0) + per_rollout[7 * K : 8 * K].sum(0)) / (3 * K)
-    assert torch.allclose(weighted, expected, atol=1e-12)
+def _rollouts(types: np.ndarray, size: int, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """Binary rewards, scores with E[g | x] = 0 whose reward-weighted mean is the prompt's true gradient, and a
+    'probe value' of each rollout that depends on its own reward (it only ever serves its partner)."""
+    p = P_SUCCESS[types][..., None]
+    r = (rng.random(types.shape + (size,)) < p).astype(float)
+    g = (r - p)[..., None] * DIRECTION[types][..., None, :] + rng.normal(size=r.shape + (DIM,))
+    v = np.clip(0.6 * p + 0.3 * r + 0.1 * rng.normal(size=r.shape), 0, 1)
+    return r, g, v
 
 
-def test_rloo_batches_are_unbiased_for_the_reference_and_their_error_falls_with_the_budget():
-    rewards, gradients = _pool()
-    k_matrix, w_ref = gram(gradients), reference_weights(rewards, K)
-    r, pool = rewards.double().numpy(), np.arange(40)
-    errors = {}
-    for budget in (8, 32):
-        batches = draw_batches("rloo2", budget, r, K, pool, 4000, np.random.default_rng(0))
-        errors[budget] = batch_errors(batches, k_matrix, w_ref)
-    assert errors[32]["relative_mse"] < errors[8]["relative_mse"] / 2  # about 1/4 for an unbiased rule
-    assert errors[32]["bias"] < 0.05 * errors[32]["relative_mse"]  # the bias part is Monte Carlo noise only
-    scaled = draw_batches("grpo8", 32, r, K, pool, 4000, np.random.default_rng(0))
-    assert batch_errors(scaled, k_matrix, w_ref)["bias"] > 5 * errors[32]["bias"]  # std scaling changes the mean
+def _monte_carlo(rule: str, group: int, rng: np.random.Generator, n: int = 200_000, sampler=None) -> dict:
+    """Fresh prompts and rollouts from the population: per-completion variance and the mean's dot with g."""
+    if sampler is None:
+        types, weight = rng.integers(TYPES, size=n), np.ones(n)
+    else:
+        q = sampler / sampler.sum()
+        types = rng.choice(TYPES, size=n, p=q)
+        weight = 1 / (TYPES * q[types])
+    r, g, v = _rollouts(types, group, rng)
+    if rule == "rloo":
+        a = r - r[:, ::-1]
+    elif rule == "poise":
+        a = r - v[:, ::-1]
+    elif rule == "oracle":
+        a = r - P_SUCCESS[types][:, None]
+    else:
+        a = r - r.mean(1, keepdims=True)
+        if rule != "noscale":
+            a = a / (r.std(1, ddof=1, keepdims=True) + STD_EPS)
+    y = (a[..., None] * g).sum(1) / group * weight[:, None]
+    cost = group
+    if rule == "dapo":  # only informative groups are kept; every group generated is charged
+        keep = r.max(1) > r.min(1)
+        y, cost = y[keep], group / keep.mean()
+    mean = y.mean(0)
+    return {"variance": cost * ((y**2).sum(1).mean() - mean @ mean), "mean_dot": mean @ G_TRUE}
 
 
-def test_centring_charges_a_probe_baseline_no_bias_and_leaves_group_baselines_as_they_were():
-    """A constant baseline is unbiased for the true gradient (E[g] = 0), but not for a pool whose mean score is not 0:
-    centred gradients give it no bias beyond the pool's 1/K scale; RLOO's advantages sum to 0, so it is unchanged."""
-    rewards, gradients = _pool()
-    w_ref, r, pool = reference_weights(rewards, K), rewards.double().numpy(), np.arange(40)
-    constant = draw_batches("poise", 32, r, K, pool, 4000, np.random.default_rng(0), {"poise": np.full(r.size, 0.5)})
-    raw, centred = batch_errors(constant, gram(gradients), w_ref), batch_errors(constant, gram(gradients, K), w_ref)
-    # centred, the expectation is (K-1)/K of the reference (the pool's covariance, not its unbiased estimate)
-    assert centred["bias"] == pytest.approx(1 / K**2, abs=0.004) and raw["bias"] > 5 * centred["bias"]
-    rloo = draw_batches("rloo2", 32, r, K, pool, 200, np.random.default_rng(0))
-    assert batch_errors(rloo, gram(gradients), w_ref) == pytest.approx(batch_errors(rloo, gram(gradients, K), w_ref))
+@pytest.fixture(scope="module")
+def synthetic_pool():
+    rng = np.random.default_rng(1)
+    types = np.repeat(np.arange(TYPES), 250)  # every prompt type equally often: the pool's mix adds no noise
+    r, g, v = _rollouts(types, 12, rng)
+    return types, r, v, g
 
 
-def test_batch_error_matches_the_explicit_gradients():
-    """The Gram-matrix error of one batch equals ||ĝ - g_ref||² / ||g_ref||² computed from the gradients."""
-    rewards, gradients = _pool(num_prompts=10)
-    w_ref = reference_weights(rewards, K)
-    batches = draw_batches(
-        "grpo8_noscale", 16, rewards.double().numpy(), K, np.arange(10), 1, np.random.default_rng(1)
-    )
-    g = gradients.double()
-    estimate = g[torch.from_numpy(batches.index[0])].T @ torch.from_numpy(batches.weight[0])
-    reference = g.T @ torch.from_numpy(w_ref)
-    error = batch_errors(batches, gram(gradients), w_ref)
-    expected = ((estimate - reference).norm() ** 2 / reference.norm() ** 2).item()
-    assert error["relative_mse"] == pytest.approx(expected, rel=1e-9)
-    assert error["cosine"] == pytest.approx(torch.nn.functional.cosine_similarity(estimate, reference, 0).item())
+def test_exact_moments_match_brute_force_monte_carlo(synthetic_pool):
+    types, r, v, g = synthetic_pool
+    pool = PoolGram(len(r), 12, scores=g.reshape(-1, DIM))
+    counts, truth = bootstrap_counts(len(r), 0, 0), truth_weights(r)
+    rules = {
+        "grpo": (group_moments(r, 8, scale=True), 8),
+        "noscale": (group_moments(r, 8, scale=False), 8),
+        "dapo": (group_moments(r, 8, scale=True, informative_only=True), 8),
+        "rloo": (pair_moments(r, r), 2),
+        "poise": (pair_moments(r, v), 2),
+        "oracle": (oracle_moments(r)[0], 2),
+    }
+    rng = np.random.default_rng(2)
+    for name, (moments, group) in rules.items():
+        exact = summarize(pool, moments, truth, counts)
+        brute = _monte_carlo(name, group, rng)
+        assert exact["variance"][0] == pytest.approx(brute["variance"], rel=0.02), name
+        # E ĝ·g is a product over pairs of prompts: the pool's 3,000 prompts leave it a few % of noise
+        assert exact["mean_dot"][0] == pytest.approx(brute["mean_dot"], rel=0.05), name
+        if name in ("rloo", "poise", "oracle"):  # a baseline that never sees its rollout: unbiased, exactly
+            assert abs(exact["bias2"][0]) < 1e-12 * exact["signal"][0]
+    assert summarize(pool, rules["grpo"][0], truth, counts)["signal"][0] == pytest.approx(G_TRUE @ G_TRUE, rel=0.05)
+    noscale = summarize(pool, rules["noscale"][0], truth, counts)  # its mean is exactly (G - 1) / G of g
+    assert noscale["bias2"][0] == pytest.approx(noscale["signal"][0] / 64, rel=1e-9)
+    score = np.sqrt(P_SUCCESS * (1 - P_SUCCESS)) + 0.1  # a prompt sampler q(x) ∝ score, weights 1 / (n q)
+    sampled = summarize(pool, rules["poise"][0], truth, counts, sampler=score[types])
+    brute = _monte_carlo("poise", 2, rng, sampler=score)
+    assert sampled["variance"][0] == pytest.approx(brute["variance"], rel=0.02)
+    assert sampled["variance"][0] < 0.9 * summarize(pool, rules["poise"][0], truth, counts)["variance"][0]
 
 
-def test_poise_weights_use_the_partners_value_and_dapo_counts_dropped_groups():
-    r = np.array([1.0, 0.0, 1.0, 1.0] * 2 + [0.0] * 8)  # prompt 0 mixed, prompt 1 all wrong (k=8)
-    values = {"poise": np.linspace(0.1, 0.8, 16)}
-    batches = draw_batches("poise", 4, r, 8, np.array([0]), 1, np.random.default_rng(0), values)
-    i = batches.index[0].reshape(2, 2)
-    expected = (r[i] - values["poise"][i][:, ::-1]) / 4
-    assert np.allclose(batches.weight[0], expected.ravel())
-    dapo = draw_batches("dapo_ds_carry", 16, r, 8, np.array([0, 1]), 200, np.random.default_rng(0))
-    both = dapo.index.reshape(200, 2, 8)[:, :, 0] // 8
-    mixed_once = (both == [0, 1]).all(1) | (both == [1, 0]).all(1)
-    kept = np.abs(dapo.weight.reshape(200, 2, 8)).sum(-1) > 0
-    assert kept.sum(1)[mixed_once].max() == 1  # the all-wrong group is generated, counted, and dropped
+def test_group_second_moments_equal_the_average_over_every_group():
+    """The hypergeometric closed form is the U-statistic over all G-subsets of a prompt's K rollouts."""
+    rng = np.random.default_rng(3)
+    k, group = 6, 4
+    rewards = np.array([[1, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 1], [1, 1, 1, 1, 1, 1.0]])
+    scores = rng.normal(size=(3 * k, 5))
+    pool = PoolGram(3, k, scores=scores)
+    for scale in (True, False):
+        moments = group_moments(rewards, group, scale)
+        expected = []
+        for x in range(3):
+            values = []
+            for subset in itertools.combinations(range(k), group):
+                r = rewards[x, list(subset)]
+                a = r - r.mean()
+                a = a / (r.std(ddof=1) + STD_EPS) if scale else a
+                y = (a[:, None] * scores[x * k + np.array(subset)]).sum(0) / group
+                values.append(y @ y)
+            expected.append(np.mean(values))
+        assert pool.second(moments.second) == pytest.approx(expected, rel=1e-12)
 
 
-def test_needed_completions_reads_the_measured_curve():
-    assert needed_completions([32, 64, 128], [1.0, 0.5, 0.25], 0.5) == pytest.approx(64)
-    assert needed_completions([32, 64, 128], [1.0, 0.5, 0.25], 0.35) == pytest.approx(64 * 2 ** np.log2(0.5 / 0.35))
-    assert needed_completions([32, 64], [1.0, 0.9], 0.5) == float("inf")
-    assert needed_completions([32, 64], [0.4, 0.2], 0.5) == 32
+def test_bootstrap_intervals_contain_their_estimates(synthetic_pool):
+    types, r, v, g = synthetic_pool
+    pick = np.arange(0, len(r), 25)  # 120 prompts of every type
+    rewards, scores, values = r[pick], g[pick].reshape(-1, DIM), v[pick].ravel()
+    grams = {"lora": torch.from_numpy(scores @ scores.T), "norms": torch.from_numpy(scores[:, :2] @ scores[:, :2].T)}
+    rules = ["grpo8", "grpo8_noscale", "dapo_ds_carry", "rloo2", "poise_paper", "poise"]
+    out = measure(rewards, {"poise": values, "poise_paper": values[::-1].copy()}, grams, rules, 300, 0)
+    for block in out.values():
+        cells = [c for row in block["table"].values() for c in row.values()]
+        cells += [block[key] for key in ("signal_over_within", "between_over_within")]
+        for cell in cells:
+            low, high = cell["ci"]
+            assert low <= cell["value"] <= high
+        assert block["table"]["rloo2"]["share_rloo2"]["value"] == pytest.approx(1.0)
+        assert abs(block["table"]["poise"]["bias2"]["value"]) < 1e-9
+
+
+def test_bad_pools_are_refused_early():
+    with pytest.raises(ValueError, match="binary rewards"):
+        group_moments(np.full((2, 8), 0.5), 8, scale=True)
+    with pytest.raises(ValueError, match="K=4"):
+        group_moments(np.zeros((2, 4)), 8, scale=True)
+    with pytest.raises(ValueError, match="K >= 3"):
+        oracle_moments(np.zeros((2, 2)))
+
+
+def parity_reward(completions: list[str], **kwargs) -> list[float]:
+    """Binary and mixed within most prompts: the parity of the completion's character codes."""
+    return [float(sum(map(ord, c)) % 2) for c in completions]
 
 
 def test_command_end_to_end_on_the_tiny_model(tiny_model_path, tmp_path):
     out = tmp_path / "gradient"
-    argv = ["bench", "gradient", str(tiny_model_path), "--dataset", "sort", "--num-prompts", "16", "--k", "8"]
-    argv += ["--reward-fn", "tests.bench.test_probe_bench:toy_reward", "--max-new-tokens", "6", "--device", "cpu"]
-    argv += ["--pool-tokens", "3", "--budgets", "16", "32", "--batches", "100", "--bootstrap", "10"]
-    argv += ["--bootstrap-batches", "20", "--folds", "2", "--output-dir", str(out)]
+    argv = ["bench", "gradient", str(tiny_model_path), "--dataset", "sort", "--num-prompts", "10", "--k", "8"]
+    argv += ["--reward-fn", "tests.bench.test_gradient:parity_reward", "--max-new-tokens", "6", "--device", "cpu"]
+    argv += [
+        "--pool-tokens",
+        "3",
+        "--bootstrap",
+        "20",
+        "--probe-prompts",
+        "24",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
+    argv += ["--output-dir", str(out)]
     assert cli.main(argv) == 0
     results = json.loads((out / "results.json").read_text())
-    assert results["pool"]["prompts"] == 16 and results["pool"]["k"] == 8
+    assert results["pool"]["prompts"] == 10 and results["pool"]["k"] == 8
+    assert results["probes"]["poise"].startswith("fitted on a separate pool of 24 prompts x 2")
     for subspace in ("lora", "norms"):
         table = results["subspaces"][subspace]["table"]
-        assert set(table) == {"grpo8", "grpo8_noscale", "dapo_ds_carry", "rloo2", "poise_paper", "poise"}
-        for cells in table.values():
-            for cell in cells.values():
-                assert cell["relative_mse"] == pytest.approx(cell["bias"] + cell["variance"])
-                assert 0 <= cell["best_scale_mse"] <= 1 and -1 <= cell["cosine"] <= 1
-        assert results["subspaces"][subspace]["needed"]["poise"]["poise_share"] == 1.0
-    assert results["dimensions"]["lora"] > 0 and (out / "gradient.png").stat().st_size > 0
-    assert "Completions needed to reach POISE (default)" in (out / "results.md").read_text()
+        rows = {"grpo8", "grpo8_noscale", "dapo_ds_carry", "rloo2", "poise_paper", "poise", "oracle"}
+        assert set(table) == rows | {"poise_sampler", "grpo8_sampler"}
+        for rule in ("rloo2", "poise", "oracle"):
+            assert abs(table[rule]["bias2"]["value"]) < 1e-9
+        assert table["grpo8"]["share_grpo8"]["value"] == pytest.approx(1.0)
+    assert (out / "gradient.png").stat().st_size > 0
+    first = (out / "results.md").read_text()
+    assert "Share of GRPO G=8" in first and "Bv/W" in first
+    assert cli.main(argv) == 0  # the second run reads the pool from the cache
+    assert json.loads((out / "results.json").read_text())["subspaces"] == results["subspaces"]
 
-
-def test_the_batch_must_hold_whole_groups():
-    with pytest.raises(ValueError, match="whole groups of 8"):
-        draw_batches("grpo8", 12, np.zeros(16), 8, np.arange(2), 1, np.random.default_rng(0))
+    # a trained snapshot's folder that holds its run's saved estimator: POISE (default) uses it
+    folder = next((tmp_path / "cache" / "gradient").iterdir())
+    pool, probe = Collection.load(folder / "pool.safetensors"), Collection.load(folder / "probe_pool.safetensors")
+    keep = separate_prompts(pool, probe, 24)
+    saved, blocks = fitted_probe("poise", pool, probe, keep[:20])  # another probe than the 24-prompt fit
+    saved.save(tmp_path / ESTIMATOR_FILE)
+    fresh, _ = online_values(pool, probe, keep)
+    pool.meta["model_path"] = str(tmp_path)
+    values, sources = online_values(pool, probe, keep)
+    assert sources["poise"] == f"the run's saved estimator ({ESTIMATOR_FILE})"
+    assert sources["poise_paper"].startswith("fitted on a separate pool")
+    features = pool.columns(blocks, int(pool.meta["default_layer"]), int(pool.meta["default_pool"]))
+    expected = saved.advantages(features, pool.rewards.nan_to_num(0.0)).values.double().numpy()
+    assert np.array_equal(values["poise"], expected) and not np.allclose(values["poise"], fresh["poise"])
