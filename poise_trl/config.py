@@ -482,5 +482,6 @@ class POISEConfig(GRPOConfig):
         if rows % self.num_generations:
             raise ValueError(
                 f"prompt_selection={self.prompt_selection!r} keeps whole prompts on each process, so "
-                f"per_device_train_batch_size x steps_per_generation ({rows}) must be a multiple of num_generations ({self.num_generations})."
+                f"per_device_train_batch_size x steps_per_generation ({rows}) must be a multiple of num_generations "
+                f"({self.num_generations})."
             )

@@ -37,8 +37,8 @@ class ValueGuidedSelection:
             )
         if isinstance(self.train_dataset, IterableDataset):
             raise ValueError(
-                f"prompt_selection={self.args.prompt_selection!r} oversamples through TRL's RepeatSampler, which needs a "
-                "map-style dataset: load the dataset without streaming, or set prompt_selection=None."
+                f"prompt_selection={self.args.prompt_selection!r} oversamples through TRL's RepeatSampler, which "
+                "needs a map-style dataset: load the dataset without streaming, or set prompt_selection=None."
             )
 
     @property
