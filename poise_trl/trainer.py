@@ -288,7 +288,9 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         rewards = self._scalar_rewards(self._gathered_rewards)
         domains = self._domain_names(inputs, num_generations)
         weights = self._row_weights(len(inputs)) if mode == "train" else None  # the prompts' importance weights
-        result = self.estimator.advantages(features, rewards, num_generations, domains, has_completion, weights)
+        result = self.estimator.advantages(
+            features, rewards, num_generations, domains, has_completion, weights=weights
+        )
         rank = self.accelerator.process_index
         output["advantages"] = result.advantages[rank * len(inputs) : (rank + 1) * len(inputs)]
         fit_metrics = {}
