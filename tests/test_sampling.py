@@ -93,23 +93,24 @@ def test_the_weighted_importance_estimate_of_a_known_per_prompt_mean_is_unbiased
     assert abs(top - means.mean()) > 0.05  # the "value" rule trains on the high-variance prompts' mean
 
 
-def test_weighted_advantages_give_the_uniform_prompt_gradient_in_expectation():
-    """Bernoulli rollouts (G = 2, leave-one-out bootstrap baseline) on prompts drawn by the importance rule: the
-    per-prompt policy gradient sum_rows w A (y - p) / (k G) of a logit per prompt has the uniform draw's expectation
-    p(1 - p) / n, with the weights `POISEEstimator.advantages` applies, and misses it without them."""
+@pytest.mark.parametrize("group", [2, 8])  # POISE's G = 2 and the G = 8 comparator
+def test_weighted_advantages_give_the_uniform_prompt_gradient_in_expectation(group):
+    """Bernoulli rollouts (leave-one-out bootstrap baseline) on prompts drawn by the importance rule: the per-prompt
+    policy gradient sum_rows w A (y - p) / (k G) of a logit per prompt has the uniform draw's expectation p(1 - p) / n,
+    with the weights `POISEEstimator.advantages` applies, and misses it without them."""
     g, keep, trials = torch.Generator().manual_seed(1), 4, 3000
     p = torch.tensor([0.01, 0.03, 0.1, 0.3, 0.5, 0.7, 0.95, 0.99]).double()
     values = (p + 0.05 * torch.randn(8, generator=g, dtype=torch.float64)).clamp(0, 1)  # an imperfect prediction
-    estimator = POISEEstimator(2, warmup_steps=100)
+    estimator = POISEEstimator(group, warmup_steps=100)
 
     def gradients(draws: list[sampling.Draw], weighted: bool) -> torch.Tensor:
-        prompts = torch.tensor([i for d in draws for i in d.indices]).repeat_interleave(2)
-        weights = torch.tensor([w for d in draws for w in (d.weights or [1.0] * keep)]).repeat_interleave(2)
+        prompts = torch.tensor([i for d in draws for i in d.indices]).repeat_interleave(group)
+        weights = torch.tensor([w for d in draws for w in (d.weights or [1.0] * keep)]).repeat_interleave(group)
         y = (torch.rand(len(prompts), generator=g, dtype=torch.float64) < p[prompts]).double()
         result = estimator.advantages(torch.randn(len(y), 3), y, weights=weights.double() if weighted else None)
-        score = result.advantages.double() * (y - p[prompts]) / (keep * 2)
+        score = result.advantages.double() * (y - p[prompts]) / (keep * group)
         per_trial = torch.zeros(trials, 8, dtype=torch.float64)
-        per_trial.index_put_((torch.arange(len(y)) // (keep * 2), prompts), score, accumulate=True)
+        per_trial.index_put_((torch.arange(len(y)) // (keep * group), prompts), score, accumulate=True)
         return per_trial
 
     def z(estimates: torch.Tensor) -> torch.Tensor:
