@@ -390,7 +390,8 @@ class POISEConfig(GRPOConfig):
 
         selection = str(self.prompt_selection)
         if self.prompt_selection is not None:
-            selection += f" (oversample {self.prompt_selection_oversample}, floor {self.prompt_selection_floor})"
+            floor = f", floor {self.prompt_selection_floor}" if self.prompt_selection == "importance" else ""
+            selection += f" (oversample {self.prompt_selection_oversample}{floor})"
         lines = [
             "## POISE",
             "",
