@@ -3,6 +3,7 @@
 import logging
 import math
 from dataclasses import MISSING, dataclass, field, fields
+from difflib import get_close_matches
 from functools import partial
 from typing import Any
 
@@ -17,6 +18,7 @@ from .features import (
     resolve_layer_index,
 )
 from .sampling import RULES as SAMPLING_RULES
+from .sampling import check_floor
 from .settings import check_settings
 
 logger = logging.getLogger(__name__)
@@ -231,16 +233,25 @@ class POISEConfig(GRPOConfig):
     prompt_selection: str | None = field(
         default=None,
         metadata={
-            "help": "None: train on the sampler's prompts (paper). 'value': draw `prompt_selection_oversample` times "
-            "more candidate prompts, predict each one's success rate p from its prompt hidden states (one no-grad "
-            "prefill; a prompt-only probe on the buffer's prompt block) and keep those with the highest predicted "
-            "reward variance q(1 - q), q = p placed on the observed reward range (so ±1 or bonus-shifted rewards "
-            "work). Random choice until the probe is trusted (a warm start is trusted at once).",
+            "help": "None: train on the sampler's prompts (paper). Otherwise draw `prompt_selection_oversample` "
+            "times more candidate prompts and predict each one's success rate p from its prompt hidden states (one "
+            "no-grad prefill; a prompt-only probe on the buffer's prompt block), read as v on the observed reward "
+            "range. 'importance' (unbiased): draw with replacement with probability proportional to sqrt(v(1 - v)), "
+            "mixed with uniform at `prompt_selection_floor`, and multiply each prompt's advantages by its importance "
+            "weight 1 / (n q), so the expected gradient is the uniform one. 'value' (biased): keep the candidates of "
+            "highest v(1 - v), unweighted. Uniform until the probe is trusted (a warm start is trusted at once).",
         },
     )
     prompt_selection_oversample: float = field(
         default=2.0,
-        metadata={"help": "With prompt_selection='value': candidate prompts per kept prompt (> 1)."},
+        metadata={"help": "With prompt_selection: candidate prompts per kept prompt (> 1)."},
+    )
+    prompt_selection_floor: float = field(
+        default=0.2,
+        metadata={
+            "help": "With prompt_selection='importance': the share of uniform probability every candidate keeps, in "
+            "(0, 1]; it bounds each weight by 1 / floor (1: uniform, weights 1).",
+        },
     )
 
     probe_init_path: str | None = field(
@@ -403,7 +414,8 @@ class POISEConfig(GRPOConfig):
 
         selection = str(self.prompt_selection)
         if self.prompt_selection is not None:
-            selection += f" (oversample {self.prompt_selection_oversample})"
+            floor = f", floor {self.prompt_selection_floor}" if self.prompt_selection == "importance" else ""
+            selection += f" (oversample {self.prompt_selection_oversample}{floor})"
         lines = [
             "## POISE",
             "",
@@ -473,29 +485,28 @@ class POISEConfig(GRPOConfig):
                 f"probe_partner_reward={self.probe_partner_reward!r}: give True (partner-aware probe) or False "
                 "(the paper's g(φ))."
             )
-        if not (isinstance(self.prompt_selection_oversample, int | float) and 1 < self.prompt_selection_oversample):
+        oversample = self.prompt_selection_oversample
+        if not (isinstance(oversample, int | float) and 1 < oversample < math.inf):
             raise ValueError(
-                f"prompt_selection_oversample={self.prompt_selection_oversample!r} must be a number > 1: it is the "
-                "number of candidate prompts drawn per kept prompt."
+                f"prompt_selection_oversample={oversample!r} must be a finite number > 1: it is the number of "
+                "candidate prompts drawn per kept prompt (2.0 draws twice as many as are kept)."
             )
-        if not math.isfinite(self.prompt_selection_oversample):
-            raise ValueError(
-                f"prompt_selection_oversample={self.prompt_selection_oversample}: give a finite number of candidate "
-                "prompts per kept prompt (2.0 draws twice as many as are kept)."
-            )
+        check_floor(self.prompt_selection_floor)
         if self.prompt_selection is not None and self.prompt_selection not in SAMPLING_RULES:
-            rules = " or ".join(map(repr, SAMPLING_RULES))
+            close = get_close_matches(str(self.prompt_selection), SAMPLING_RULES, n=1)
+            rules = " or ".join(map(repr, SAMPLING_RULES)) + (f" (did you mean {close[0]!r}?)" if close else "")
             raise ValueError(f"prompt_selection={self.prompt_selection!r}: choose None (paper) or {rules}.")
         if self.prompt_selection is None:
             return
         if "prompt" not in self.probe_features:
             raise ValueError(
-                "prompt_selection='value' predicts from the prompt hidden states: add 'prompt' to probe_features "
-                f"(got {self.probe_features})."
+                f"prompt_selection={self.prompt_selection!r} predicts from the prompt hidden states: add 'prompt' to "
+                f"probe_features (got {self.probe_features})."
             )
         rows = self.per_device_train_batch_size * self.steps_per_generation
         if rows % self.num_generations:
             raise ValueError(
-                f"prompt_selection='value' keeps whole prompts on each process, so per_device_train_batch_size x "
-                f"steps_per_generation ({rows}) must be a multiple of num_generations ({self.num_generations})."
+                f"prompt_selection={self.prompt_selection!r} keeps whole prompts on each process, so "
+                f"per_device_train_batch_size x steps_per_generation ({rows}) must be a multiple of num_generations "
+                f"({self.num_generations})."
             )

@@ -206,13 +206,17 @@ class POISEEstimator:
         num_generations: int | None = None,
         domains: Sequence[str] | None = None,
         has_completion: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
     ) -> AdvantageResult:
         """A_i = r_i - b_i for one global batch of consecutive groups, from earlier steps' probes only. Changes
         nothing: hand the result to `observe` to learn from the batch without preparing it again.
 
         features: (N, D) or (N, C, D); rewards: (N,), NaN where unscorable; num_generations: G of this batch (the
         constructor's by default); domains: one name per row; has_completion: (N,) False for rows whose completion
-        is empty or masked. Rows without a finite reward or completion get advantage 0, never NaN."""
+        is empty or masked; weights: (N,) positive importance weights of the rows' prompts (sampling.py), which
+        multiply the advantages after any scaling. Rows without a finite reward or completion get advantage 0."""
+        if weights is not None and (weights.shape != rewards.shape or not (weights.isfinite() & (weights > 0)).all()):
+            raise ValueError(f"weights must be ({rewards.numel()},) finite and positive, got {weights.tolist()}.")
         batch = self.prepare(features, rewards, num_generations, domains, has_completion)
         g, rewards, scorable, usable = batch.num_generations, batch.rewards, batch.scorable, batch.usable
         values, unclipped = self._probe_values(batch)
@@ -232,6 +236,8 @@ class POISEEstimator:
         )
         if self.scale_rewards == "batch":  # the std of earlier steps' rewards: independent of this batch
             advantages = advantages / self.reward_std.divisor().to(advantages.device).to(advantages.dtype)
+        if weights is not None:  # the clipped objective is positively homogeneous in A; `observe` sees plain rewards
+            advantages = advantages * weights.to(advantages.device, advantages.dtype)
         from_probe = trusted & ~torch.isnan(cross_rollout_baselines(values, g, usable))
         stats = [diagnostic_tensors(rewards, baselines, values, g, receives, unclipped)]
         names = list(DIAGNOSTICS)

@@ -8,7 +8,8 @@ batch (the trainer's `_get_train_sampler`), each process receives its own shard 
 and `_select_prompts` keeps whole groups of its shard before TRL generates, so generation (vLLM included), rewards,
 shuffling and the batch sizes TRL expects downstream are unchanged. Which groups is the sampling rule's (sampling.py),
 from the estimator's predicted prompt values; the prediction costs one no-grad forward of the training model over the
-candidates' prompt tokens.
+candidates' prompt tokens. A rule's importance weights reach every row of a drawn group (`_row_weights`, gathered in
+rank order like the rows) and multiply the advantages before TRL shuffles the batch.
 """
 
 import json
@@ -31,13 +32,13 @@ class ValueGuidedSelection:
             return
         if self.environment_factories is not None or self._is_vlm:
             raise ValueError(
-                "prompt_selection='value' predicts from a text-only prefill of the prompts, which environments and "
-                "vision-language models change: set prompt_selection=None for this run."
+                f"prompt_selection={self.args.prompt_selection!r} predicts from a text-only prefill of the prompts, "
+                "which environments and vision-language models change: set prompt_selection=None for this run."
             )
         if isinstance(self.train_dataset, IterableDataset):
             raise ValueError(
-                "prompt_selection='value' oversamples through TRL's RepeatSampler, which needs a map-style dataset: "
-                "load the dataset without streaming, or set prompt_selection=None."
+                f"prompt_selection={self.args.prompt_selection!r} oversamples through TRL's RepeatSampler, which "
+                "needs a map-style dataset: load the dataset without streaming, or set prompt_selection=None."
             )
 
     @property
@@ -93,7 +94,10 @@ class ValueGuidedSelection:
         drawn = draw(
             self.args.prompt_selection, len(groups), keep, values, reward_range,
             seed=self.args.seed, rank=self.accelerator.process_index, step=self.estimator.steps,
+            floor=self.args.prompt_selection_floor,
         )  # fmt: skip
+        weights = drawn.weights or [1.0] * len(drawn.indices)
+        self._weights = torch.tensor(weights, dtype=torch.float64).repeat_interleave(size)
         variance = drawn.scores or [0.0] * len(groups)  # predicted reward variance q(1 - q) of each candidate
         self._selection = {
             "kept_fraction": keep / len(groups),
@@ -106,10 +110,20 @@ class ValueGuidedSelection:
         }
         return [row for i in drawn.indices for row in groups[i]]
 
-    def _selection_metrics(self, rewards: torch.Tensor, num_generations: int) -> dict[str, float]:
+    def _row_weights(self, rows: int) -> torch.Tensor | None:
+        """Every process's kept rows' importance weights, gathered (rank-major, as the rows): (rows x processes,), or
+        None when no prompts were drawn for this batch (no selection, evaluation)."""
+        weights, self._weights = self._weights, None
+        if weights is None:
+            return None
+        if len(weights) != rows:
+            raise RuntimeError(f"prompt_selection drew {len(weights)} rows but the batch has {rows}.")
+        return self.accelerator.gather(weights.to(self.accelerator.device))
+
+    def _selection_metrics(self, rewards: torch.Tensor, num_generations: int, weights: torch.Tensor | None) -> dict:
         """`selection/*` of this generation batch, over all processes: kept fraction, mean predicted reward variance
-        of kept and of all candidates, prefill tokens, and the realized within-group reward variance and degenerate
-        share."""
+        of kept and of all candidates, prefill tokens, the realized within-group reward variance and degenerate
+        share, and the mean and largest importance weight of the kept prompts."""
         if self.args.prompt_selection is None or not self._selection:
             return {}
         s, self._selection = self._selection, {}
@@ -120,8 +134,11 @@ class ValueGuidedSelection:
         variance = torch.where(complete, torch.nan_to_num(grouped).var(1, unbiased=False), 0.0).sum()
         degenerate = torch.where(complete, grouped.amax(1) == grouped.amin(1), False).double().sum()
         realized = torch.stack([variance, degenerate]) / complete.sum()  # NaN when no group is complete
+        weights = torch.ones_like(rewards, dtype=torch.float64) if weights is None else weights.double()
+        realized = torch.cat([realized, torch.stack([weights.mean(), weights.max()]).to(realized.device)])
         total = self.accelerator.gather(local).view(-1, len(keys)).sum(0)
-        host = dict(zip(keys + ("variance", "degenerate"), torch.cat([total, realized]).tolist(), strict=True))
+        names = keys + ("variance", "degenerate", "weight_mean", "weight_max")
+        host = dict(zip(names, torch.cat([total, realized]).tolist(), strict=True))
         nan = math.nan
         return {
             "selection/kept_fraction": s["kept_fraction"],
@@ -131,4 +148,6 @@ class ValueGuidedSelection:
             "selection/prefill_tokens": host["prefill_tokens"],
             "selection/reward_variance": host["variance"],
             "selection/degenerate_fraction": host["degenerate"],
+            "selection/weight_mean": host["weight_mean"],
+            "selection/weight_max": host["weight_max"],
         }

@@ -84,9 +84,10 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
     - `train`: `resume_from_checkpoint=True` takes the newest complete checkpoint, not a folder a killed save left;
     - `create_model_card`: TRL's card plus how POISE was configured and its last probe diagnostics.
 
-    Value-guided prompt selection keeps, of each process's candidates, the whole groups with the highest predicted
-    reward variance q(1 - q) (q: the predicted value on the observed reward range), chosen at random until the probe
-    is trusted; generation (vLLM included), rewards, shuffling and TRL's batch sizes downstream are unchanged.
+    Value-guided prompt selection keeps whole groups of each process's candidates by a rule of sampling.py ("value":
+    the highest predicted reward variance, biased; "importance": drawn with replacement in proportion to the predicted
+    reward spread, with importance weights on the advantages, unbiased), at random until the probe is trusted;
+    generation (vLLM included), rewards, shuffling and TRL's batch sizes downstream are unchanged.
     """
 
     _tag_names = ["trl", "poise"]
@@ -139,6 +140,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         self._gathered_rewards: torch.Tensor | None = None
         self._tool_mask: list | None = None  # this batch's tool/env mask from `_generate` (1 = the policy wrote it)
         self._selection: dict[str, float] = {}
+        self._weights: torch.Tensor | None = None  # this process's kept rows' importance weights, for one batch
         self._card_metrics: dict[str, float] = {}
         self._warned_unscorable = False
         self._check_prompt_selection()
@@ -286,7 +288,10 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         features = self.accelerator.gather(local_features.to(device))  # (N, len(probe_layers), D)
         rewards = self._scalar_rewards(self._gathered_rewards)
         domains = self._domain_names(inputs, num_generations)
-        result = self.estimator.advantages(features, rewards, num_generations, domains, has_completion)
+        weights = self._row_weights(len(inputs)) if mode == "train" else None  # the prompts' importance weights
+        result = self.estimator.advantages(
+            features, rewards, num_generations, domains, has_completion, weights=weights
+        )
         rank = self.accelerator.process_index
         output["advantages"] = result.advantages[rank * len(inputs) : (rank + 1) * len(inputs)]
         fit_metrics = {}
@@ -310,7 +315,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
                 stacklevel=2,
             )
         if mode == "train":
-            metrics.update(self._selection_metrics(rewards, num_generations))
+            metrics.update(self._selection_metrics(rewards, num_generations, weights))
             self._card_metrics = metrics
         for name, value in metrics.items():
             if not math.isnan(value):  # undefined (NaN) is left out: TRL would log None, which trackers drop

@@ -181,6 +181,32 @@ def test_selection_keeps_the_highest_predicted_spread(tiny_model_path, tmp_path,
         trainer._select_prompts(inputs[1:])
 
 
+def test_importance_weights_multiply_the_advantages_of_the_drawn_rows(tiny_model_path, tmp_path, monkeypatch):
+    """The trainer hands each kept row its prompt's weight: its advantages are the unweighted ones times the weight,
+    and TRL's batch carries them (before its shuffle), while the probe learns from the plain rewards."""
+    args = poise_args(
+        tmp_path, max_steps=3, per_device_train_batch_size=4, prompt_selection="importance", probe_warmup_steps=1
+    )
+    trainer = Recording(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
+    trainer.records, calls = [], []
+    advantages = trainer.estimator.advantages
+
+    def recorded(*args, weights=None, **kwargs):
+        result = advantages(*args, weights=weights, **kwargs)
+        calls.append((weights, advantages(*args, **kwargs).advantages, result.advantages))
+        return result
+
+    monkeypatch.setattr(trainer.estimator, "advantages", recorded)
+    trainer.train()
+    assert calls[0][0].tolist() == [1.0] * 4  # uniform until the probe is trusted
+    assert any(weights.tolist() != [1.0] * 4 for weights, _, _ in calls[1:])
+    for (weights, plain, weighted), record in zip(calls, trainer.records, strict=True):
+        torch.testing.assert_close(weighted, plain * weights.to(plain.dtype))
+        torch.testing.assert_close(record["output"]["advantages"], weighted)
+    logged = _logged(trainer, "poise/selection/weight_max")
+    assert logged == [max(weights.tolist()) for weights, _, _ in calls]
+
+
 def test_random_fallback_before_the_probe_is_trusted(tiny_model_path, tmp_path):
     args = poise_args(tmp_path, prompt_selection="value", per_device_train_batch_size=4, probe_warmup_steps=100)
     trainer = POISETrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())

@@ -47,7 +47,11 @@ def test_paper_preset_and_explicit_overrides():
         (dict(multi_objective_aggregation="normalize_then_sum"), "sum_then_normalize"),
         (dict(prompt_selection="value", prompt_selection_oversample=float("inf")), "finite number"),
         (dict(prompt_selection_oversample=float("inf")), "finite number"),  # refused even before it is used
-        (dict(prompt_selection="value", prompt_selection_oversample=1.0), "a number > 1"),
+        (dict(prompt_selection="value", prompt_selection_oversample=1.0), "finite number > 1"),
+        (dict(prompt_selection="importance", prompt_selection_floor=0.0), r"must be in \(0, 1\]"),
+        (dict(prompt_selection_floor=1.5), r"must be in \(0, 1\]"),  # refused even before it is used
+        (dict(prompt_selection_floor=float("nan")), r"must be in \(0, 1\]"),
+        (dict(prompt_selection="importants"), "did you mean 'importance'"),
         (dict(probe_partner_reward="no"), "give True .* or False"),
         (dict(probe_partner_reward=1), "give True .* or False"),
     ],

@@ -120,6 +120,32 @@ def test_the_random_selection_stream_resumes_where_the_checkpoint_left_it(tmp_pa
     assert len({tuple(c) for c in uninterrupted}) > 1
 
 
+def test_a_resumed_estimator_draws_the_importance_samplers_prompts_and_weights_exactly(tmp_path):
+    """Once the probe is trusted the importance rule draws from the estimator's prompt values; a resumed estimator
+    predicts the same values bit for bit and sits at the same step, so it draws the same prompts and weights."""
+    candidates = torch.randn(10, 6, generator=torch.Generator().manual_seed(1))
+
+    def choice(estimator: POISEEstimator) -> sampling.Draw:
+        values = estimator.prompt_values(candidates)
+        reward_range = None if values is None else estimator.target_range()
+        drawn = sampling.draw("importance", 10, 4, values, reward_range, seed=7, rank=0, step=estimator.steps)
+        estimator.observe(*_batch(estimator.steps)[:3])
+        return drawn
+
+    def estimator() -> POISEEstimator:
+        return POISEEstimator(G, alpha=1.0, warmup_steps=2, prompt_columns=(0, 6))
+
+    full = estimator()
+    uninterrupted = [choice(full) for _ in range(6)]
+    assert uninterrupted[0].weights is None and all(d.weights for d in uninterrupted[3:])  # uniform, then weighted
+    first = estimator()
+    [choice(first) for _ in range(3)]
+    first.save(tmp_path / "e.safetensors")
+    resumed = estimator()
+    resumed.load(tmp_path / "e.safetensors")
+    assert [choice(resumed) for _ in range(3)] == uninterrupted[3:]
+
+
 def test_an_interrupted_write_keeps_the_previous_file(tmp_path, monkeypatch):
     estimator = _trained(2)
     path = tmp_path / "poise.safetensors"

@@ -217,21 +217,39 @@ class KeptPrompts(POISETrainer):
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         self.kept.append(output["prompt_ids"].clone())
+        self.advantages.append(output["advantages"].clone())
         return output
 
 
 def test_the_random_selection_phase_resumes_bit_for_bit(tiny_model_path, tmp_path):
     selection = dict(prompt_selection="value", per_device_train_batch_size=4, probe_warmup_steps=100)
-    args = poise_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, **selection)
-    uninterrupted = KeptPrompts(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
-    uninterrupted.kept = []
-    uninterrupted.train()
-    resumed = KeptPrompts(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
-    resumed.kept = []
-    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    uninterrupted, resumed = _resumed_selection(tiny_model_path, tmp_path, selection)
     assert _logged(uninterrupted, "poise/selection/random") == [1.0] * 4
     assert len(resumed.kept) == 2
     assert all(torch.equal(a, b) for a, b in zip(uninterrupted.kept[2:], resumed.kept, strict=True))
+
+
+def test_the_importance_sampler_resumes_its_draws_and_weights_bit_for_bit(tiny_model_path, tmp_path):
+    selection = dict(prompt_selection="importance", per_device_train_batch_size=4, probe_warmup_steps=1)
+    uninterrupted, resumed = _resumed_selection(tiny_model_path, tmp_path, selection)
+    assert _logged(uninterrupted, "poise/selection/random") == [1.0, 0.0, 0.0, 0.0]
+    weight_max = _logged(uninterrupted, "poise/selection/weight_max")
+    assert _logged(resumed, "poise/selection/weight_max") == weight_max and set(weight_max[2:]) != {1.0}
+    for name in ("kept", "advantages"):  # the same prompts drawn, the same weights on their advantages
+        pairs = zip(getattr(uninterrupted, name)[2:], getattr(resumed, name), strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs), name
+
+
+def _resumed_selection(model, tmp_path, selection: dict) -> tuple[KeptPrompts, KeptPrompts]:
+    """A 4-step run, and the same run resumed from its step-2 checkpoint."""
+    args = poise_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, **selection)
+    runs = []
+    for checkpoint in (None, str(tmp_path / "out" / "checkpoint-2")):
+        run = KeptPrompts(str(model), digit_reward, args=args, train_dataset=digit_dataset())
+        run.kept, run.advantages = [], []
+        run.train(resume_from_checkpoint=checkpoint)
+        runs.append(run)
+    return runs[0], runs[1]
 
 
 def test_a_small_eval_set_is_not_refused(tiny_model_path, tmp_path):

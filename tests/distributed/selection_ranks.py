@@ -8,6 +8,7 @@ from rank_io import finish
 from poise_trl import POISEConfig, POISETrainer
 
 MODEL, OUT = sys.argv[1], sys.argv[2]
+RULE = sys.argv[3] if len(sys.argv) > 3 else "value"
 G = 2
 
 
@@ -30,8 +31,15 @@ def reward(completions: list[str], prompts: list[str], **kwargs) -> list[float]:
 class Recording(POISETrainer):
     def _select_prompts(self, inputs):
         kept = super()._select_prompts(inputs)
+        weights = self._weights.tolist()
         self.steps.append({"candidates": [x["prompt"] for x in inputs], "kept": [x["prompt"] for x in kept]})
+        self.steps[-1]["weights"] = weights
         return kept
+
+    def _row_weights(self, rows):
+        weights = super()._row_weights(rows)
+        self.steps[-1]["gathered_weights"] = weights.tolist()
+        return weights
 
 
 args = POISEConfig(
@@ -43,7 +51,7 @@ args = POISEConfig(
     probe_warmup_steps=1,
     probe_preset="paper",
     probe_pool_tokens=3,
-    prompt_selection="value",
+    prompt_selection=RULE,
     use_cpu=True,
     bf16=False,
     gradient_checkpointing=False,
