@@ -17,6 +17,7 @@ from .features import (
     pca_blocks,
     resolve_layer_index,
 )
+from .migration import conversion_message
 from .sampling import RULES as SAMPLING_RULES
 from .sampling import check_floor
 from .settings import check_settings
@@ -55,31 +56,6 @@ def _probe_settings(blocks: list[str], hidden_size: int, probe: Any) -> str:
         pca = [ks.get(slices[name][0], 0) if name in slices else 0 for name in HIDDEN_BLOCKS]
     clip = None if probe.clip == "observed" else list(probe.clip) if probe.clip is not None else "no clipping"
     return f"probe_alpha={probe.alpha}, probe_pca_dims={pca}, probe_clip_range={clip}"
-
-
-def _conversion_message(config: GRPOConfig, converted: "POISEConfig", changed: list[str]) -> str:
-    """What `from_grpo_config` changed, what that does to each optimizer step and epoch, and how to keep a value."""
-    message = [
-        f"Converted {type(config).__name__} to POISEConfig. A GRPOConfig does not record which values a script set, "
-        "so a field holding TRL's default counts as unset and takes POISE's: "
-        + (", ".join(changed) or "no field held one")
-        + "."
-    ]
-    before, after = config.num_generations, converted.num_generations
-    if before != after:
-        completions = config.per_device_train_batch_size * config.gradient_accumulation_steps * config.world_size
-        message.append(
-            f"Each optimizer step still trains {completions} completions (per_device_train_batch_size x "
-            f"gradient_accumulation_steps x {config.world_size} process(es)), now {completions / after:g} prompts x "
-            f"{after} rollouts instead of {completions / before:g} x {before}: {before / after:g}x the prompts per "
-            f"step, so an epoch takes {before / after:g}x fewer optimizer steps. The learning rate and schedule are "
-            "kept."
-        )
-    message.append(
-        "To keep a value (e.g. TRL's G), pass it: POISEConfig.from_grpo_config(config, num_generations=8), or "
-        "build a POISEConfig."
-    )
-    return " ".join(message)
 
 
 def changed_defaults() -> dict[str, tuple[Any, Any]]:
@@ -358,7 +334,7 @@ class POISEConfig(GRPOConfig):
                 values[name] = poise_default
                 changed.append(f"{name} {trl_default!r} -> {poise_default!r}")
         converted = cls(**{**values, **overrides})
-        logger.warning(_conversion_message(config, converted, changed))
+        logger.warning(conversion_message(config, converted, changed))
         return converted
 
     def estimator_settings(self, num_layers: int, hidden_size: int) -> dict[str, Any]:

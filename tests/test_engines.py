@@ -27,8 +27,12 @@ ENGINES = {
     # checkpoints (a FULL_STATE_DICT save kills rank 0 with SIGSEGV on CPU, plain GRPOTrainer's too; torch 2.13).
     "fsdp1": (
         [
-            "--config_file", str(ROOT / "configs/accelerate/fsdp2.yaml"), *FP32, "--fsdp_version=1",
-            "--fsdp_cpu_ram_efficient_loading=false", "--fsdp_sync_module_states=false",
+            "--config_file",
+            str(ROOT / "configs/accelerate/fsdp2.yaml"),
+            *FP32,
+            "--fsdp_version=1",
+            "--fsdp_cpu_ram_efficient_loading=false",
+            "--fsdp_sync_module_states=false",
             "--fsdp_state_dict_type=SHARDED_STATE_DICT",
         ],  # fmt: skip
         {"ACCELERATE_TORCH_DEVICE": "cpu"} if DEVICE == "cpu" else {},
