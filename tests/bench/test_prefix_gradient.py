@@ -1,0 +1,111 @@
+"""The per-prefix rows of `bench gradient`: exact moments of a per-token baseline against brute-force Monte Carlo on
+a synthetic population with per-token scores and a known true gradient, and the unbiasedness check ||E h||² that a
+baseline reading its own token fails."""
+
+import numpy as np
+import pytest
+
+from poise_trl.bench.exact import (
+    PoolGram,
+    bootstrap_counts,
+    distinct_pairs,
+    family_mean,
+    pair_moments,
+    percentile_interval,
+    prefix_moments,
+    summarize,
+    truth_weights,
+)
+
+TYPES, TOKENS, DIM, K = 10, 4, 4, 12
+RNG = np.random.default_rng(0)
+P_TOKEN = np.concatenate([[[0.02, 0.5, 0.5, 0.5]], RNG.uniform(0.2, 0.9, (TYPES - 1, TOKENS))])  # (x, t)
+DIRECTION = RNG.normal(size=(TYPES, TOKENS, DIM)) * np.linspace(2, 6, TYPES)[:, None, None]
+P1, P2 = P_TOKEN[:, 0], P_TOKEN[:, 1]
+# r = y_1 y_2: decided at the second token, two tokens after it; E[r s_t | x] is zero beyond t = 2
+TRUE_GRADIENT = (P1 * (1 - P1) * P2)[:, None] * DIRECTION[:, 0] + (P1 * P2 * (1 - P2))[:, None] * DIRECTION[:, 1]
+G_TRUE = TRUE_GRADIENT.mean(0)
+
+
+def _rollouts(types: np.ndarray, size: int, rng: np.random.Generator, causal: bool = True) -> tuple[np.ndarray, ...]:
+    """Rewards (n, size), the per-rollout score g and h = Σ_t V_t s_t (n, size, DIM), and a partner value v.
+
+    Tokens are independent Bernoulli(p_{x,t}); s_t = (y_t − p_t) e_{x,t} + noise (E[s_t | x, y_<t] = 0). The causal
+    V_t is 0.8 E[r | x, y_<t] + 0.1; the non-causal one E[r | x, y_≤t] has seen the token it weighs."""
+    p = P_TOKEN[types][:, None]  # (n, 1, T)
+    y = (rng.random(types.shape + (size, TOKENS)) < p).astype(float)
+    s = (y - p)[..., None] * DIRECTION[types][:, None] + 0.3 * rng.normal(size=y.shape + (DIM,))
+    r = y[..., 0] * y[..., 1]
+    p1, p2 = np.broadcast_to(p[..., 0], r.shape), np.broadcast_to(p[..., 1], r.shape)
+    if causal:
+        value = np.stack([p1 * p2, y[..., 0] * p2, r, r], -1)
+        value = 0.8 * value + 0.1
+    else:
+        value = np.stack([y[..., 0] * p2, r, r, r], -1)
+    v = np.clip(0.6 * p1 * p2 + 0.3 * r + 0.1 * rng.normal(size=r.shape), 0, 1)
+    return r, s.sum(-2), (value[..., None] * s).sum(-2), v
+
+
+def _monte_carlo(mix: float, causal: bool, rng: np.random.Generator, n: int = 200_000) -> dict:
+    """Fresh prompts and pairs: u_i = Σ_t (r_i − mix V_{i,t} − (1 − mix) v_j) s_{i,t}, Y = (u_1 + u_2) / 2."""
+    types = rng.integers(TYPES, size=n)
+    r, g, h, v = _rollouts(types, 2, rng, causal)
+    u = (r - (1 - mix) * v[:, ::-1])[..., None] * g - mix * h
+    y = u.sum(1) / 2
+    mean = y.mean(0)
+    return {"variance": 2 * ((y**2).sum(1).mean() - mean @ mean), "mean_dot": mean @ G_TRUE}
+
+
+def _pool(causal: bool, per_type: int = 500) -> tuple[np.ndarray, np.ndarray, PoolGram]:
+    rng = np.random.default_rng(1)
+    types = np.repeat(np.arange(TYPES), per_type)  # every prompt type equally often: the pool's mix adds no noise
+    r, g, h, v = _rollouts(types, K, rng, causal)
+    family = np.concatenate([g, h], 1).reshape(-1, DIM)  # prompt-major: a prompt's K g's, then its K h's
+    return r, v, PoolGram(len(r), 2 * K, scores=family)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_per_prefix_moments_match_brute_force_monte_carlo(causal):
+    r, v, pool = _pool(causal)
+    counts, truth = bootstrap_counts(len(r), 0, 0), np.pad(truth_weights(r), ((0, 0), (0, K)))
+    rng = np.random.default_rng(2)
+    for mix in (1.0, 0.5):
+        exact = summarize(pool, prefix_moments(r, mix, v), truth, counts)
+        brute = _monte_carlo(mix, causal, rng)
+        assert exact["variance"][0] == pytest.approx(brute["variance"], rel=0.02), mix
+        # the known answer: E ĝ = g − mix E h, and E h is 0 (causal) or g (non-causal); E ĝ·g is a product over pairs
+        # of prompts, so the pool's 5,000 prompts leave it a few % of ||g||² of noise
+        known = (1 - mix * (not causal)) * G_TRUE @ G_TRUE
+        assert exact["mean_dot"][0] == pytest.approx(known, abs=0.05 * G_TRUE @ G_TRUE), mix
+    # the sequence-level rule, padded onto the family, is the same rule
+    assert summarize(pool, pair_moments(r, v).padded(2 * K), truth, counts)["variance"][0] == pytest.approx(
+        _monte_carlo(0.0, causal, rng)["variance"], rel=0.02
+    )
+
+
+def test_the_unbiasedness_check_catches_a_baseline_that_reads_its_token():
+    """||E h||² / ||g||²: its interval holds 0 for a causal per-prefix value; a value that has seen y_t makes E h
+    equal the true gradient here (E[r | y_≤t] s_t carries all of E[r s_t]), so the check reads 1, and the rule's
+    bias² equals it."""
+    for causal in (True, False):
+        r, v, pool = _pool(causal, per_type=40)
+        counts = bootstrap_counts(len(r), 500, 0)
+        truth = np.pad(truth_weights(r), ((0, 0), (0, K)))
+        signal = distinct_pairs(pool.cross(truth, truth), counts)
+        mean_h = family_mean(len(r), K)
+        check = distinct_pairs(pool.cross(mean_h, mean_h), counts) / signal
+        low, high = percentile_interval(check[1:])
+        bias2 = summarize(pool, prefix_moments(r), truth, counts)["bias2"] / signal
+        assert bias2[0] == pytest.approx(check[0], rel=1e-6, abs=1e-9)
+        if causal:
+            assert low < 0 < high and abs(check[0]) < 0.1
+        else:
+            assert check[0] == pytest.approx(1.0, abs=0.2) and low > 0.5
+
+
+def test_bad_mixes_are_refused():
+    rewards = np.zeros((2, 4))
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        prefix_moments(rewards, 1.5)
+    with pytest.raises(ValueError, match="partner's sequence"):
+        prefix_moments(rewards, 0.5)
