@@ -25,6 +25,7 @@ from .common import (
     DEMO_LEARNING_RATE,
     DEMO_MODEL,
     GRADIENT_CONTENDERS,
+    GRADIENT_PREFIX_ROWS,
     MAX_GRID_EXTENSIONS,
     PAPER_LEARNING_RATE,
     PROBE_FIT_ROWS,
@@ -370,8 +371,10 @@ def add_gradient_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     add_collection_arguments(parser, num_prompts=64, k=16)
     add = parser.add_argument
-    add("--contenders", nargs="+", choices=GRADIENT_CONTENDERS, default=list(GRADIENT_CONTENDERS), metavar="NAME",
-        help=f"any of {', '.join(GRADIENT_CONTENDERS)}")  # fmt: skip
+    add("--contenders", nargs="+", choices=[*GRADIENT_CONTENDERS, *GRADIENT_PREFIX_ROWS],
+        default=list(GRADIENT_CONTENDERS), metavar="NAME",
+        help=f"any of {', '.join(GRADIENT_CONTENDERS)}; the per-prefix rows {', '.join(GRADIENT_PREFIX_ROWS)} "
+        "(a second gradient pass: V(x, y_<t) from a per-prefix probe on the probe pool) only when named")  # fmt: skip
     add("--bootstrap", type=int, default=1000, help="bootstrap resamples of the pool's prompts for the CIs")
     add(
         "--probe-prompts",

@@ -22,6 +22,7 @@ No batch is drawn, no reference carries noise and nothing is centred. Bootstrap 
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from scipy.stats import hypergeom
@@ -264,3 +265,8 @@ def percentile_interval(replicates: np.ndarray, level: float = 0.95) -> list[flo
     if not len(finite):
         return [float("nan"), float("nan")]
     return np.quantile(finite, [(1 - level) / 2, (1 + level) / 2]).tolist()
+
+
+def point_and_interval(replicates: np.ndarray) -> dict[str, Any]:
+    """{"value": the point estimate (row 0), "ci": the percentile interval of the bootstrap rows, or None}."""
+    return {"value": float(replicates[0]), "ci": percentile_interval(replicates[1:]) if len(replicates) > 1 else None}

@@ -38,14 +38,22 @@ from .exact import (
     oracle_moments,
     pair_moments,
     pair_sampler_score,
-    percentile_interval,
     summarize,
     truth_weights,
+)
+from .exact import point_and_interval as _interval
+from .prefix_gradient import (
+    PREFIX_COMPARATORS,
+    PREFIX_ROWS,
+    SUBSPACES,
+    gram,
+    prefix_report,
+    rollout_gradients,
+    run_prefix,
 )
 from .value.collect import Collection, Log
 from .value.resolve import collect_from_args
 
-SUBSPACES = ("lora", "norms")
 PROBE_K = 2  # the online buffer holds POISE's G = 2 groups
 CACHE_VERSION = 1
 CACHE_KEYS = (  # the arguments that decide a pool's content
@@ -59,55 +67,6 @@ EXTRA_ROWS = {
     "grpo8_sampler": "GRPO G=8 + oracle sampler",
 }
 SAMPLER_FLOOR = 0.05  # the oracle sampler's score is floored at this share of its mean: every prompt stays possible
-
-
-# ----------------------------------------------------------------------------------------- per-rollout gradients
-def rollout_gradients(
-    model: Any, collection: Collection, lora_rank: int = 1, seed: int = 0, log: Log = print
-) -> dict[str, torch.Tensor]:
-    """(N, D_s) float32 gradients of each rollout's sequence log-probability, one matrix per subspace (`SUBSPACES`).
-
-    The policy is the sampling policy: logits divided by the collection's temperature, as TRL scores completions."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)  # LoRA's A (the sketch) is random; B starts at zero so the policy is unchanged
-    config = LoraConfig(r=lora_rank, lora_alpha=lora_rank, lora_dropout=0.0, target_modules="all-linear")
-    peft_model = get_peft_model(model, config)
-    lora_b = [p for n, p in peft_model.named_parameters() if "lora_B" in n]
-    norms = [p for n, p in peft_model.named_parameters() if "norm" in n.lower() and "lora_" not in n]
-    if not norms:
-        raise ValueError("the model has no parameter named '*norm*': the second subspace needs its norm gains")
-    kept = {id(p) for p in lora_b + norms}
-    for param in peft_model.parameters():
-        param.requires_grad_(id(param) in kept)
-    temperature = float(collection.meta.get("temperature", 1.0))
-    device = next(peft_model.parameters()).device
-    peft_model.eval()  # no dropout: the gradient of the policy that sampled
-    out = {name: [] for name in SUBSPACES}
-    start = time.perf_counter()
-    for i in range(collection.rewards.numel()):
-        p = int(collection.prompt_index[i])
-        prompt = collection.prompt_ids[p][collection.prompt_mask[p].bool()]
-        completion = collection.completion_ids[i][collection.completion_mask[i].bool()].long()
-        ids = torch.cat([prompt, completion]).to(device)[None]
-        logits = peft_model(input_ids=ids).logits[0, prompt.numel() - 1 : -1].float() / temperature
-        log_prob = torch.log_softmax(logits, -1).gather(1, completion.to(device)[:, None]).sum()
-        grads = torch.autograd.grad(log_prob, lora_b + norms)
-        out["lora"].append(torch.cat([g.flatten() for g in grads[: len(lora_b)]]).float().cpu())
-        out["norms"].append(torch.cat([g.flatten() for g in grads[len(lora_b) :]]).float().cpu())
-        if (i + 1) % 256 == 0:
-            log(f"      gradients of {i + 1} rollouts: {time.perf_counter() - start:.0f}s")
-    peft_model.unload()
-    return {name: torch.stack(rows) for name, rows in out.items()}
-
-
-def gram(gradients: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
-    """G Gᵀ in float64, accumulated over column chunks (a float64 copy of every gradient would not fit)."""
-    out = torch.zeros(gradients.size(0), gradients.size(0), dtype=torch.float64)
-    for s in range(0, gradients.size(1), chunk):
-        block = gradients[:, s : s + chunk].double()
-        out += block @ block.T
-    return out
 
 
 # ------------------------------------------------------------------------------------------- the pool, cached
@@ -276,10 +235,6 @@ def oracle_samplers(rewards: np.ndarray, values: dict[str, np.ndarray], rules: l
     return {rule: np.maximum(score, SAMPLER_FLOOR * score.mean()) for rule, score in scores.items()}
 
 
-def _interval(replicates: np.ndarray) -> dict[str, Any]:
-    return {"value": float(replicates[0]), "ci": percentile_interval(replicates[1:]) if len(replicates) > 1 else None}
-
-
 def measure(
     rewards: np.ndarray,
     values: dict[str, np.ndarray],
@@ -345,7 +300,7 @@ def ranking_agreement(results: dict[str, Any]) -> float:
 
 # ---------------------------------------------------------------------------------------------------- report
 def label(rule: str) -> str:
-    return EXTRA_ROWS.get(rule) or CONTENDERS[rule].label
+    return EXTRA_ROWS.get(rule) or PREFIX_ROWS.get(rule) or CONTENDERS[rule].label
 
 
 def _fmt(cell: dict[str, Any] | None, digits: int = 3) -> str:
@@ -405,6 +360,7 @@ def format_report(results: dict[str, Any]) -> str:
             f"||g||²/W: {_fmt(block['signal_over_within'], 5)} (an unbiased rule needs its variance / ||g||² "
             "completions for a relative MSE of 1).",
         ]
+    lines += prefix_report(results, _fmt)
     lines += ["", f"Ranking agreement between subspaces (Kendall's tau): {results['ranking_agreement']:+.2f}"]
     cached = " (the pool's from its first run; this run read it from the cache)" if results["cached"] else ""
     lines += ["", "Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in results["seconds"].items()) + cached]
@@ -444,7 +400,8 @@ def run_gradient(args: argparse.Namespace, log: Log = print) -> int:
     start = time.perf_counter()
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    largest = max(CONTENDERS[r].group_size for r in args.contenders)
+    contenders = [r for r in args.contenders if r not in PREFIX_ROWS]
+    largest = max((CONTENDERS[r].group_size for r in contenders), default=2)
     if args.k < max(largest, 3):
         raise SystemExit(
             f"--k {args.k}: the pool needs at least {max(largest, 3)} rollouts per prompt (G={largest} "
@@ -455,13 +412,17 @@ def run_gradient(args: argparse.Namespace, log: Log = print) -> int:
     collection, probe, pool, folder = load_pool(args, log)
     seconds = dict(pool["seconds"])
     t = time.perf_counter()
-    values, sources = online_values(collection, probe, separate_prompts(collection, probe, args.probe_prompts), log)
+    keep = separate_prompts(collection, probe, args.probe_prompts)
+    values, sources = online_values(collection, probe, keep, log)
     seconds["probes"] = time.perf_counter() - t
     log(f"[4/4] exact moments of {len(args.contenders)} rules, {args.bootstrap} bootstrap resamples")
     t = time.perf_counter()
     rewards = collection.rewards.nan_to_num(0.0).double().view(-1, collection.k).numpy()
-    measured = measure(rewards, values, pool["grams"], list(args.contenders), args.bootstrap, args.seed)
+    measured = measure(rewards, values, pool["grams"], contenders, args.bootstrap, args.seed)
     seconds["measure"] = time.perf_counter() - t
+    comparators = rule_moments(rewards, values, [c for c in PREFIX_COMPARATORS if c in contenders])
+    prefix = run_prefix(args, collection, probe, keep, folder, rewards, values, comparators, measured, log)
+    seconds.update(prefix.pop("seconds", {}))
     seconds["total"] = time.perf_counter() - start
     by_prompt = collection.rewards.view(-1, collection.k)
     results = {
@@ -481,6 +442,7 @@ def run_gradient(args: argparse.Namespace, log: Log = print) -> int:
         },
         "dimensions": pool["dimensions"],
         "subspaces": measured,
+        "prefix": prefix,
         "ranking_agreement": ranking_agreement(measured),
         "seconds": seconds,
         "cached": pool["cached"],

@@ -2,9 +2,13 @@
 a synthetic population with per-token scores and a known true gradient, and the unbiasedness check ||E h||² that a
 baseline reading its own token fails."""
 
+import json
+
 import numpy as np
 import pytest
+import torch
 
+from poise_trl import cli
 from poise_trl.bench.exact import (
     PoolGram,
     bootstrap_counts,
@@ -16,6 +20,8 @@ from poise_trl.bench.exact import (
     summarize,
     truth_weights,
 )
+from poise_trl.bench.prefix_gradient import PREFIX_ROWS, rollout_gradients
+from poise_trl.bench.value.collect import Collection
 
 TYPES, TOKENS, DIM, K = 10, 4, 4, 12
 RNG = np.random.default_rng(0)
@@ -109,3 +115,71 @@ def test_bad_mixes_are_refused():
         prefix_moments(rewards, 1.5)
     with pytest.raises(ValueError, match="partner's sequence"):
         prefix_moments(rewards, 0.5)
+
+
+def test_rollout_gradients_return_h_as_the_gradient_of_the_value_weighted_log_probs(tiny_model_path, tmp_path):
+    """h from the second backward pass: a constant V = c gives h = c g exactly; a V on the last token only gives
+    that token's score, g minus the gradient of the earlier tokens' log-probs (linearity in V)."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "gradient"
+    assert cli.main(_argv(tiny_model_path, tmp_path, out, ["rloo2"])) == 0  # makes and caches a pool
+    folder = next((tmp_path / "cache" / "gradient").iterdir())
+    pool = Collection.load(folder / "pool.safetensors")
+
+    def grads(values):
+        model = AutoModelForCausalLM.from_pretrained(pool.meta["model_path"], dtype=torch.float32)
+        return rollout_gradients(model, pool, token_values=values)
+
+    constant = grads(lambda i, hidden, entropies: torch.full_like(entropies, 0.3))
+    assert set(constant) == {"lora", "norms", "lora_h", "norms_h"}
+    for name in ("lora", "norms"):
+        scale = constant[name].abs().max().item()
+        torch.testing.assert_close(constant[f"{name}_h"], 0.3 * constant[name], rtol=1e-4, atol=1e-5 * scale)
+    last = grads(lambda i, hidden, entropies: torch.eye(entropies.numel())[-1] * (i + 1))
+    earlier = grads(lambda i, hidden, entropies: 1 - torch.eye(entropies.numel())[-1])
+    index = torch.arange(1, pool.rewards.numel() + 1, dtype=torch.float32)[:, None]
+    scale = last["lora"].abs().max().item()
+    torch.testing.assert_close(last["lora_h"] / index + earlier["lora_h"], last["lora"], rtol=1e-4, atol=1e-5 * scale)
+    with pytest.raises(RuntimeError, match="token values of shape"):
+        grads(lambda i, hidden, entropies: torch.zeros(entropies.numel() + 1))
+
+
+def _argv(model, tmp_path, out, contenders):
+    argv = ["bench", "gradient", str(model), "--dataset", "sort", "--num-prompts", "10", "--k", "8"]
+    argv += ["--reward-fn", "tests.bench.test_gradient:parity_reward", "--max-new-tokens", "6", "--device", "cpu"]
+    argv += ["--pool-tokens", "3", "--bootstrap", "20", "--probe-prompts", "24", "--contenders", *contenders]
+    return argv + ["--cache-dir", str(tmp_path / "cache"), "--output-dir", str(out)]
+
+
+def test_command_adds_the_per_prefix_rows_and_caches_their_pass(tiny_model_path, tmp_path):
+    out = tmp_path / "gradient"
+    rules = ["grpo8", "rloo2", "poise"]
+    assert cli.main(_argv(tiny_model_path, tmp_path, out, rules)) == 0
+    folder = next((tmp_path / "cache" / "gradient").iterdir())
+    assert not (folder / "prefix_grams.safetensors").exists()  # rows without prefix values never make it
+    plain = json.loads((out / "results.json").read_text())
+    assert cli.main(_argv(tiny_model_path, tmp_path, out, [*rules, *PREFIX_ROWS])) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["cached"] and (folder / "prefix_grams.safetensors").exists()
+    for subspace in ("lora", "norms"):
+        table = results["subspaces"][subspace]["table"]
+        for rule in rules:  # the sequence-level rows did not move
+            assert table[rule] == plain["subspaces"][subspace]["table"][rule]
+        check = results["prefix"]["subspaces"][subspace]["mean_h_sq_over_signal"]
+        assert np.isfinite(check["value"]) and check["ci"][0] <= check["value"] <= check["ci"][1]
+        for rule in PREFIX_ROWS:
+            cell = table[rule]
+            assert {"share_grpo8", "share_rloo2", "share_poise"} <= set(cell)
+            assert cell["variance"]["value"] > 0
+            # the family's comparators are the pool's own rows: a share against them is a ratio of the same numbers
+            assert cell["share_poise"]["value"] == pytest.approx(
+                cell["matched_variance"]["value"] / table["poise"]["matched_variance"]["value"], rel=1e-6
+            )
+    report = (out / "results.md").read_text()
+    assert "POISE per-prefix G=2" in report and "||E h||² / ||g||²" in report
+    seconds = results["seconds"]
+    assert seconds["prefix_gradients"] > 0
+    assert cli.main(_argv(tiny_model_path, tmp_path, out, [*rules, *PREFIX_ROWS])) == 0  # from the cache
+    again = json.loads((out / "results.json").read_text())
+    assert again["prefix"]["subspaces"] == results["prefix"]["subspaces"]
