@@ -140,8 +140,9 @@ def prefix_moments(rewards: np.ndarray, mix: float = 1.0, values: np.ndarray | N
     """G = 2 with a per-prefix baseline, A_{i,t} = r_i − (mix V_{i,t} + (1 − mix) v_j), on the per-prompt family
     [g_1..g_K, h_1..h_K] with h_i = Σ_t V_{i,t} ∇log π(y_t | x, y_<t): rollout i serves u_i = (r_i − (1 − mix) v_j) g_i
     − mix h_i, linear in the family, so E||Y/2||² is again a U-statistic over ordered pairs, exact. E[Y/2 | x] is μ_x
-    (the truth's weights: slope 1 in r_i) minus mix E[h | x], which is zero when V_{i,t} reads only x and y_<t;
-    the pool's estimate of it is mix × the mean of the h_i, so bias² estimates mix² ||E h||²."""
+    (the truth's weights: slope 1 in r_i) minus mix E[h | x], and E[h | x] = 0 when V_{i,t} reads only x and y_<t
+    (E[∇log π(y_t | x, y_<t) | x, y_<t] = 0): the weights use that identity, as every rule here uses E[g | x] = 0,
+    so bias² is zero by construction; `family_mean` is the check of the identity on the pool."""
     num_prompts, k = rewards.shape
     if not 0.0 <= mix <= 1.0:
         raise ValueError(f"mix={mix}: the per-prefix baseline's weight must lie in [0, 1]")
@@ -155,8 +156,7 @@ def prefix_moments(rewards: np.ndarray, mix: float = 1.0, values: np.ndarray | N
     pair = coef + coef.transpose(0, 2, 1, 3)  # Y of the group {i, j}
     pair[:, idx, idx] = 0.0
     second = np.einsum("xijf,xije->xfe", pair, pair) / (4 * k * (k - 1))
-    mean = np.concatenate([truth_weights(rewards), np.full((num_prompts, k), -mix / k)], axis=1)
-    return RuleMoments(second, mean, 2.0)
+    return RuleMoments(second, np.pad(truth_weights(rewards), ((0, 0), (0, k))), 2.0)
 
 
 def family_mean(num_prompts: int, k: int) -> np.ndarray:

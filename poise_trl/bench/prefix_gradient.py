@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from poise_trl.features import find_decoder_layers
 from poise_trl.prefix import PrefixMap, capture_prefix, fit_prefix_probe, prefix_spans, rollout_token_values
 
-from .common import GRADIENT_PREFIX_ROWS, resolve_device
+from .common import CONTENDERS, GRADIENT_PREFIX_ROWS, resolve_device
 from .exact import (
     PoolGram,
     RuleMoments,
@@ -316,7 +316,9 @@ def prefix_report(results: dict[str, Any], fmt: Callable[[dict[str, Any] | None,
         block = prefix["subspaces"][subspace]
         for rule, cell in block["table"].items():
             shares = ", ".join(
-                f"{c}: {fmt(cell[f'share_{c}'], 2)}" for c in PREFIX_COMPARATORS if f"share_{c}" in cell
+                f"{CONTENDERS[c].label}: {fmt(cell[f'share_{c}'], 2)}"
+                for c in PREFIX_COMPARATORS
+                if f"share_{c}" in cell
             )
             lines.append(f"- {subspace}, {PREFIX_ROWS[rule]}: share of {shares}")
         lines.append(f"- {subspace}, ||E h||² / ||g||²: {fmt(block['mean_h_sq_over_signal'], 4)}")
