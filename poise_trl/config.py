@@ -18,8 +18,8 @@ from .features import (
     resolve_layer_index,
 )
 from .migration import conversion_message
+from .sampling import DEFAULT_FLOOR, check_floor
 from .sampling import RULES as SAMPLING_RULES
-from .sampling import check_floor
 from .settings import check_settings
 
 logger = logging.getLogger(__name__)
@@ -223,7 +223,7 @@ class POISEConfig(GRPOConfig):
         metadata={"help": "With prompt_selection: candidate prompts per kept prompt (> 1)."},
     )
     prompt_selection_floor: float = field(
-        default=0.2,
+        default=DEFAULT_FLOOR,
         metadata={
             "help": "With prompt_selection='importance': the share of uniform probability every candidate keeps, in "
             "(0, 1]; it bounds each weight by 1 / floor (1: uniform, weights 1).",

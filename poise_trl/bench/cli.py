@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from poise_trl.demo.real import REAL_MODELS
+from poise_trl.sampling import DEFAULT_FLOOR
 
 from .common import (
     ARITH_DATASET,
@@ -384,6 +385,12 @@ def add_gradient_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=int,
         default=256,
         help="POISE's probe is fitted on a separate pool of this many prompts x 2 rollouts (the online buffer)",
+    )
+    add(
+        "--prompt-selection-floor",
+        type=float,
+        default=DEFAULT_FLOOR,
+        help="the probe sampler's share of uniform probability (POISEConfig.prompt_selection_floor)",
     )
     add("--lora-rank", type=int, default=1, help="rank of the LoRA sketch (its B gradients are stored per rollout)")
     add("--output-dir", default="runs/bench/gradient", help="results.json, results.md, gradient.png")

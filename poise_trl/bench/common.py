@@ -81,13 +81,22 @@ CONTENDERS = {
         _paper_ablation("poise_partner", "POISE +partner G=2", {"probe_partner_reward": True}),
         _paper_ablation("poise_shrunk", "POISE +shrunk G=2", {"probe_bootstrap": "shrunk"}),
         _paper_ablation("poise_select", "POISE +selection G=2", {"prompt_selection": "value"}),
+        Contender(
+            "poise_importance",
+            "POISE +importance G=2",
+            "poise",
+            2,
+            {"prompt_selection": "importance", "prompt_selection_floor": 0.5},
+        ),
     )
 }
 # Paired statistics are taken against each: GRPO-8 (the paper's baseline) and GRPO-8 without reward scaling (POISE
 # does not scale either), DAPO-DS (behind the paper's wall-clock claim) and DAPO-DS-carry (the strongest dynamic
 # sampling) and RLOO-2 (the same prompts per step as POISE, with the plain leave-one-out baseline).
 REFERENCES = ("grpo8", "grpo8_noscale", "dapo_ds", "dapo_ds_carry", "rloo2")
-HEADLINE_CONTENDERS = ("poise", "poise_paper")
+HEADLINE_CONTENDERS = ("poise", "poise_paper", "poise_importance")
+# A headline row that changes POISE (default) is also paired with it: the difference is that change's effect.
+PAIRED_WITH_DEFAULT = ("poise_importance",)
 # The one-change ablations of POISE (paper) skip learning-rate tuning and run at POISE (paper)'s rate.
 ABLATIONS = ("poise_partner", "poise_shrunk", "poise_select")
 DEFAULT_SEEDS = tuple(range(20))
@@ -107,6 +116,11 @@ GRADIENT_PREFIX_ROWS = {
     "poise_prefix": "POISE per-prefix G=2",
     "poise_prefix_mix": "POISE per-prefix ½ + partner ½ G=2",
 }
+
+
+def paired_references(name: str) -> tuple[str, ...]:
+    """The contenders a headline row's paired statistics are taken against."""
+    return REFERENCES + (("poise",) if name in PAIRED_WITH_DEFAULT else ())
 
 
 def smallest_p_holm(seeds: int, tests: int) -> float:

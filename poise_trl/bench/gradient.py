@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from poise_trl.estimator import POISEEstimator
+from poise_trl.sampling import DEFAULT_FLOOR, check_floor
 
 from .common import CONTENDERS, format_table, resolve_device, write_json
 from .exact import (
@@ -37,11 +38,11 @@ from .exact import (
     group_moments,
     oracle_moments,
     pair_moments,
-    pair_sampler_score,
     summarize,
     truth_weights,
 )
 from .exact import point_and_interval as _interval
+from .gradient_samplers import oracle_samplers, probe_sampler, row_labels, sampled_rows
 from .prefix_gradient import (
     PREFIX_COMPARATORS,
     PREFIX_ROWS,
@@ -61,12 +62,7 @@ CACHE_KEYS = (  # the arguments that decide a pool's content
     "reasoning_end_marker seed lora_rank probe_prompts batch_size backend device"
 ).split()
 COMPARATORS = ("grpo8", "rloo2")  # shares are variance ratios against these
-EXTRA_ROWS = {
-    "oracle": "Oracle baseline (true p) G=2",
-    "poise_sampler": "POISE (default) + oracle sampler G=2",
-    "grpo8_sampler": "GRPO G=8 + oracle sampler",
-}
-SAMPLER_FLOOR = 0.05  # the oracle sampler's score is floored at this share of its mean: every prompt stays possible
+EXTRA_ROWS = {"oracle": "Oracle baseline (true p) G=2", **row_labels()}
 
 
 # ------------------------------------------------------------------------------------------- the pool, cached
@@ -174,11 +170,12 @@ def fitted_probe(rule: str, collection: Collection, probe: Collection, keep: np.
 
 
 def online_values(
-    collection: Collection, probe: Collection, keep: np.ndarray, log: Log = print
-) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Each measured rollout's probe value for POISE (paper) and POISE (default), and where the probe came from: the
-    snapshot's own saved estimator (POISE (default), when the model folder holds the file `POISETrainer.save_probe`
-    writes), else `fitted_probe` on the separate pool."""
+    collection: Collection, probe: Collection, keep: np.ndarray, floor: float = DEFAULT_FLOOR, log: Log = print
+) -> tuple[dict[str, np.ndarray], dict[str, str], np.ndarray]:
+    """Each measured rollout's probe value for POISE (paper) and POISE (default), where the probe came from (the
+    snapshot's own saved estimator for POISE (default), when the model folder holds the file
+    `POISETrainer.save_probe` writes, else `fitted_probe` on the separate pool), and POISE (default)'s probe sampler
+    over the pool's prompts (`gradient_samplers.probe_sampler`, at `floor`)."""
     from poise_trl.trainer import ESTIMATOR_FILE
 
     layer, pool = int(collection.meta["default_layer"]), int(collection.meta["default_pool"])
@@ -198,13 +195,15 @@ def online_values(
             raise RuntimeError(f"{rule}: the probe gave non-finite values for {int((~np.isfinite(out)).sum())} rows")
         values[rule] = out
         log(f"      {CONTENDERS[rule].label}: probe {sources[rule]}")
-    return values, sources
+    return values, sources, probe_sampler(estimator, collection, layer, pool, floor)
 
 
 # --------------------------------------------------------------------------------------------------- measuring
-def rule_moments(rewards: np.ndarray, values: dict[str, np.ndarray], rules: list[str]) -> dict[str, RuleMoments]:
+def rule_moments(
+    rewards: np.ndarray, values: dict[str, np.ndarray], rules: list[str], probe: bool = True
+) -> dict[str, RuleMoments]:
     """Every contender's moments, the oracle baseline's, and POISE (default)'s and GRPO G=8's again for the oracle
-    sampler."""
+    sampler and (with `probe`) the probe sampler."""
     out: dict[str, RuleMoments] = {}
     for rule in rules:
         group = CONTENDERS[rule].group_size
@@ -217,22 +216,8 @@ def rule_moments(rewards: np.ndarray, values: dict[str, np.ndarray], rules: list
         else:
             out[rule] = pair_moments(rewards, values[rule].reshape(rewards.shape))
     out["oracle"] = oracle_moments(rewards)[0]
-    for rule in ("poise", "grpo8"):
-        if rule in rules:
-            out[f"{rule}_sampler"] = out[rule]
+    out.update({row: out[rule] for row, rule in sampled_rows(rules, oracle=True, probe=probe).items()})
     return out
-
-
-def oracle_samplers(rewards: np.ndarray, values: dict[str, np.ndarray], rules: list[str]) -> dict[str, np.ndarray]:
-    """q(x) ∝ sqrt(E[(r − b)² | x]) read off the pool (an oracle: a deployed sampler predicts it before generating),
-    floored at `SAMPLER_FLOOR` of its mean: b is POISE (default)'s partner value, or for GRPO G=8 the other
-    rollouts' mean reward (E[(r − b)² | x] ∝ p(1 − p) for every G, so RLOO's pair score serves)."""
-    scores = {}
-    if "poise" in rules:
-        scores["poise_sampler"] = pair_sampler_score(rewards, values["poise"].reshape(rewards.shape))
-    if "grpo8" in rules:
-        scores["grpo8_sampler"] = pair_sampler_score(rewards, rewards)
-    return {rule: np.maximum(score, SAMPLER_FLOOR * score.mean()) for rule, score in scores.items()}
 
 
 def measure(
@@ -242,11 +227,13 @@ def measure(
     rules: list[str],
     bootstrap: int,
     seed: int,
+    prompt_sampler: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """Per subspace and rule: per-completion variance and scale-matched variance in units of the within-prompt
     noise W, bias² relative to ||g||², the scale-matched variance's share against GRPO-8 and RLOO-2; and ||g||²/W
     and Bv/W. Point estimates with 95% percentile intervals over `bootstrap` resamples of the prompts (the same
-    resamples for every rule)."""
+    resamples for every rule). `prompt_sampler` (P,) is the probe sampler's q over the prompts (None: no probe-sampler
+    rows)."""
     num_prompts, k = rewards.shape
     if not (rewards.max(1) > rewards.min(1)).any():
         raise ValueError(
@@ -255,8 +242,10 @@ def measure(
         )
     counts = bootstrap_counts(num_prompts, bootstrap, seed)
     truth = truth_weights(rewards)
-    moments = rule_moments(rewards, values, rules)
-    samplers = oracle_samplers(rewards, values, rules)
+    moments = rule_moments(rewards, values, rules, probe=prompt_sampler is not None)
+    samplers = oracle_samplers(rewards, values.get("poise"), rules)
+    probed = sampled_rows(rules, oracle=False, probe=prompt_sampler is not None)
+    samplers.update({row: prompt_sampler for row in probed})
     _, noise, signal = oracle_moments(rewards)
     out: dict[str, Any] = {}
     for subspace, matrix in grams.items():
@@ -329,7 +318,10 @@ def format_report(results: dict[str, Any]) -> str:
         "fair to rules that rescale); shares are ratios of scale-matched variances: the completions a rule needs, as "
         "a share of GRPO G=8's and RLOO k=2's, for the same error. DAPO-DS-carry keeps a fixed number of informative "
         "groups and is charged its expected G/q completions per kept group. The oracle sampler draws prompts with "
-        "probability ∝ sqrt(E[(r − b)² | x]) read off the pool, weighted 1/(n q).",
+        "probability ∝ sqrt(E[(r − b)² | x]) read off the pool, weighted 1/(n q); the probe sampler draws them as "
+        "prompt_selection='importance' does online, from POISE (default)'s prompt-only probe before generating "
+        "(q ∝ sqrt(v(1 − v)) mixed with uniform at the floor "
+        f"{s['prompt_selection_floor']}), weighted 1/(n q).",
     ]
     for subspace in SUBSPACES:
         block = results["subspaces"][subspace]
@@ -407,20 +399,21 @@ def run_gradient(args: argparse.Namespace, log: Log = print) -> int:
             f"--k {args.k}: the pool needs at least {max(largest, 3)} rollouts per prompt (G={largest} "
             "and the oracle baseline's 3)"
         )
+    check_floor(args.prompt_selection_floor)  # before the pool is sampled, not after
     if args.probe_prompts < 1:
         raise SystemExit(f"--probe-prompts {args.probe_prompts}: the probe needs a pool of its own")
     collection, probe, pool, folder = load_pool(args, log)
     seconds = dict(pool["seconds"])
     t = time.perf_counter()
     keep = separate_prompts(collection, probe, args.probe_prompts)
-    values, sources = online_values(collection, probe, keep, log)
+    values, sources, prompt_sampler = online_values(collection, probe, keep, args.prompt_selection_floor, log)
     seconds["probes"] = time.perf_counter() - t
     log(f"[4/4] exact moments of {len(args.contenders)} rules, {args.bootstrap} bootstrap resamples")
     t = time.perf_counter()
     rewards = collection.rewards.nan_to_num(0.0).double().view(-1, collection.k).numpy()
-    measured = measure(rewards, values, pool["grams"], contenders, args.bootstrap, args.seed)
+    measured = measure(rewards, values, pool["grams"], contenders, args.bootstrap, args.seed, prompt_sampler)
     seconds["measure"] = time.perf_counter() - t
-    comparators = rule_moments(rewards, values, [c for c in PREFIX_COMPARATORS if c in contenders])
+    comparators = rule_moments(rewards, values, [c for c in PREFIX_COMPARATORS if c in contenders], probe=False)
     prefix = run_prefix(args, collection, probe, keep, folder, rewards, values, comparators, measured, log)
     seconds.update(prefix.pop("seconds", {}))
     seconds["total"] = time.perf_counter() - start
@@ -438,7 +431,8 @@ def run_gradient(args: argparse.Namespace, log: Log = print) -> int:
         },
         "probes": sources,
         "settings": {
-            key: getattr(args, key) for key in ("bootstrap", "lora_rank", "seed", "contenders", "probe_prompts")
+            key: getattr(args, key)
+            for key in ("bootstrap", "lora_rank", "seed", "contenders", "probe_prompts", "prompt_selection_floor")
         },
         "dimensions": pool["dimensions"],
         "subspaces": measured,

@@ -27,6 +27,7 @@ from .common import (
     format_table,
     mean_or_none,
     median,
+    paired_references,
     smallest_p_holm,
     write_json,
 )
@@ -149,7 +150,7 @@ def summarize_task(task: str, runs: list[dict[str, Any]], rates: dict[str, Any],
             "paired": {},
         }
         if name in HEADLINE_CONTENDERS:
-            for ref in REFERENCES:
+            for ref in paired_references(name):
                 if ref in by_contender:
                     entry["paired"][ref] = _paired(aucs, to_target, by_contender[ref], budget, target_gain)
         summary[name] = entry

@@ -22,11 +22,11 @@ from .common import (
     ALPHA,
     CONTENDERS,
     HEADLINE_CONTENDERS,
-    REFERENCES,
     Contender,
     environment,
     fmt,
     median,
+    paired_references,
     quiet_libraries,
     set_cpu_threads,
     smallest_p_holm,
@@ -218,7 +218,8 @@ def validate(settings: EfficiencySettings, contenders: list[Contender]) -> None:
         if len(settings.lr_grid) < 2 or any(not math.isfinite(lr) or lr <= 0 for lr in settings.lr_grid):
             raise SystemExit("--lr-grid needs at least two positive rates")
     headline = [c.name for c in contenders if c.name in HEADLINE_CONTENDERS]
-    tests = 2 * len(headline) * sum(c.name in REFERENCES for c in contenders) * len(settings.tasks)
+    names = {c.name for c in contenders}
+    tests = 2 * sum(ref in names for name in headline for ref in paired_references(name)) * len(settings.tasks)
     for task in settings.tasks:
         seeds = len(settings.eval_seeds(task))
         if tests and (floor := smallest_p_holm(seeds, tests)) >= ALPHA:

@@ -21,6 +21,7 @@ from poise_trl.bench.exact import (
 )
 from poise_trl.bench.gradient import fitted_probe, measure, online_values, separate_prompts
 from poise_trl.bench.value.collect import Collection
+from poise_trl.sampling import DEFAULT_FLOOR, importance_probabilities
 from poise_trl.trainer import ESTIMATOR_FILE
 
 TYPES, DIM = 12, 4
@@ -183,10 +184,15 @@ def test_command_end_to_end_on_the_tiny_model(tiny_model_path, tmp_path):
     for subspace in ("lora", "norms"):
         table = results["subspaces"][subspace]["table"]
         rows = {"grpo8", "grpo8_noscale", "dapo_ds_carry", "rloo2", "poise_paper", "poise", "oracle"}
-        assert set(table) == rows | {"poise_sampler", "grpo8_sampler"}
-        for rule in ("rloo2", "poise", "oracle"):
-            assert abs(table[rule]["bias2"]["value"]) < 1e-9
+        samplers = {"poise_sampler", "grpo8_sampler", "poise_probe_sampler", "grpo8_probe_sampler"}
+        assert set(table) == rows | samplers
+        for rule in ("rloo2", "poise", "oracle", "poise_sampler", "poise_probe_sampler"):
+            assert abs(table[rule]["bias2"]["value"]) < 1e-9  # a sampler's 1 / (n q) weights keep the mean
+        for rule in ("poise", "grpo8"):  # the probe's q is not uniform, so the sampled row's variance moves
+            sampled, plain = (table[r]["variance"]["value"] for r in (f"{rule}_probe_sampler", rule))
+            assert sampled != pytest.approx(plain)
         assert table["grpo8"]["share_grpo8"]["value"] == pytest.approx(1.0)
+    assert "POISE (default) + probe sampler G=2" in (out / "results.md").read_text()
     assert (out / "gradient.png").stat().st_size > 0
     first = (out / "results.md").read_text()
     assert "Share of GRPO G=8" in first and "Bv/W" in first
@@ -199,11 +205,25 @@ def test_command_end_to_end_on_the_tiny_model(tiny_model_path, tmp_path):
     keep = separate_prompts(pool, probe, 24)
     saved, blocks = fitted_probe("poise", pool, probe, keep[:20])  # another probe than the 24-prompt fit
     saved.save(tmp_path / ESTIMATOR_FILE)
-    fresh, _ = online_values(pool, probe, keep)
+    fresh, _, fresh_q = online_values(pool, probe, keep)
     pool.meta["model_path"] = str(tmp_path)
-    values, sources = online_values(pool, probe, keep)
+    values, sources, q = online_values(pool, probe, keep)
     assert sources["poise"] == f"the run's saved estimator ({ESTIMATOR_FILE})"
     assert sources["poise_paper"].startswith("fitted on a separate pool")
     features = pool.columns(blocks, int(pool.meta["default_layer"]), int(pool.meta["default_pool"]))
     expected = saved.advantages(features, pool.rewards.nan_to_num(0.0)).values.double().numpy()
     assert np.array_equal(values["poise"], expected) and not np.allclose(values["poise"], fresh["poise"])
+    # the probe sampler is the saved estimator's: its prompt-only probe on each prompt's prompt block, floored
+    layer, width = int(pool.meta["default_layer"]), int(pool.meta["default_pool"])
+    prompts = pool.columns(["prompt"], layer, width)[:: pool.k]
+    low, high = (float(b) for b in saved.target_range())
+    expected_q = importance_probabilities(saved.prompt_values(prompts), low, high, DEFAULT_FLOOR).numpy()
+    assert np.allclose(q, expected_q) and not np.allclose(q, fresh_q)
+    assert q.sum() == pytest.approx(1.0) and q.min() >= DEFAULT_FLOOR / pool.num_prompts - 1e-12
+
+
+def test_a_bad_sampler_floor_is_refused_before_sampling(tmp_path, capsys):
+    argv = ["bench", "gradient", str(tmp_path / "no-model"), "--prompt-selection-floor", "0"]
+    assert cli.main(argv + ["--cache-dir", str(tmp_path), "--output-dir", str(tmp_path / "out")]) != 0
+    assert "prompt_selection_floor=0.0 must be in (0, 1]" in capsys.readouterr().err
+    assert not (tmp_path / "gradient").exists()  # refused before any pool was sampled
