@@ -180,6 +180,28 @@ def poise_advantages(
     return advantages, baselines, receives
 
 
+def prefix_advantages(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    generated: torch.Tensor,
+    receives: torch.Tensor,
+    fallback: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token advantages A_t = r - V(x, y_<t): ((N, T) advantages, (N,) rows that got the prefix baseline).
+
+    `values` (N, T) must come from a probe fitted on other rollouts and read states before each token only (prefix.py):
+    a baseline of the prefix alone keeps the gradient unbiased, E[grad log pi(y_t | x, y_<t) V(x, y_<t)] = 0.
+    Tokens the policy did not generate (`generated` False: padding, tool results, environment feedback) and rows
+    that receive no advantage get 0; a row with a non-finite value on a generated token keeps its sequence-level
+    advantage `fallback` (N,) on every generated token, so a NaN never reaches the loss."""
+    generated = generated.bool()
+    finite = torch.where(generated, torch.isfinite(values), True).all(1)
+    prefix = receives.bool() & finite
+    tokens = rewards.unsqueeze(1) - torch.where(generated, values, 0.0).to(rewards.dtype)
+    tokens = torch.where(prefix.unsqueeze(1), tokens, fallback.unsqueeze(1).to(tokens.dtype))
+    return torch.where(generated & receives.bool().unsqueeze(1), tokens, 0.0), prefix
+
+
 class RunningStd:
     """Sample std of every finite value seen so far, merged batch by batch (Chan et al.) in float64.
 

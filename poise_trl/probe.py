@@ -155,6 +155,23 @@ class ValueProbe:
         clipped = raw.clamp(min=state["clip"][0], max=state["clip"][1]).float()
         return (clipped, raw.float()) if return_unclipped else clipped
 
+    def affine(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight (D,), bias 0-d), float64: scaler, PCA and ridge folded into one map, predict(x) = clip(x @ weight +
+        bias). Linear in x, so the value of a mean of states is the mean of their projections (prefix.py)."""
+        if not self.is_fitted:
+            raise RuntimeError("ValueProbe.affine called before fit.")
+        s = self._state
+        weight, j, cursor = torch.empty_like(s["mean"]), 0, 0
+        for i, (start, stop) in enumerate(self._pca_blocks):
+            components = s[f"pca_components_{i}"]  # (k, stop - start): design column j + m is z_block @ row m
+            weight[cursor:start] = s["coef"][j : j + start - cursor]
+            j += start - cursor
+            weight[start:stop] = components.T @ s["coef"][j : j + components.size(0)]
+            j, cursor = j + components.size(0), stop
+        weight[cursor:] = s["coef"][j:]
+        weight = weight / s["scale"]
+        return weight, s["intercept"][0] - weight @ s["mean"]
+
     @property
     def fitted_pca_dims(self) -> list[int]:
         return [int(self._state[f"pca_components_{i}"].size(0)) for i in range(len(self._state.get("pca_start", [])))]

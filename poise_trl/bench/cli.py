@@ -26,6 +26,7 @@ from .common import (
     DEMO_LEARNING_RATE,
     DEMO_MODEL,
     GRADIENT_CONTENDERS,
+    GRADIENT_PREFIX_ROWS,
     MAX_GRID_EXTENSIONS,
     PAPER_LEARNING_RATE,
     PROBE_FIT_ROWS,
@@ -115,6 +116,9 @@ distribution are exact expectations over the pool (U-statistics; no batches, no 
     expected G/q completions per kept group), RLOO k=2, POISE (paper) and POISE (default) at G=2, whose probe is
     fitted on a separate pool of --probe-prompts prompts x 2 rollouts (or is the snapshot's saved estimator);
   - the oracle baseline (the true success rate) and POISE (default) with the oracle prompt sampler, as headroom;
+  - named in --contenders only, POISE with a per-prefix baseline V(x, y_<t) at every token (alone, and half-mixed
+    with the partner's value): exact on the family [g; h], h = grad of sum_t V_t log pi(y_t | x, y_<t) from a second
+    backward pass, with the check ||E h||^2 / ||g||^2 (zero for an unbiased V);
   - reported: variance, bias^2, the shares of GRPO G=8's and RLOO k=2's completions for the same error (ratios of
     scale-matched variances) and the between/within-prompt decomposition Bv/W, with 95% percentile bootstrap
     intervals over the prompts.
@@ -371,8 +375,10 @@ def add_gradient_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     add_collection_arguments(parser, num_prompts=64, k=16)
     add = parser.add_argument
-    add("--contenders", nargs="+", choices=GRADIENT_CONTENDERS, default=list(GRADIENT_CONTENDERS), metavar="NAME",
-        help=f"any of {', '.join(GRADIENT_CONTENDERS)}")  # fmt: skip
+    add("--contenders", nargs="+", choices=[*GRADIENT_CONTENDERS, *GRADIENT_PREFIX_ROWS],
+        default=list(GRADIENT_CONTENDERS), metavar="NAME",
+        help=f"any of {', '.join(GRADIENT_CONTENDERS)}; the per-prefix rows {', '.join(GRADIENT_PREFIX_ROWS)} "
+        "(a second gradient pass: V(x, y_<t) from a per-prefix probe on the probe pool) only when named")  # fmt: skip
     add("--bootstrap", type=int, default=1000, help="bootstrap resamples of the pool's prompts for the CIs")
     add(
         "--probe-prompts",

@@ -111,6 +111,11 @@ TASK_WARMUP_STEPS = {"sort": 200, "hops": 200}
 TASK_DIGITS = {"sort": (2, 9)}  # the sort task's digit range in the bench (hops has one length)
 DAPO_MAX_ROUNDS = 8  # DAPO's recipe caps dynamic sampling at a few generation batches per step (max_num_gen_batches)
 GRADIENT_CONTENDERS = ("grpo8", "grpo8_noscale", "dapo_ds_carry", "rloo2", "poise_paper", "poise")  # bench gradient
+# bench gradient's per-prefix rows (--contenders adds them; they need a second gradient pass): name -> label
+GRADIENT_PREFIX_ROWS = {
+    "poise_prefix": "POISE per-prefix G=2",
+    "poise_prefix_mix": "POISE per-prefix ½ + partner ½ G=2",
+}
 
 
 def paired_references(name: str) -> tuple[str, ...]:

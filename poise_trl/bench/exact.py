@@ -22,6 +22,7 @@ No batch is drawn, no reference carries noise and nothing is centred. Bootstrap 
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from scipy.stats import hypergeom
@@ -40,6 +41,17 @@ class RuleMoments:
     mean: np.ndarray
     cost: float
     informative: np.ndarray | None = None
+
+    def padded(self, members: int) -> "RuleMoments":
+        """The same rule on a per-prompt family of `members` vectors whose first K are the scores g_i (the per-prefix
+        family [g; h]): zero weight on the rest."""
+        extra = members - self.mean.shape[1]
+        return RuleMoments(
+            np.pad(self.second, ((0, 0), (0, extra), (0, extra))),
+            np.pad(self.mean, ((0, 0), (0, extra))),
+            self.cost,
+            self.informative,
+        )
 
 
 def check_binary(rewards: np.ndarray) -> None:
@@ -124,6 +136,34 @@ def pair_moments(rewards: np.ndarray, values: np.ndarray) -> RuleMoments:
     return RuleMoments(weights / (2 * k * (k - 1)), truth_weights(rewards), 2.0)
 
 
+def prefix_moments(rewards: np.ndarray, mix: float = 1.0, values: np.ndarray | None = None) -> RuleMoments:
+    """G = 2 with a per-prefix baseline, A_{i,t} = r_i − (mix V_{i,t} + (1 − mix) v_j), on the per-prompt family
+    [g_1..g_K, h_1..h_K] with h_i = Σ_t V_{i,t} ∇log π(y_t | x, y_<t): rollout i serves u_i = (r_i − (1 − mix) v_j) g_i
+    − mix h_i, linear in the family, so E||Y/2||² is again a U-statistic over ordered pairs, exact. E[Y/2 | x] is μ_x
+    (the truth's weights: slope 1 in r_i) minus mix E[h | x], and E[h | x] = 0 when V_{i,t} reads only x and y_<t
+    (E[∇log π(y_t | x, y_<t) | x, y_<t] = 0): the weights use that identity, as every rule here uses E[g | x] = 0,
+    so bias² is zero by construction; `family_mean` is the check of the identity on the pool."""
+    num_prompts, k = rewards.shape
+    if not 0.0 <= mix <= 1.0:
+        raise ValueError(f"mix={mix}: the per-prefix baseline's weight must lie in [0, 1]")
+    if mix < 1.0 and values is None:
+        raise ValueError("a mix below 1 needs the partner's sequence `values` (P, K)")
+    partner = np.zeros((num_prompts, k)) if values is None else values
+    coef = np.zeros((num_prompts, k, k, 2 * k))  # coef[x, i, j] = u_i's weights on the family when j is its partner
+    idx = np.arange(k)
+    coef[:, idx, :, idx] = (rewards[:, :, None] - (1 - mix) * partner[:, None, :]).transpose(1, 0, 2)
+    coef[:, idx, :, k + idx] = -mix
+    pair = coef + coef.transpose(0, 2, 1, 3)  # Y of the group {i, j}
+    pair[:, idx, idx] = 0.0
+    second = np.einsum("xijf,xije->xfe", pair, pair) / (4 * k * (k - 1))
+    return RuleMoments(second, np.pad(truth_weights(rewards), ((0, 0), (0, k))), 2.0)
+
+
+def family_mean(num_prompts: int, k: int) -> np.ndarray:
+    """(P, 2K) weights of the mean of the h_i within each prompt, an unbiased estimate of E[h | x]."""
+    return np.concatenate([np.zeros((num_prompts, k)), np.full((num_prompts, k), 1 / k)], axis=1)
+
+
 def oracle_moments(rewards: np.ndarray) -> tuple[RuleMoments, np.ndarray, np.ndarray]:
     """G = 2 with the true success rate p as the baseline (a value no model can beat), and the two weight matrices of
     W_x = E[(r − p)² ||g||² | x] and E||μ_x||² (so the within-prompt noise is their difference). p and p² are
@@ -152,7 +192,8 @@ def pair_sampler_score(rewards: np.ndarray, values: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------------------------- gradients in
 class PoolGram:
     """A pool's N = P K scores, read as within-prompt Gram blocks (P, K, K) and cross-prompt products of weighted
-    sums; from the (N, N) Gram matrix (what `bench gradient` keeps) or from the (N, D) scores themselves."""
+    sums; from the (N, N) Gram matrix (what `bench gradient` keeps) or from the (N, D) scores themselves. K is the
+    number of vectors per prompt, in prompt-major order: the per-prefix family [g; h] is a pool of 2K."""
 
     def __init__(self, num_prompts: int, k: int, gram: np.ndarray | None = None, scores: np.ndarray | None = None):
         if (gram is None) == (scores is None):
@@ -224,3 +265,8 @@ def percentile_interval(replicates: np.ndarray, level: float = 0.95) -> list[flo
     if not len(finite):
         return [float("nan"), float("nan")]
     return np.quantile(finite, [(1 - level) / 2, (1 + level) / 2]).tolist()
+
+
+def point_and_interval(replicates: np.ndarray) -> dict[str, Any]:
+    """{"value": the point estimate (row 0), "ci": the percentile interval of the bootstrap rows, or None}."""
+    return {"value": float(replicates[0]), "ci": percentile_interval(replicates[1:]) if len(replicates) > 1 else None}

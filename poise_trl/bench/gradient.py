@@ -38,15 +38,23 @@ from .exact import (
     group_moments,
     oracle_moments,
     pair_moments,
-    percentile_interval,
     summarize,
     truth_weights,
 )
+from .exact import point_and_interval as _interval
 from .gradient_samplers import oracle_samplers, probe_sampler, row_labels, sampled_rows
+from .prefix_gradient import (
+    PREFIX_COMPARATORS,
+    PREFIX_ROWS,
+    SUBSPACES,
+    gram,
+    prefix_report,
+    rollout_gradients,
+    run_prefix,
+)
 from .value.collect import Collection, Log
 from .value.resolve import collect_from_args
 
-SUBSPACES = ("lora", "norms")
 PROBE_K = 2  # the online buffer holds POISE's G = 2 groups
 CACHE_VERSION = 1
 CACHE_KEYS = (  # the arguments that decide a pool's content
@@ -55,55 +63,6 @@ CACHE_KEYS = (  # the arguments that decide a pool's content
 ).split()
 COMPARATORS = ("grpo8", "rloo2")  # shares are variance ratios against these
 EXTRA_ROWS = {"oracle": "Oracle baseline (true p) G=2", **row_labels()}
-
-
-# ----------------------------------------------------------------------------------------- per-rollout gradients
-def rollout_gradients(
-    model: Any, collection: Collection, lora_rank: int = 1, seed: int = 0, log: Log = print
-) -> dict[str, torch.Tensor]:
-    """(N, D_s) float32 gradients of each rollout's sequence log-probability, one matrix per subspace (`SUBSPACES`).
-
-    The policy is the sampling policy: logits divided by the collection's temperature, as TRL scores completions."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)  # LoRA's A (the sketch) is random; B starts at zero so the policy is unchanged
-    config = LoraConfig(r=lora_rank, lora_alpha=lora_rank, lora_dropout=0.0, target_modules="all-linear")
-    peft_model = get_peft_model(model, config)
-    lora_b = [p for n, p in peft_model.named_parameters() if "lora_B" in n]
-    norms = [p for n, p in peft_model.named_parameters() if "norm" in n.lower() and "lora_" not in n]
-    if not norms:
-        raise ValueError("the model has no parameter named '*norm*': the second subspace needs its norm gains")
-    kept = {id(p) for p in lora_b + norms}
-    for param in peft_model.parameters():
-        param.requires_grad_(id(param) in kept)
-    temperature = float(collection.meta.get("temperature", 1.0))
-    device = next(peft_model.parameters()).device
-    peft_model.eval()  # no dropout: the gradient of the policy that sampled
-    out = {name: [] for name in SUBSPACES}
-    start = time.perf_counter()
-    for i in range(collection.rewards.numel()):
-        p = int(collection.prompt_index[i])
-        prompt = collection.prompt_ids[p][collection.prompt_mask[p].bool()]
-        completion = collection.completion_ids[i][collection.completion_mask[i].bool()].long()
-        ids = torch.cat([prompt, completion]).to(device)[None]
-        logits = peft_model(input_ids=ids).logits[0, prompt.numel() - 1 : -1].float() / temperature
-        log_prob = torch.log_softmax(logits, -1).gather(1, completion.to(device)[:, None]).sum()
-        grads = torch.autograd.grad(log_prob, lora_b + norms)
-        out["lora"].append(torch.cat([g.flatten() for g in grads[: len(lora_b)]]).float().cpu())
-        out["norms"].append(torch.cat([g.flatten() for g in grads[len(lora_b) :]]).float().cpu())
-        if (i + 1) % 256 == 0:
-            log(f"      gradients of {i + 1} rollouts: {time.perf_counter() - start:.0f}s")
-    peft_model.unload()
-    return {name: torch.stack(rows) for name, rows in out.items()}
-
-
-def gram(gradients: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
-    """G Gᵀ in float64, accumulated over column chunks (a float64 copy of every gradient would not fit)."""
-    out = torch.zeros(gradients.size(0), gradients.size(0), dtype=torch.float64)
-    for s in range(0, gradients.size(1), chunk):
-        block = gradients[:, s : s + chunk].double()
-        out += block @ block.T
-    return out
 
 
 # ------------------------------------------------------------------------------------------- the pool, cached
@@ -261,10 +220,6 @@ def rule_moments(
     return out
 
 
-def _interval(replicates: np.ndarray) -> dict[str, Any]:
-    return {"value": float(replicates[0]), "ci": percentile_interval(replicates[1:]) if len(replicates) > 1 else None}
-
-
 def measure(
     rewards: np.ndarray,
     values: dict[str, np.ndarray],
@@ -334,7 +289,7 @@ def ranking_agreement(results: dict[str, Any]) -> float:
 
 # ---------------------------------------------------------------------------------------------------- report
 def label(rule: str) -> str:
-    return EXTRA_ROWS.get(rule) or CONTENDERS[rule].label
+    return EXTRA_ROWS.get(rule) or PREFIX_ROWS.get(rule) or CONTENDERS[rule].label
 
 
 def _fmt(cell: dict[str, Any] | None, digits: int = 3) -> str:
@@ -397,6 +352,7 @@ def format_report(results: dict[str, Any]) -> str:
             f"||g||²/W: {_fmt(block['signal_over_within'], 5)} (an unbiased rule needs its variance / ||g||² "
             "completions for a relative MSE of 1).",
         ]
+    lines += prefix_report(results, _fmt)
     lines += ["", f"Ranking agreement between subspaces (Kendall's tau): {results['ranking_agreement']:+.2f}"]
     cached = " (the pool's from its first run; this run read it from the cache)" if results["cached"] else ""
     lines += ["", "Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in results["seconds"].items()) + cached]
@@ -436,7 +392,8 @@ def run_gradient(args: argparse.Namespace, log: Log = print) -> int:
     start = time.perf_counter()
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    largest = max(CONTENDERS[r].group_size for r in args.contenders)
+    contenders = [r for r in args.contenders if r not in PREFIX_ROWS]
+    largest = max((CONTENDERS[r].group_size for r in contenders), default=2)
     if args.k < max(largest, 3):
         raise SystemExit(
             f"--k {args.k}: the pool needs at least {max(largest, 3)} rollouts per prompt (G={largest} "
@@ -454,10 +411,11 @@ def run_gradient(args: argparse.Namespace, log: Log = print) -> int:
     log(f"[4/4] exact moments of {len(args.contenders)} rules, {args.bootstrap} bootstrap resamples")
     t = time.perf_counter()
     rewards = collection.rewards.nan_to_num(0.0).double().view(-1, collection.k).numpy()
-    measured = measure(
-        rewards, values, pool["grams"], list(args.contenders), args.bootstrap, args.seed, prompt_sampler
-    )
+    measured = measure(rewards, values, pool["grams"], contenders, args.bootstrap, args.seed, prompt_sampler)
     seconds["measure"] = time.perf_counter() - t
+    comparators = rule_moments(rewards, values, [c for c in PREFIX_COMPARATORS if c in contenders], probe=False)
+    prefix = run_prefix(args, collection, probe, keep, folder, rewards, values, comparators, measured, log)
+    seconds.update(prefix.pop("seconds", {}))
     seconds["total"] = time.perf_counter() - start
     by_prompt = collection.rewards.view(-1, collection.k)
     results = {
@@ -478,6 +436,7 @@ def run_gradient(args: argparse.Namespace, log: Log = print) -> int:
         },
         "dimensions": pool["dimensions"],
         "subspaces": measured,
+        "prefix": prefix,
         "ranking_agreement": ranking_agreement(measured),
         "seconds": seconds,
         "cached": pool["cached"],

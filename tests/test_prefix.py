@@ -1,0 +1,186 @@
+"""The per-prefix value (prefix.py): causality, the folded map against sklearn, and the hook against the features."""
+
+import numpy as np
+import pytest
+import torch
+from sklearn.compose import ColumnTransformer
+from sklearn.decomposition import PCA
+from sklearn.linear_model import Ridge
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
+
+from poise_trl.baselines import prefix_advantages
+from poise_trl.demo.tiny import build_tiny_model, build_tiny_tokenizer
+from poise_trl.features import find_decoder_layers
+from poise_trl.prefix import (
+    STATS,
+    PrefixMap,
+    capture_prefix,
+    feature_rows,
+    feature_width,
+    fit_prefix_probe,
+    hidden_rows,
+    prefix_spans,
+    prefix_stats,
+    rollout_token_values,
+)
+
+D, N_POOL = 128, 3
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = build_tiny_model(build_tiny_tokenizer(), num_layers=2, hidden_size=D, seed=0).eval()
+    return model, find_decoder_layers(model)[0]
+
+
+def _rows(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, feature_width(8), generator=g) * (torch.rand(feature_width(8), generator=g) * 3 + 0.5)
+    y = (x[:, :3].sum(1) + x[:, -2] + torch.randn(n, generator=g) > 0).float()
+    return x, y
+
+
+@pytest.mark.parametrize("pca", [(0, 0), (3, 5)])
+def test_folded_map_equals_sklearn_scaler_pca_ridge(pca):
+    """The map the hook applies, x @ w + b, is the sklearn pipeline's prediction on the same feature rows."""
+    x, y = _rows(200)
+    probe = fit_prefix_probe(x, y, alpha=10.0, pca_dims=pca, clip=None)
+    steps = [StandardScaler()]
+    if pca != (0, 0):
+        blocks = [("p", PCA(pca[0], svd_solver="full"), list(range(8))), ("q", PCA(pca[1], svd_solver="full"),
+                  list(range(8, 16)))]  # fmt: skip
+        steps.append(ColumnTransformer(blocks, remainder="passthrough"))
+    reference = make_pipeline(*steps, Ridge(alpha=10.0)).fit(x.double().numpy(), y.double().numpy())
+    weight, bias = probe.affine()
+    x_new, _ = _rows(50, seed=1)
+    for points in (x, x_new):
+        expected = reference.predict(points.double().numpy())
+        folded = (points.double() @ weight + bias).numpy()
+        assert np.abs(folded - expected).max() / np.abs(expected).max() < 1e-6
+
+
+def _batch(model, prompts: list[list[int]], completions: list[list[int]]):
+    """Left-padded prompts, right-padded completions, as TRL lays them out; masks and ids."""
+    p, t = max(map(len, prompts)), max(map(len, completions))
+    prompt_ids = torch.tensor([[0] * (p - len(x)) + x for x in prompts])
+    prompt_mask = torch.tensor([[0] * (p - len(x)) + [1] * len(x) for x in prompts])
+    completion_ids = torch.tensor([y + [0] * (t - len(y)) for y in completions])
+    completion_mask = torch.tensor([[1] * len(y) + [0] * (t - len(y)) for y in completions])
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def _pass(model, layer, ids, prefix_map=None, samples=4, generated=None, seed=0):
+    """One teacher-forced pass with the prefix capture: (feature rows, token values, spans, entropies)."""
+    prompt_ids, prompt_mask, completion_ids, completion_mask = ids
+    spans = prefix_spans(prompt_mask, completion_mask, N_POOL, samples, generated, torch.Generator().manual_seed(seed))
+    with torch.no_grad(), capture_prefix(layer, spans, prefix_map) as capture:
+        logits = model(
+            torch.cat([prompt_ids, completion_ids], 1), attention_mask=torch.cat([prompt_mask, completion_mask], 1)
+        ).logits
+    logits = logits[:, prompt_ids.size(1) - 1 : -1]  # the distribution that emitted each completion token
+    entropies = -(logits.log_softmax(-1).exp() * logits.log_softmax(-1)).sum(-1)
+    rows, values = capture.result(entropies)
+    return rows, values, spans, entropies
+
+
+def _fitted_map(model, layer, ids) -> tuple[PrefixMap, object]:
+    rows, _, spans, _ = _pass(model, layer, ids, samples=6)
+    flat = rows[spans.sampled]
+    targets = flat[:, 0] + flat[:, D + 1] + flat[:, 2 * D]  # a value that reads every block
+    probe = fit_prefix_probe(flat, targets + 0.1 * torch.randn(len(targets)), alpha=1.0, clip=None)
+    return PrefixMap.fold(probe, D), probe
+
+
+def _example(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 40, (n,), generator=g).tolist() for n in (5, 9, 7)]
+    completions = [torch.randint(3, 40, (n,), generator=g).tolist() for n in (12, 6, 9)]
+    return prompts, completions
+
+
+def test_hook_values_equal_the_probe_on_every_tokens_features(tiny):
+    """The hook's folded running means give what the probe predicts from each token's full feature row."""
+    model, layer = tiny
+    prompts, completions = _example()
+    ids = _batch(model, prompts, completions)
+    prefix_map, probe = _fitted_map(model, layer, ids)
+    _, values, spans, entropies = _pass(model, layer, ids, prefix_map)
+    every = torch.arange(spans.generated.size(1)).expand(len(prompts), -1)
+    with torch.no_grad():
+        hidden = model(
+            torch.cat([ids[0], ids[2]], 1), attention_mask=torch.cat([ids[1], ids[3]], 1), output_hidden_states=True
+        ).hidden_states[1]
+    rows = feature_rows(hidden_rows(hidden, spans, every), prefix_stats(entropies, spans), every)
+    reference = probe.predict(rows.flatten(0, 1)).view_as(values)
+    generated = spans.generated
+    assert torch.allclose(values[generated], reference[generated], atol=1e-4, rtol=1e-4)
+    # one unpadded rollout through the instrument's entry point gives the same values
+    row = 1
+    unpadded = torch.cat([torch.tensor(prompts[row]), torch.tensor(completions[row])])
+    with torch.no_grad():
+        states = model(unpadded[None], output_hidden_states=True).hidden_states[1][0]
+    entropy = entropies[row, : len(completions[row])]
+    single = rollout_token_values(states, len(prompts[row]), entropy, prefix_map, N_POOL)
+    assert torch.allclose(single, values[row, : len(completions[row])], atol=1e-4)
+
+
+def test_baseline_of_token_t_reads_nothing_from_token_t_on(tiny):
+    """Change token t and everything after it: the values applied to tokens 0..t stay, the next one moves."""
+    model, layer = tiny
+    prompts, completions = _example()
+    ids = _batch(model, prompts, completions)
+    prefix_map, _ = _fitted_map(model, layer, ids)
+    _, before, *_ = _pass(model, layer, ids, prefix_map)
+    for t in (0, 3, 5):
+        changed = [y[:t] + [(c % 30) + 5 for c in y[t:]] for y in completions]
+        _, after, *_ = _pass(model, layer, _batch(model, prompts, changed), prefix_map)
+        torch.testing.assert_close(after[:, : t + 1], before[:, : t + 1], rtol=0, atol=1e-6)
+        assert (after[:, t + 1] - before[:, t + 1]).abs().max() > 1e-4  # the test can see a leak of token t
+
+
+def test_sampled_tokens_cover_the_generated_ones_evenly():
+    """One sampled token per equal share of a row's generated tokens; none on padding or tool output."""
+    completion_mask = torch.tensor([[1] * 8, [1] * 3 + [0] * 5, [0] * 8])
+    tool = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 1]] + [[1] * 8] * 2)
+    spans = prefix_spans(torch.ones(3, 2), completion_mask, 2, 4, tool, torch.Generator().manual_seed(0))
+    for _ in range(3):
+        assert spans.generated.gather(1, spans.tokens)[:2].all()
+    assert spans.sampled.tolist() == [[True] * 4, [True] * 4, [False] * 4]
+    draws = torch.stack([prefix_spans(torch.ones(1, 2), torch.ones(1, 8), 2, 4).tokens[0] for _ in range(200)])
+    for k in range(4):  # the k-th sample lies in the k-th quarter
+        assert set(draws[:, k].tolist()) == {2 * k, 2 * k + 1}
+
+
+def test_stats_read_only_earlier_entropies():
+    spans = prefix_spans(torch.ones(1, 2), torch.ones(1, 5), 2, 1)
+    entropies = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]])
+    stats = prefix_stats(entropies, spans)[0]
+    assert stats.shape == (5, len(STATS))
+    assert stats[:, 0].tolist() == [1.0, 1.5, 2.0, 2.5, 3.0]  # running mean up to the emitting distribution
+    assert stats[:, 2].tolist() == [1.0, 1.5, 2.5, 3.5, 4.5]  # the last 2
+    assert stats[:, 3].tolist() == [0, 1, 2, 3, 4]
+    later = prefix_stats(torch.tensor([[1.0, 2.0, 3.0, 9.0, 9.0]]), spans)[0]
+    assert torch.equal(later[:3], stats[:3])
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="must both be >= 1"):
+        prefix_spans(torch.ones(1, 2), torch.ones(1, 3), 0, 4)
+    x, y = _rows(20)
+    with pytest.raises(ValueError, match="inputs, not"):
+        PrefixMap.fold(fit_prefix_probe(x, y), 9)
+    with pytest.raises(ValueError, match="entropies for 3 completion tokens"):
+        rollout_token_values(torch.zeros(5, 8), 2, torch.zeros(4), PrefixMap.fold(fit_prefix_probe(x, y), 8), 2)
+
+
+def test_prefix_advantages_mask_and_fall_back():
+    rewards = torch.tensor([1.0, 0.0, 1.0, float("nan")])
+    values = torch.tensor([[0.5, 0.9, 7.0], [0.2, 0.4, 0.6], [0.5, float("nan"), 0.5], [0.1, 0.1, 0.1]])
+    generated = torch.tensor([[1, 1, 0], [1, 0, 1], [1, 1, 1], [1, 1, 1]])  # row 1's token 1: a tool result
+    receives = torch.tensor([True, True, True, False])
+    fallback = torch.tensor([0.3, -0.4, 0.25, 0.0])
+    tokens, prefix = prefix_advantages(rewards, values, generated, receives, fallback)
+    expected = torch.tensor([[0.5, 0.1, 0.0], [-0.2, 0.0, -0.6], [0.25, 0.25, 0.25], [0.0, 0.0, 0.0]])
+    torch.testing.assert_close(tokens, expected)
+    assert prefix.tolist() == [True, True, False, False]
