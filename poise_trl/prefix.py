@@ -26,6 +26,7 @@ from torch import nn
 from .features import _last_n, pool_hidden
 from .probe import ValueProbe
 
+PREFIX_SAMPLES = 4  # tokens per rollout the probe learns from: one per quarter of its generated tokens
 STATS = ("entropy_mean", "entropy", "entropy_window_mean", "tokens_before", "log_tokens_before")
 
 
