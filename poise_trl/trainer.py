@@ -140,7 +140,6 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         self.feature_passes = 0  # teacher-forced passes POISE ran itself (0 when TRL's own pass is reused)
         self._capture_armed = False
         self._captured: tuple[torch.Tensor, Any, PrefixBatch | None] | None = None
-        self._prefix_draws = torch.Generator().manual_seed(args.seed)  # which tokens the prefix probe learns from
         self._gathered_rewards: torch.Tensor | None = None
         self._tool_mask: list | None = None  # this batch's tool/env mask from `_generate` (1 = the policy wrote it)
         self._selection: dict[str, float] = {}
@@ -220,9 +219,12 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         with ExitStack() as hooks:  # one pass, one pooling hook per candidate layer (and the per-prefix one)
             captures = [hooks.enter_context(capture_layer(layers[i], spans)) for i in self.probe_layers]
             if prefix is not None:  # the prefix probe's fixed layer; its values from the fit of earlier steps
+                # which tokens the probe learns from: drawn from (seed, step, rank), so a resumed run draws the same
+                seed = self.args.seed + 7919 * self.state.global_step + self.accelerator.process_index
                 token_spans = prefix_spans(
                     attention_mask[:, :-logits_to_keep], attention_mask[:, -logits_to_keep:],
-                    self.args.probe_pool_tokens, PREFIX_SAMPLES, spans.completion_mask, self._prefix_draws,
+                    self.args.probe_pool_tokens, PREFIX_SAMPLES, spans.completion_mask,
+                    torch.Generator().manual_seed(seed),
                 )  # fmt: skip
                 layer = layers[self.probe_layers[0]]
                 token_capture = hooks.enter_context(capture_prefix(layer, token_spans, prefix.map(input_ids.device)))

@@ -1,13 +1,12 @@
 """probe_granularity="prefix" in POISETrainer: (B, T) advantages r - V(x, y_<t) reach every TRL loss type, only on
 the tokens the policy generated; the probe learns from earlier steps only; PEFT, resume and bad settings."""
 
-import math
-
 import pytest
 import torch
 
-from poise_trl import POISEConfig
+from poise_trl import POISETrainer
 from poise_trl.estimator import POISEEstimator
+from poise_trl.resume import ESTIMATOR_FILE
 
 from .conftest import short_args
 from .test_training_options import LOSS_TYPES
@@ -68,27 +67,85 @@ def assert_token_advantages_reach_the_loss(trainer: PrefixSpy) -> None:
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_every_loss_type_trains_with_token_advantages(model_path, tmp_path, loss_type):
-    level = "sequence" if loss_type == "luspo" else "token"
-    before = None
+    level = "sequence" if loss_type == "luspo" else "token"  # LUSPO is meant for sequence-level ratios
     trainer = _train(model_path, tmp_path, loss_type=loss_type, importance_sampling_level=level)
     assert_token_advantages_reach_the_loss(trainer)
-    for name, parameter in trainer.model.named_parameters():
-        before = before or not torch.isfinite(parameter).all()
-    assert not before
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
-def test_prefix_metrics_are_logged_and_its_probe_learns_from_earlier_steps(model_path, tmp_path):
+def test_prefix_probe_serves_only_fits_of_earlier_steps_and_logs_its_metrics(model_path, tmp_path):
     trainer = _train(model_path, tmp_path, steps=3)
+    assert_token_advantages_reach_the_loss(trainer)
+    # step 2's values at its sampled tokens are what a probe fitted on step 1's rows alone predicts from its rows
+    first, second = trainer.results[0], trainer.results[1]
+    keep = first.prefix.sampled & (first.batch.scorable & first.batch.has_completion)[:, None]
+    rows = first.prefix.rows[keep]
+    probe = trainer.estimator.prefix._template(rows.size(-1))
+    probe.fit(rows, first.batch.rewards[:, None].expand_as(keep)[keep])
+    k = second.prefix.rows.size(1)
+    expected = probe.predict(second.prefix.rows.flatten(0, 1)).view(-1, k)
+    torch.testing.assert_close(second.prefix.values.gather(1, second.prefix.tokens), expected, atol=1e-4, rtol=1e-4)
     logs = [entry for entry in trainer.state.log_history if "poise/prefix/trusted" in entry]
     assert [entry["poise/prefix/trusted"] for entry in logs] == [0.0, 1.0, 1.0]
-    assert all(math.isfinite(v) for entry in logs for k, v in entry.items() if k.startswith("poise/prefix/"))
-    assert "poise/prefix/variance_explained" not in logs[0]  # no probe yet: undefined, left out
-    assert logs[-1]["poise/prefix/share"] == 1.0
-    assert logs[-1]["poise/prefix/buffer_size"] == 3 * 4 * 4  # 3 steps x 4 rollouts x 4 sampled tokens
-    # the probe that served step s was fitted on the rows of steps < s: refitting on them gives its values back
-    estimator = POISEEstimator(2, **trainer.args.estimator_settings(2, trainer.hidden_size))
-    estimator.prefix.buffer.add(*[trainer.results[0].prefix.rows[r] for r in [slice(None)]][0].flatten(0, 1)[None])
+    assert [entry["poise/prefix/share"] for entry in logs] == [0.0, 1.0, 1.0]
+    assert "poise/prefix/variance_explained" not in logs[0]  # no probe yet: undefined, left out of the log
+    for entry in logs[1:]:
+        assert {f"poise/prefix/variance_explained/q{q}" for q in range(1, 5)} <= entry.keys()
+    assert [entry["poise/prefix/buffer_size"] for entry in logs] == [16.0, 32.0, 48.0]  # 4 rollouts x 4 tokens
 
 
-def test_peft_and_resume(model_path, tmp_path):
-    pytest.importorskip("peft")
+def test_peft(model_path, tmp_path):
+    from peft import LoraConfig
+
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    args = short_args(tmp_path, probe_granularity="prefix", max_steps=3)
+    trainer = PrefixSpy(str(model_path), code_reward, args=args, train_dataset=prompts(), peft_config=peft_config)
+    trainer.train()
+    assert_token_advantages_reach_the_loss(trainer)
+
+
+def test_resume_restores_the_prefix_probe_and_continues_as_the_uninterrupted_run(model_path, tmp_path):
+    def run(out, resume=None):
+        args = short_args(out, probe_granularity="prefix", max_steps=3, save_strategy="steps", save_steps=1)
+        trainer = POISETrainer(str(model_path), code_reward, args=args, train_dataset=prompts())
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full")
+    resumed = run(tmp_path / "full", resume=str(tmp_path / "full" / "out" / "checkpoint-2"))
+    saved = POISEEstimator(2, **full.args.estimator_settings(2, full.hidden_size))
+    saved.load(tmp_path / "full" / "out" / "checkpoint-2" / ESTIMATOR_FILE)
+    assert saved.prefix.steps == 2 and len(saved.prefix.buffer) == 32 and saved.prefix.trusted
+    a, b = full.estimator.prefix.state_dict(), resumed.estimator.prefix.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+    for (name, p), q in zip(full.model.named_parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_a_sequence_level_file_loads_into_a_prefix_run(tmp_path):
+    sequence = POISEEstimator(2, warmup_steps=0)
+    features, rewards = torch.randn(8, 5), torch.rand(8)
+    sequence.observe(features, rewards)
+    sequence.save(tmp_path / "old.safetensors")
+    prefix = POISEEstimator(2, warmup_steps=0, granularity="prefix")
+    prefix.load(tmp_path / "old.safetensors")
+    assert prefix.prefix.probe is None and len(prefix.prefix.buffer) == 0 and prefix.steps == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(probe_granularity="token"), "probe_granularity='token' is not a baseline granularity"),
+        (dict(probe_granularity="prefix", probe_layer="auto"), "needs one fixed probe_layer"),
+    ],
+)
+def test_bad_settings_fail_early(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        short_args(tmp_path, **overrides)
+
+
+def test_bad_estimator_arguments_fail_early():
+    with pytest.raises(ValueError, match="needs one fixed layer"):
+        POISEEstimator(2, granularity="prefix", layers=(1, 2))
+    with pytest.raises(ValueError, match="prefix_pca_dims"):
+        POISEEstimator(2, granularity="prefix", prefix_pca_dims=(4,))
