@@ -149,3 +149,53 @@ def test_bad_estimator_arguments_fail_early():
         POISEEstimator(2, granularity="prefix", layers=(1, 2))
     with pytest.raises(ValueError, match="prefix_pca_dims"):
         POISEEstimator(2, granularity="prefix", prefix_pca_dims=(4,))
+
+
+def test_environment_tokens_get_no_baseline(model_path, tmp_path, monkeypatch):
+    """A `rollout_func` whose completions interleave policy tokens and environment feedback (`env_mask` 0): the
+    feedback tokens get advantage 0 and are never sampled for the probe; the policy's tokens after them get r - V."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+
+    def rollout(prompts, trainer):
+        encode = lambda text: trainer.processing_class(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []}
+        for i, prompt in enumerate(prompts):
+            parts = [(f"move{i}", 1), ("feedback", 0), (f"{i % 3}ok", 1)]
+            completion = [(token, keep) for text, keep in parts for token in encode(text)]
+            out["prompt_ids"].append(encode(prompt))
+            out["completion_ids"].append([token for token, _ in completion])
+            out["env_mask"].append([keep for _, keep in completion])
+            out["logprobs"].append([0.0] * len(completion))
+        return out
+
+    args = short_args(tmp_path, probe_granularity="prefix", max_steps=3, max_completion_length=32)
+    trainer = PrefixSpy(str(model_path), code_reward, args=args, train_dataset=prompts(), rollout_func=rollout)
+    trainer.train()
+    assert all(step["output"]["tool_mask"].eq(0).sum() == 4 * 8 for step in trainer.scored)  # "feedback" per row
+    assert_token_advantages_reach_the_loss(trainer)
+    for result in trainer.results:
+        assert result.prefix.generated.gather(1, result.prefix.tokens).all()  # the probe never learns from feedback
+    last, output = trainer.scored[-1], trainer.scored[-1]["output"]
+    after = output["tool_mask"].bool() & output["tool_mask"].eq(0).cumsum(1).gt(0) & output["completion_mask"].bool()
+    assert after.any() and (last["advantages"][after] != 0).all()  # the policy's tokens after the feedback
+
+
+def test_importance_weights_multiply_the_token_advantages(model_path, tmp_path, monkeypatch):
+    args = short_args(
+        tmp_path, probe_granularity="prefix", max_steps=3, prompt_selection="importance", probe_warmup_steps=1
+    )
+    trainer = PrefixSpy(str(model_path), code_reward, args=args, train_dataset=prompts(16))
+    calls, advantages = [], trainer.estimator.advantages
+
+    def recorded(*args, weights=None, **kwargs):
+        result = advantages(*args, weights=weights, **kwargs)
+        calls.append((weights, advantages(*args, **kwargs).token_advantages, result.token_advantages))
+        return result
+
+    monkeypatch.setattr(trainer.estimator, "advantages", recorded)
+    trainer.train()
+    weighted_steps = [(w, plain, weighted) for w, plain, weighted in calls if weighted is not None]
+    assert weighted_steps and any(w.tolist() != [1.0] * len(w) for w, _, _ in weighted_steps)
+    for weights, plain, weighted in weighted_steps:
+        torch.testing.assert_close(weighted, plain * weights.to(plain.dtype)[:, None])
+    assert torch.equal(trainer.scored[-1]["advantages"], calls[-1][2][:, : trainer.scored[-1]["advantages"].size(1)])
