@@ -18,7 +18,7 @@ from .files import _strip
 from .prefix import STATS, PrefixMap, pca_blocks
 from .probe import ProbeBuffer, ValueProbe
 
-QUARTERS = 4
+QUARTERS = ("q1", "q2", "q3", "q4")  # poise/prefix/variance_explained/<quarter of the completion>
 
 
 @dataclass(frozen=True)
@@ -112,15 +112,15 @@ class PrefixBaseline:
         nan = torch.full((), float("nan"), dtype=torch.float64, device=rewards.device)
         used = torch.zeros_like(receives) if tokens is None else tokens.used
         share = {"prefix/share": torch.where(receives.any(), (used & receives).double().sum() / receives.sum(), nan)}
-        names = ["prefix/variance_explained"] + [f"prefix/variance_explained/q{q + 1}" for q in range(QUARTERS)]
+        names = ["prefix/variance_explained"] + [f"prefix/variance_explained/{q}" for q in QUARTERS]
         if self.probe is None:
             return {**share, **dict.fromkeys(names, nan)}
         k = batch.rows.size(1)
         values = self.probe.predict(batch.rows.flatten(0, 1).nan_to_num()).view(-1, k).double()
         targets = rewards.double().unsqueeze(1).expand(-1, k)
-        quarter = torch.arange(k, device=keep.device) * QUARTERS // k
+        quarter = torch.arange(k, device=keep.device) * len(QUARTERS) // k
         out = {}
-        for name, rows in zip(names, [keep] + [keep & (quarter == q) for q in range(QUARTERS)], strict=True):
+        for name, rows in zip(names, [keep] + [keep & (quarter == q) for q in range(len(QUARTERS))], strict=True):
             count = rows.sum()
             mean = torch.where(rows, targets, 0.0).sum() / count
             variance = torch.where(rows, targets - mean, 0.0).pow(2).sum() / count

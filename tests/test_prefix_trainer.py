@@ -9,6 +9,7 @@ from poise_trl.estimator import POISEEstimator
 from poise_trl.resume import ESTIMATOR_FILE
 
 from .conftest import short_args
+from .test_docs import documented
 from .test_training_options import LOSS_TYPES
 from .tiny_archs import SpyTrainer, code_reward, prompts, save_causal_lm
 
@@ -92,6 +93,8 @@ def test_prefix_probe_serves_only_fits_of_earlier_steps_and_logs_its_metrics(mod
     for entry in logs[1:]:
         assert {f"poise/prefix/variance_explained/q{q}" for q in range(1, 5)} <= entry.keys()
     assert [entry["poise/prefix/buffer_size"] for entry in logs] == [16.0, 32.0, 48.0]  # 4 rollouts x 4 tokens
+    logged = {key for entry in logs for key in entry if key.startswith("poise/prefix/")}
+    assert len(logged) == 8 and all(documented(key) for key in logged), logged  # in docs/metrics.md
 
 
 def test_peft(model_path, tmp_path):

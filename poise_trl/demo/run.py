@@ -161,6 +161,7 @@ def run_demo(
     probe_warmup_steps: int | None = None,
     probe_preset: str = "release",
     paper_rules: bool = False,
+    probe_granularity: str = "sequence",
     eval_k: int = 8,
     logging_steps: int | None = None,
     cache_dir: str | Path | None = None,
@@ -224,6 +225,7 @@ def run_demo(
         probe_warmup_steps=probe_warmup_steps,
         probe_preset=probe_preset,
         **(dict(probe_partner_reward=False, probe_bootstrap="rloo") if paper_rules else {}),
+        probe_granularity=probe_granularity,
     )
     table = DemoTableCallback(write=write, show_progress=show_progress)
     trainer = POISETrainer(
