@@ -170,12 +170,9 @@ class PrefixBaseline:
         probe_state = _strip(state, "probe.")
         self.probe, self._map = None, None
         if info.get("fitted"):
-            width = probe_state["mean"].numel()
-            self.probe = self._template(width)
+            self.probe = self._template(probe_state["mean"].numel())
             self.probe.load_state_dict(probe_state)
         self.buffer = ProbeBuffer(self.buffer.capacity)
-        self.buffer.load_state_dict(
-            {k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("buffer.")}, device
-        )
+        self.buffer.load_state_dict(_strip(state, "buffer."), device)
         self.steps = 0 if warm_start else int(info["steps"])
         self.warm_started = warm_start or bool(info["warm_started"])

@@ -71,7 +71,9 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
     have been seen the baseline is the bootstrap (`probe_bootstrap`: the shrunk a + w * RLOO by default, the paper's
     RLOO mean of the other rollouts' rewards with "rloo"). Generation, rewards, the clipped loss, vLLM, PEFT,
     DeepSpeed/FSDP and logging are inherited unchanged. Everything POISE learns lives in `self.estimator`, a
-    [`POISEEstimator`]; this class only feeds it TRL's batches.
+    [`POISEEstimator`]; this class only feeds it TRL's batches. With `probe_granularity="prefix"` the same pass also
+    yields a value V(x, y_<t) for every generated token (prefix.py), and once that probe is trusted the loss receives
+    (B, T) advantages r - V(x, y_<t), which TRL's `_compute_loss` takes as they are.
 
     Overrides (all of them):
     - `_generate_and_score_completions`: choose prompts (`prompt_selection`), then after TRL scored the batch,
@@ -238,7 +240,6 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
             rows, values = token_capture.result(entropies)
             local = PrefixBatch(rows, token_spans.sampled, values, token_spans.generated, token_spans.tokens)
         self._captured = (features, spans, local)  # (B, len(probe_layers), D), the spans, the per-prefix capture
-
         return logps, entropies, aux
 
     def _spans(self, prompt_mask, completion_ids, completion_mask):

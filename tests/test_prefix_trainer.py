@@ -74,6 +74,14 @@ def test_every_loss_type_trains_with_token_advantages(model_path, tmp_path, loss
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
+def test_a_chunked_pass_shared_by_several_optimizer_steps(model_path, tmp_path):
+    """Two optimizer steps per generation: TRL runs its old-log-prob pass in chunks of 4 rows, and the prefix capture
+    rides on it (no pass of POISE's own); each token advantage reaches the loss once."""
+    trainer = _train(model_path, tmp_path, steps=6, steps_per_generation=2)
+    assert trainer.feature_passes == 0 and len(trainer.scored) == 3
+    assert_token_advantages_reach_the_loss(trainer)
+
+
 def test_prefix_probe_serves_only_fits_of_earlier_steps_and_logs_its_metrics(model_path, tmp_path):
     trainer = _train(model_path, tmp_path, steps=3)
     assert_token_advantages_reach_the_loss(trainer)
