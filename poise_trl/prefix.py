@@ -272,6 +272,7 @@ def rollout_token_values(
         pool_tokens,
         1,
         None if generated is None else generated.view(1, -1),
+        torch.Generator().manual_seed(0),  # the one sampled token is unused: leave the global generator alone
     )
     part = prefix_map.hidden_part(hidden.unsqueeze(0), spans)
     return prefix_map.values(part, prefix_stats(entropies.unsqueeze(0), spans))[0]
