@@ -467,8 +467,8 @@ class POISEEstimator:
                 online.refit_from_step = self.warmup_steps if len(online.buffer) == 0 else 0
             probes[name] = online
         self.probes = probes
-        if self.prefix is not None and "prefix" in info:  # a file of a sequence-level run: the prefix starts afresh
-            self.prefix.load_state(_strip(tensors, "prefix."), info["prefix"], warm_start, device)
+        if self.prefix is not None:  # a sequence-level run's file has none: the prefix probe starts afresh
+            self.prefix.load_state(_strip(tensors, "prefix."), info.get("prefix", {}), warm_start, device)
         self.layer_index = self.layers.index(int(info["layer"]))
         self.steps = 0 if warm_start else int(info.get("probe_steps", 0))
         if warm_start:

@@ -71,6 +71,7 @@ class PrefixBaseline:
         self.buffer = ProbeBuffer(buffer_size)
         self.steps = 0
         self.warm_started = False
+        self.refit_from_step = 0  # a warm start without buffer keeps its loaded fit until this many steps
         self._map: PrefixMap | None = None
 
     @property
@@ -139,7 +140,7 @@ class PrefixBaseline:
 
     @property
     def can_fit(self) -> bool:
-        return len(self.buffer) >= 2
+        return len(self.buffer) >= 2 and self.steps >= self.refit_from_step
 
     def fit(self, device: torch.device | str | None = None) -> None:
         """Refit on the whole buffer (finite rows only ever enter it)."""
@@ -156,7 +157,12 @@ class PrefixBaseline:
         return state
 
     def info(self) -> dict[str, Any]:
-        return {"steps": self.steps, "warm_started": self.warm_started, "fitted": self.probe is not None}
+        return {
+            "steps": self.steps,
+            "warm_started": self.warm_started,
+            "refit_from_step": self.refit_from_step,
+            "fitted": self.probe is not None,
+        }
 
     def load_state(
         self,
@@ -165,8 +171,9 @@ class PrefixBaseline:
         warm_start: bool = False,
         device: torch.device | str | None = None,
     ) -> None:
-        """Restore `state_dict`/`info`; with `warm_start`, trusted at once with a fresh step count. This object's
-        settings and capacity are kept (the newest buffered rows survive)."""
+        """Restore `state_dict`/`info` (empty: start afresh); with `warm_start`, trusted at once with a fresh step
+        count, and without a buffer its fit is kept until `warmup_steps` steps of new rows are buffered. This
+        object's settings and capacity are kept (the newest buffered rows survive)."""
         probe_state = _strip(state, "probe.")
         self.probe, self._map = None, None
         if info.get("fitted"):
@@ -174,5 +181,8 @@ class PrefixBaseline:
             self.probe.load_state_dict(probe_state)
         self.buffer = ProbeBuffer(self.buffer.capacity)
         self.buffer.load_state_dict(_strip(state, "buffer."), device)
-        self.steps = 0 if warm_start else int(info["steps"])
-        self.warm_started = warm_start or bool(info["warm_started"])
+        self.steps = 0 if warm_start else int(info.get("steps", 0))
+        self.warm_started = warm_start or bool(info.get("warm_started", False))
+        self.refit_from_step = int(info.get("refit_from_step", 0))
+        if warm_start:
+            self.refit_from_step = self.warmup_steps if len(self.buffer) == 0 else 0

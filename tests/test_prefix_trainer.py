@@ -6,6 +6,7 @@ import torch
 
 from poise_trl import POISETrainer
 from poise_trl.estimator import POISEEstimator
+from poise_trl.prefix_baseline import PrefixBatch
 from poise_trl.resume import ESTIMATOR_FILE
 
 from .conftest import short_args
@@ -210,3 +211,37 @@ def test_importance_weights_multiply_the_token_advantages(model_path, tmp_path, 
     for weights, plain, weighted in weighted_steps:
         torch.testing.assert_close(weighted, plain * weights.to(plain.dtype)[:, None])
     assert torch.equal(trainer.scored[-1]["advantages"], calls[-1][2][:, : trainer.scored[-1]["advantages"].size(1)])
+
+
+def _prefix_batch(seed: int, rows: int = 4, samples: int = 4, width: int = 21) -> PrefixBatch:
+    g = torch.Generator().manual_seed(seed)
+    return PrefixBatch(
+        torch.randn(rows, samples, width, generator=g),
+        torch.ones(rows, samples, dtype=torch.bool),
+        None,
+        torch.ones(rows, 6, dtype=torch.bool),
+        torch.zeros(rows, samples, dtype=torch.long),
+    )
+
+
+def test_prefix_state_round_trips_and_warm_starts(tmp_path):
+    estimator = POISEEstimator(2, warmup_steps=2, granularity="prefix")
+    for step in range(3):
+        estimator.observe(torch.randn(4, 5), torch.rand(4), prefix=_prefix_batch(step))
+    assert estimator.prefix.trusted and len(estimator.prefix.buffer) == 48
+    estimator.save(tmp_path / "full.safetensors")
+    estimator.save(tmp_path / "probe.safetensors", include_buffer=False)
+    resumed = POISEEstimator(2, warmup_steps=2, granularity="prefix")
+    resumed.load(tmp_path / "full.safetensors")
+    a, b = estimator.prefix.state_dict(), resumed.prefix.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+    assert (resumed.prefix.steps, resumed.prefix.trusted) == (3, True)
+    warm = POISEEstimator(2, warmup_steps=2, granularity="prefix")
+    warm.load(tmp_path / "probe.safetensors", warm_start=True)
+    assert warm.prefix.trusted and len(warm.prefix.buffer) == 0
+    loaded = warm.prefix.map().prefix.clone()
+    assert torch.equal(loaded, estimator.prefix.map().prefix)
+    warm.observe(torch.randn(4, 5), torch.rand(4), prefix=_prefix_batch(10))  # 1 step of new rows: fit kept
+    assert torch.equal(warm.prefix.map().prefix, loaded)
+    warm.observe(torch.randn(4, 5), torch.rand(4), prefix=_prefix_batch(11))  # warmup_steps of rows: refit
+    assert not torch.equal(warm.prefix.map().prefix, loaded)
