@@ -12,6 +12,9 @@ from poise_trl.resume import ESTIMATOR_FILE
 from .conftest import short_args
 from .test_docs import documented
 from .test_training_options import LOSS_TYPES
+from .test_vision import _args as vision_args
+from .test_vision import _image_prompts as image_prompts
+from .test_vision import vlm_path  # noqa: F401 (a fixture)
 from .tiny_archs import SpyTrainer, code_reward, prompts, save_causal_lm
 
 
@@ -245,3 +248,13 @@ def test_prefix_state_round_trips_and_warm_starts(tmp_path):
     assert torch.equal(warm.prefix.map().prefix, loaded)
     warm.observe(torch.randn(4, 5), torch.rand(4), prefix=_prefix_batch(11))  # warmup_steps of rows: refit
     assert not torch.equal(warm.prefix.map().prefix, loaded)
+
+
+def test_a_vlm(vlm_path, tmp_path):  # noqa: F811 (the fixture imported above)
+    """A LLaVA-style model whose prompts hold image tokens: the prefix capture rides on POISE's own pass with the
+    images, and the token advantages reach the loss."""
+    args = vision_args(tmp_path, probe_granularity="prefix", max_steps=3, probe_warmup_steps=1)
+    trainer = PrefixSpy(str(vlm_path), code_reward, args=args, train_dataset=image_prompts())
+    trainer.train()
+    assert trainer.feature_passes == 3
+    assert_token_advantages_reach_the_loss(trainer)
