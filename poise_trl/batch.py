@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .baselines import append_reward_column, leave_one_out_targets
+from .baselines import DIAGNOSTICS, append_reward_column, diagnostic_tensors, leave_one_out_targets
 from .files import DEFAULT_DOMAIN
+from .prefix_baseline import PrefixBatch
 
 
 @dataclass(frozen=True)
@@ -95,11 +96,49 @@ def prepare_batch(
     )
 
 
+def scale_advantages(
+    advantages: torch.Tensor, divisor: torch.Tensor | None, weights: torch.Tensor | None
+) -> torch.Tensor:
+    """(N,) or (N, T) advantages divided by `divisor` (the std of earlier steps' rewards, independent of this batch)
+    and multiplied by the rows' importance `weights` (the clipped objective is positively homogeneous in A)."""
+    if divisor is not None:
+        advantages = advantages / divisor.to(advantages.device).to(advantages.dtype)
+    if weights is not None:
+        advantages = advantages * weights.to(advantages.device, advantages.dtype).view(
+            -1, *[1] * (advantages.ndim - 1)
+        )
+    return advantages
+
+
+def step_statistics(
+    batch: PreparedBatch,
+    baselines: torch.Tensor,
+    values: torch.Tensor,
+    unclipped: torch.Tensor,
+    receives: torch.Tensor,
+    extra: dict[str, torch.Tensor],
+) -> tuple[torch.Tensor, list[str]]:
+    """The step's diagnostics of the sequence-level baseline (overall, then `extra`'s 0-d tensors, then per named
+    domain) as one float64 tensor and its names, for the one host transfer."""
+    g, rewards = batch.num_generations, batch.rewards
+    stats = [diagnostic_tensors(rewards, baselines, values, g, receives, unclipped)]
+    stats.append(torch.stack([v.double().reshape(()) for v in extra.values()]))
+    names = [*DIAGNOSTICS, *extra]
+    if batch.named_domains:
+        for name, rows in batch.domain_rows.items():
+            stats.append(diagnostic_tensors(rewards, baselines, values, g, receives & rows, unclipped))
+            names += [f"domain/{name}/{key}" for key in DIAGNOSTICS]
+    return torch.cat(stats), names
+
+
 @dataclass
 class AdvantageResult:
     """One batch's advantages (N,), baselines (N,, NaN where a row got none), the rows that received a baseline, the
     probe values and the leave-one-out targets, and the prepared `batch` that `observe` reuses; `metrics()` brings the
-    diagnostics to the host in one transfer (shared with `observe`'s when the result is handed to it)."""
+    diagnostics to the host in one transfer (shared with `observe`'s when the result is handed to it). With a trusted
+    per-prefix baseline, `token_advantages` (N, T) is what the loss takes, and `advantages`/`baselines` are each
+    row's mean over its generated tokens (for logs); `prefix` is the batch's per-prefix capture, which `observe`
+    learns from."""
 
     advantages: torch.Tensor
     baselines: torch.Tensor
@@ -109,6 +148,8 @@ class AdvantageResult:
     stats: torch.Tensor  # float64, in `names` order
     names: list[str]
     batch: PreparedBatch
+    prefix: PrefixBatch | None = None
+    token_advantages: torch.Tensor | None = None
     host_metrics: dict[str, float] = field(default_factory=dict)  # known on the host when taken (layer, buffer size)
     _host: list[float] | None = None
 

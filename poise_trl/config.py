@@ -38,6 +38,7 @@ ESTIMATOR_FIELDS = {
     "layer_select_every": "probe_layer_select_every",
     "layer_switch_margin": "probe_layer_switch_margin",
     "layer_folds": "probe_layer_folds",
+    "granularity": "probe_granularity",
 }
 
 PROBE_PRESETS: dict[str, tuple[float, list[int]]] = {
@@ -176,6 +177,15 @@ class POISEConfig(GRPOConfig):
         metadata={
             "help": "[low, high] range the probe's predictions are clipped to. None: the range of rewards seen in "
             "the buffer, which is [0, 1] for binary rewards.",
+        },
+    )
+    probe_granularity: str = field(
+        default="sequence",
+        metadata={
+            "help": "'sequence' (paper): one baseline per rollout. 'prefix': once its own probe is trusted (after "
+            "`probe_warmup_steps`), every generated token t gets A_t = r - V(x, y_<t), a value of the prefix from the "
+            "states before t (unbiased: it never reads token t or later), learned from 4 sampled tokens per rollout; "
+            "the sequence-level baseline serves until then. Needs a fixed `probe_layer`.",
         },
     )
     probe_buffer_size: int = field(
@@ -378,41 +388,9 @@ class POISEConfig(GRPOConfig):
                 "probe_domain_column": self.probe_domain_column,
             },
             describe=partial(_probe_settings, list(self.probe_features), hidden_size),
+            granularity=self.probe_granularity,
+            prefix_pca_dims=tuple(self.probe_pca_dims),  # [prompt k, prefix k], capped at the width
         )
-
-    def card_section(self, layer: int, layers: list[int], diagnostics: dict[str, float], step: int) -> str:
-        """The model card's "POISE" section: what a reader needs to reproduce the run, and the last logged probe
-        diagnostics (`layer`: the layer in use; `layers`: the candidates)."""
-
-        def shown(key: str) -> str:
-            value = diagnostics.get(key, math.nan)
-            return "not logged" if value is None or math.isnan(value) else f"{value:.4f}"
-
-        selection = str(self.prompt_selection)
-        if self.prompt_selection is not None:
-            floor = f", floor {self.prompt_selection_floor}" if self.prompt_selection == "importance" else ""
-            selection += f" (oversample {self.prompt_selection_oversample}{floor})"
-        lines = [
-            "## POISE",
-            "",
-            "Advantages `A_i = r_i - b_i`, where `b_i` is the mean of the other rollouts' value-probe predictions "
-            "from the policy's own hidden states (cross-rollout baseline, arXiv 2605.07579).",
-            "",
-            f"- Rollouts per prompt (G): {self.num_generations}",
-            f"- Probe preset: {self.probe_preset} (probe_alpha={self.probe_alpha}, probe_pca_dims="
-            f"{self.probe_pca_dims}, probe_clip_range={self.probe_clip_range}, probe_buffer_size="
-            f"{self.probe_buffer_size}, probe_warmup_steps={self.probe_warmup_steps})",
-            f"- Probe layer: {'default' if self.probe_layer is None else self.probe_layer} (in use: {layer}; "
-            f"candidates: {layers})",
-            f"- Features: {list(self.probe_features)}, pooled over the last {self.probe_pool_tokens} tokens",
-            f"- Partner-aware probe (probe_partner_reward): {self.probe_partner_reward}",
-            f"- Bootstrap (probe_bootstrap): {self.probe_bootstrap}",
-            f"- Prompt selection: {selection}",
-            f"- Last logged probe diagnostics (step {step}): variance reduction {shown('variance_reduction')}, "
-            f"Pearson r {shown('pearson_r')}, MAE {shown('mae')}",
-            "",
-        ]
-        return "\n".join(lines)
 
     def _check_layer_fields(self) -> None:
         layer = self.probe_layer
@@ -427,6 +405,11 @@ class POISEConfig(GRPOConfig):
         if isinstance(layer, bool) or not (layer is None or layer == "auto" or isinstance(layer, int)):
             raise ValueError(f"probe_layer={self.probe_layer!r}: give a layer index (e.g. 19 or -1), 'auto', or None.")
         self.probe_layer = layer
+        if layer == "auto" and self.probe_granularity == "prefix":
+            raise ValueError(
+                "probe_granularity='prefix' needs one fixed probe_layer (its buffer holds one layer's states): set "
+                "probe_layer to an index or None, or probe_granularity='sequence'."
+            )
         if self.probe_layer_candidates is not None:
             if layer != "auto":
                 raise ValueError(

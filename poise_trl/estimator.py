@@ -36,15 +36,14 @@ from typing import Any
 import torch
 
 from .baselines import (
-    DIAGNOSTICS,
     RunningStd,
     cross_rollout_baselines,
-    diagnostic_tensors,
     poise_advantages,
     shrunk_rloo_line,
 )
-from .batch import AdvantageResult, PreparedBatch, prepare_batch, split_domains
-from .files import atomic_save, read_state
+from .batch import AdvantageResult, PreparedBatch, prepare_batch, scale_advantages, split_domains, step_statistics
+from .files import _strip, atomic_save, check_feature_config, read_state
+from .prefix_baseline import PrefixBaseline, PrefixBatch
 from .probe import OnlineProbe, ProbeBuffer, ValueProbe, choose_layer
 from .settings import check_settings
 
@@ -77,6 +76,8 @@ class POISEEstimator:
         feature_config: how the caller extracts features; a saved state loads only into the same configuration.
         broadcast: makes every process agree (e.g. accelerate's `broadcast` from rank 0); None in one process.
         describe: text for a probe's refit settings in error messages (the trainer passes POISEConfig's terms).
+        granularity: "sequence" (paper) or "prefix" (a `PrefixBaseline` of one fixed layer, PCA `prefix_pca_dims`
+            [prompt k, prefix k]): token advantages r - V(x, y_<t) from the `PrefixBatch`es the caller hands in.
     """
 
     def __init__(
@@ -103,6 +104,8 @@ class POISEEstimator:
         feature_config: dict[str, Any] | None = None,
         broadcast: Callable[[torch.Tensor], torch.Tensor] | None = None,
         describe: Callable[[ValueProbe], str] | None = None,
+        granularity: str = "sequence",
+        prefix_pca_dims: tuple[int, int] = (0, 0),
     ):
         check_settings({k: v for k, v in locals().items() if k not in ("self", "broadcast", "describe")})  # the args
         self.num_generations = num_generations
@@ -122,6 +125,9 @@ class POISEEstimator:
         self.bootstrap_lines: dict[str, torch.Tensor] = {}  # per domain: [a, w] fitted on those pairs
         self.reward_std = RunningStd()
         self.steps = 0  # observed (training) steps
+        self.granularity, self.prefix_pca_dims = granularity, prefix_pca_dims
+        prefix = granularity == "prefix"  # the per-prefix value: its probe, buffer and trust
+        self.prefix = PrefixBaseline(alpha, prefix_pca_dims, clip, buffer_size, warmup_steps) if prefix else None
 
     # ------------------------------------------------------------------------------------------------- structure
     @property
@@ -207,6 +213,7 @@ class POISEEstimator:
         domains: Sequence[str] | None = None,
         has_completion: torch.Tensor | None = None,
         weights: torch.Tensor | None = None,
+        prefix: PrefixBatch | None = None,
     ) -> AdvantageResult:
         """A_i = r_i - b_i for one global batch of consecutive groups, from earlier steps' probes only. Changes
         nothing: hand the result to `observe` to learn from the batch without preparing it again.
@@ -214,7 +221,8 @@ class POISEEstimator:
         features: (N, D) or (N, C, D); rewards: (N,), NaN where unscorable; num_generations: G of this batch (the
         constructor's by default); domains: one name per row; has_completion: (N,) False for rows whose completion
         is empty or masked; weights: (N,) positive importance weights of the rows' prompts (sampling.py), which
-        multiply the advantages after any scaling. Rows without a finite reward or completion get advantage 0."""
+        multiply the advantages after any scaling. Rows without a finite reward or completion get advantage 0.
+        prefix: the per-prefix capture (granularity "prefix"); once trusted, the result holds `token_advantages`."""
         if weights is not None and (weights.shape != rewards.shape or not (weights.isfinite() & (weights > 0)).all()):
             raise ValueError(f"weights must be ({rewards.numel()},) finite and positive, got {weights.tolist()}.")
         batch = self.prepare(features, rewards, num_generations, domains, has_completion)
@@ -234,33 +242,30 @@ class POISEEstimator:
         advantages, baselines, receives = poise_advantages(
             rewards, values, g, usable, batch.has_completion, trusted, fallback
         )
-        if self.scale_rewards == "batch":  # the std of earlier steps' rewards: independent of this batch
-            advantages = advantages / self.reward_std.divisor().to(advantages.device).to(advantages.dtype)
-        if weights is not None:  # the clipped objective is positively homogeneous in A; `observe` sees plain rewards
-            advantages = advantages * weights.to(advantages.device, advantages.dtype)
+        use_prefix = self.prefix is not None and prefix is not None
+        tokens = self.prefix.advantages(prefix, rewards, receives, advantages) if use_prefix else None
+        row_advantages = advantages if tokens is None else tokens.mean  # a row's logged value: its tokens' mean
+        divisor = self.reward_std.divisor() if self.scale_rewards == "batch" else None  # of earlier steps' rewards
         from_probe = trusted & ~torch.isnan(cross_rollout_baselines(values, g, usable))
-        stats = [diagnostic_tensors(rewards, baselines, values, g, receives, unclipped)]
-        names = list(DIAGNOSTICS)
-        # rows whose baseline really is the bootstrap's (untrusted domain, or no partner with usable features)
-        fallback_share = (receives & ~from_probe).double().sum() / receives.sum().clamp(min=1)
-        extra = {
-            "bootstrap": fallback_share,
+        extra = {  # the share of rows whose baseline really is the bootstrap's (untrusted, or no usable partner)
+            "bootstrap": (receives & ~from_probe).double().sum() / receives.sum().clamp(min=1),
             "feature_rows_dropped": (batch.has_completion & ~batch.has_features).double().sum(),
             "unscorable_rows": (~scorable).double().sum(),
         }
         if lines:
             mean_line = torch.stack(lines).mean(0)
             extra.update(bootstrap_intercept=mean_line[0], bootstrap_weight=mean_line[1])
-        stats.append(torch.stack([v.double().reshape(()) for v in extra.values()]))
-        names += list(extra)
-        if batch.named_domains:
-            for name, rows in batch.domain_rows.items():
-                stats.append(diagnostic_tensors(rewards, baselines, values, g, receives & rows, unclipped))
-                names += [f"domain/{name}/{key}" for key in DIAGNOSTICS]
+        if use_prefix:
+            extra.update(self.prefix.diagnostics(prefix, rewards, receives, tokens))
+        stats, names = step_statistics(batch, baselines, values, unclipped, receives, extra)
         result = AdvantageResult(
-            advantages, baselines, receives, values, batch.targets, torch.cat(stats), names, batch
-        )
+            scale_advantages(row_advantages, divisor, weights),
+            baselines if tokens is None else torch.where(receives, rewards - tokens.mean, baselines),
+            receives, values, batch.targets, stats, names, batch, prefix,
+            None if tokens is None else scale_advantages(tokens.advantages, divisor, weights),
+        )  # fmt: skip
         result.host_metrics = {"layer": float(self.layer), **self._buffer_sizes(batch)}
+        result.host_metrics.update({} if self.prefix is None else {"prefix/trusted": float(self.prefix.trusted)})
         if batch.named_domains:
             for name in batch.domain_rows:
                 online = self.probes.get(name)
@@ -270,6 +275,8 @@ class POISEEstimator:
     def _buffer_sizes(self, batch: PreparedBatch) -> dict[str, float]:
         """`buffer_size` (rows buffered in every domain) and, per domain of the batch, `domain/<name>/buffer_size`."""
         sizes = {"buffer_size": float(sum(len(online.buffer) for online in self.probes.values()))}
+        if self.prefix is not None:
+            sizes["prefix/buffer_size"] = float(len(self.prefix.buffer))
         if batch.named_domains:
             for name in batch.domain_rows:
                 online = self.probes.get(name)
@@ -287,6 +294,7 @@ class POISEEstimator:
         has_completion: torch.Tensor | None = None,
         *,
         result: AdvantageResult | None = None,
+        prefix: PrefixBatch | None = None,
     ) -> dict[str, float]:
         """Learn from a batch after its advantages were taken: buffers, probe refit, bootstrap line, reward std, and
         the layer choice when due. Give the batch as `advantages` took it, or `result`, what `advantages` returned
@@ -316,10 +324,14 @@ class POISEEstimator:
             if self.bootstrap == "shrunk":
                 pairs = self.bootstrap_pairs.setdefault(name, ProbeBuffer(self.capacity(name)))
                 pairs.add(targets.unsqueeze(1), batch.rewards, keep=rows & scorable & torch.isfinite(targets))
+        prefix = result.prefix if prefix is None and result is not None else prefix
+        if self.prefix is not None and prefix is not None:  # the rollout's own reward: a value, not a partner's
+            self.prefix.observe(prefix, batch.rewards, scorable & batch.has_completion)
         self.reward_std.update(batch.rewards)
         self.steps += 1
         # The step's one device->host transfer: the buffers' fill levels and the handed result's diagnostics.
         rings = [online.buffer for online in self.probes.values()] + list(self.bootstrap_pairs.values())
+        rings += [] if self.prefix is None else [self.prefix.buffer]
         counts = torch.cat([ring.counts().to(targets.device) for ring in rings]).double()
         pending = result is not None and not result.on_host
         payload = result.payload() if pending else torch.zeros(0, dtype=torch.float64)
@@ -338,6 +350,11 @@ class POISEEstimator:
                 refitted = True
                 if self.broadcast is not None:  # identical inputs, but broadcast so ranks agree to the bit
                     online.probe.map_state(self.broadcast)
+        if self.prefix is not None and prefix is not None and self.prefix.can_fit:
+            self.prefix.fit(targets.device)
+            refitted = True
+            if self.broadcast is not None:
+                self.prefix.probe.map_state(self.broadcast)
         for name, pairs in self.bootstrap_pairs.items():
             if len(pairs):
                 self.bootstrap_lines[name] = shrunk_rloo_line(pairs.features[:, 0], pairs.targets)
@@ -408,6 +425,9 @@ class POISEEstimator:
             "layer": self.layer,
             "reward_std": self.reward_std.state_dict(),
         }
+        if self.prefix is not None:
+            tensors.update({f"prefix.{k}": v for k, v in self.prefix.state_dict(include_buffer).items()})
+            info["prefix"] = self.prefix.info()
         return {"tensors": tensors, "info": info}
 
     def load_state_dict(
@@ -422,18 +442,7 @@ class POISEEstimator:
         from). Refuses a state of another feature configuration, and on resume one whose refit settings or
         bootstrap differ from this estimator's."""
         tensors, info = state["tensors"], state["info"]
-        saved_features, features = info.get("feature_config") or {}, self.feature_config or {}
-        if saved_features != features:
-            changed = ", ".join(
-                f"{key}={features.get(key)!r} (saved: {saved_features.get(key)!r})"
-                for key in sorted(set(saved_features) | set(features))
-                if saved_features.get(key) != features.get(key)
-            )
-            raise ValueError(
-                f"The probe in {source} was fitted on features {saved_features}, but this run extracts other "
-                f"features: this run sets {changed}. Resume with the settings and model the file was written with, "
-                "or start a fresh run."
-            )
+        check_feature_config(info.get("feature_config") or {}, self.feature_config or {}, source)
         if not warm_start and info.get("bootstrap") not in (None, self.bootstrap):
             raise ValueError(
                 f"{source} was written by a run with probe_bootstrap={info['bootstrap']!r}, but this run sets "
@@ -458,6 +467,8 @@ class POISEEstimator:
                 online.refit_from_step = self.warmup_steps if len(online.buffer) == 0 else 0
             probes[name] = online
         self.probes = probes
+        if self.prefix is not None:  # a sequence-level run's file has none: the prefix probe starts afresh
+            self.prefix.load_state(_strip(tensors, "prefix."), info.get("prefix", {}), warm_start, device)
         self.layer_index = self.layers.index(int(info["layer"]))
         self.steps = 0 if warm_start else int(info.get("probe_steps", 0))
         if warm_start:

@@ -42,6 +42,20 @@ def _strip(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Ten
     return {key[len(prefix) :]: value for key, value in tensors.items() if key.startswith(prefix)}
 
 
+def check_feature_config(saved: dict[str, Any], current: dict[str, Any], source: str) -> None:
+    """Refuse a state fitted on features this run does not extract, naming each setting that differs."""
+    if saved != current:
+        changed = ", ".join(
+            f"{key}={current.get(key)!r} (saved: {saved.get(key)!r})"
+            for key in sorted(set(saved) | set(current))
+            if saved.get(key) != current.get(key)
+        )
+        raise ValueError(
+            f"The probe in {source} was fitted on features {saved}, but this run extracts other features: this run "
+            f"sets {changed}. Resume with the settings and model the file was written with, or start a fresh run."
+        )
+
+
 def read_state(path: str | os.PathLike, bootstrap_path: str | os.PathLike | None = None) -> dict[str, Any]:
     """A saved estimator state as {"tensors", "info"}: the one-file format, or poise-trl 0.1's two files."""
     path = Path(path)

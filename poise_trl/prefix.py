@@ -26,6 +26,7 @@ from torch import nn
 from .features import _last_n, pool_hidden
 from .probe import ValueProbe
 
+PREFIX_SAMPLES = 4  # tokens per rollout the probe learns from: one per quarter of its generated tokens
 STATS = ("entropy_mean", "entropy", "entropy_window_mean", "tokens_before", "log_tokens_before")
 
 
@@ -271,6 +272,7 @@ def rollout_token_values(
         pool_tokens,
         1,
         None if generated is None else generated.view(1, -1),
+        torch.Generator().manual_seed(0),  # the one sampled token is unused: leave the global generator alone
     )
     part = prefix_map.hidden_part(hidden.unsqueeze(0), spans)
     return prefix_map.values(part, prefix_stats(entropies.unsqueeze(0), spans))[0]

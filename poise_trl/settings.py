@@ -53,5 +53,12 @@ def check_settings(settings: dict[str, Any], names: dict[str, str] | None = None
     layers = settings.get("layers", [0])
     if not layers or not 0 <= settings.get("layer_index", 0) < len(layers):
         raise bad("layer_index", f"is not a slice of the {len(layers)} hooked layers {list(layers)}.")
+    if "granularity" in settings and settings["granularity"] not in ("sequence", "prefix"):
+        raise bad("granularity", "is not a baseline granularity: choose 'sequence' (paper) or 'prefix' (per token).")
+    if settings.get("granularity") == "prefix" and len(layers) > 1:
+        raise bad("granularity", f"needs one fixed layer, got the candidates {list(layers)}: fix the probe layer.")
+    pca = settings.get("prefix_pca_dims", (0, 0))
+    if len(pca) != 2 or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in pca):
+        raise bad("prefix_pca_dims", "must be two ints >= 0, [prompt k, prefix k] (0: no PCA on that block).")
     if settings.get("prompt_pca_dims", 0) < 0:
         raise bad("prompt_pca_dims", "must be >= 0 (0: no PCA).")

@@ -22,10 +22,13 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id
 
+from .card import card_section
 from .config import POISEConfig
 from .estimator import POISEEstimator
 from .features import assemble_features, capture_layer, feature_spans, find_decoder_layers
 from .files import DEFAULT_DOMAIN
+from .prefix import PREFIX_SAMPLES, capture_prefix, prefix_spans
+from .prefix_baseline import PrefixBatch
 from .probe import ProbeBuffer, ValueProbe, prompt_group_ids
 from .resume import (
     ESTIMATOR_FILE,
@@ -68,7 +71,9 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
     have been seen the baseline is the bootstrap (`probe_bootstrap`: the shrunk a + w * RLOO by default, the paper's
     RLOO mean of the other rollouts' rewards with "rloo"). Generation, rewards, the clipped loss, vLLM, PEFT,
     DeepSpeed/FSDP and logging are inherited unchanged. Everything POISE learns lives in `self.estimator`, a
-    [`POISEEstimator`]; this class only feeds it TRL's batches.
+    [`POISEEstimator`]; this class only feeds it TRL's batches. With `probe_granularity="prefix"` the same pass also
+    yields a value V(x, y_<t) for every generated token (prefix.py), and once that probe is trusted the loss receives
+    (B, T) advantages r - V(x, y_<t), which TRL's `_compute_loss` takes as they are.
 
     Overrides (all of them):
     - `_generate_and_score_completions`: choose prompts (`prompt_selection`), then after TRL scored the batch,
@@ -136,7 +141,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
             self.estimator.load(args.probe_init_path, warm_start=True, device=self.accelerator.device)
         self.feature_passes = 0  # teacher-forced passes POISE ran itself (0 when TRL's own pass is reused)
         self._capture_armed = False
-        self._captured: tuple[torch.Tensor, Any] | None = None
+        self._captured: tuple[torch.Tensor, Any, PrefixBatch | None] | None = None
         self._gathered_rewards: torch.Tensor | None = None
         self._tool_mask: list | None = None  # this batch's tool/env mask from `_generate` (1 = the policy wrote it)
         self._selection: dict[str, float] = {}
@@ -212,14 +217,29 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         )
         layers = find_decoder_layers(self.accelerator.unwrap_model(self.model))
         kwargs["compute_entropy"] = True
-        with ExitStack() as hooks:  # one pass, one pooling hook per candidate layer
+        prefix = self.estimator.prefix
+        with ExitStack() as hooks:  # one pass, one pooling hook per candidate layer (and the per-prefix one)
             captures = [hooks.enter_context(capture_layer(layers[i], spans)) for i in self.probe_layers]
+            if prefix is not None:  # the prefix probe's fixed layer; its values from the fit of earlier steps
+                # which tokens the probe learns from: drawn from (seed, step, rank), so a resumed run draws the same
+                seed = self.args.seed + 7919 * self.state.global_step + self.accelerator.process_index
+                token_spans = prefix_spans(
+                    attention_mask[:, :-logits_to_keep], attention_mask[:, -logits_to_keep:],
+                    self.args.probe_pool_tokens, PREFIX_SAMPLES, spans.completion_mask,
+                    torch.Generator().manual_seed(seed),
+                )  # fmt: skip
+                layer = layers[self.probe_layers[0]]
+                token_capture = hooks.enter_context(capture_prefix(layer, token_spans, prefix.map(input_ids.device)))
             logps, entropies, aux = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, **kwargs
             )
         blocks = self.args.probe_features
         features = torch.stack([assemble_features(blocks, c.pooled(), entropies, spans) for c in captures], dim=1)
-        self._captured = (features, spans)  # (B, len(probe_layers), D)
+        local = None
+        if prefix is not None:  # the sampled tokens' feature rows and every token's value
+            rows, values = token_capture.result(entropies)
+            local = PrefixBatch(rows, token_spans.sampled, values, token_spans.generated, token_spans.tokens)
+        self._captured = (features, spans, local)  # (B, len(probe_layers), D), the spans, the per-prefix capture
         return logps, entropies, aux
 
     def _spans(self, prompt_mask, completion_ids, completion_mask):
@@ -280,7 +300,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
             return output
         if self._captured is None:
             self._feature_pass(output, mode)
-        local_features, spans = self._captured
+        local_features, spans, local_prefix = self._captured
         self._captured = None
 
         device = self.accelerator.device
@@ -289,11 +309,14 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         rewards = self._scalar_rewards(self._gathered_rewards)
         domains = self._domain_names(inputs, num_generations)
         weights = self._row_weights(len(inputs)) if mode == "train" else None  # the prompts' importance weights
+        prefix = None if local_prefix is None else self._gather_prefix(local_prefix)
         result = self.estimator.advantages(
-            features, rewards, num_generations, domains, has_completion, weights=weights
+            features, rewards, num_generations, domains, has_completion, weights=weights, prefix=prefix
         )
-        rank = self.accelerator.process_index
-        output["advantages"] = result.advantages[rank * len(inputs) : (rank + 1) * len(inputs)]
+        rows = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
+        output["advantages"] = result.advantages[rows]
+        if result.token_advantages is not None:  # (B, T): TRL's loss takes them as they are
+            output["advantages"] = result.token_advantages[rows, : output["completion_ids"].size(1)]
         fit_metrics = {}
         if mode == "train":  # learn only after this batch's advantages were taken
             # Environment-routed datasets may have no `prompt` column; the row then names the prompt.
@@ -321,6 +344,20 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
             if not math.isnan(value):  # undefined (NaN) is left out: TRL would log None, which trackers drop
                 self._metrics[mode][f"poise/{name}"].append(value)
         return output
+
+    def _gather_prefix(self, local: PrefixBatch) -> PrefixBatch:
+        """The per-prefix capture of every process, token tensors padded to the widest completion."""
+        pad = self.accelerator.pad_across_processes
+
+        def gather(tensor: torch.Tensor | None, dim: int | None = None) -> torch.Tensor | None:
+            if tensor is None:
+                return None
+            return self.accelerator.gather(tensor.to(self.accelerator.device) if dim is None else pad(tensor, dim))
+
+        return PrefixBatch(
+            gather(local.rows), gather(local.sampled), gather(local.values, 1), gather(local.generated, 1),
+            gather(local.tokens),
+        )  # fmt: skip
 
     def _domain_names(self, inputs: list[dict], num_generations: int) -> list[str] | None:
         """Each global row's domain (identical on every rank), or None without `probe_domain_column`."""
@@ -433,8 +470,8 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
             return
         path = Path(self.args.output_dir) / "README.md"
         card = ModelCard.load(path)
-        section = self.args.card_section(
-            self.probe_layer, self.probe_layers, self._card_metrics, self.state.global_step
+        section = card_section(
+            self.args, self.probe_layer, self.probe_layers, self._card_metrics, self.state.global_step
         )
         marker = "### Framework versions"
         card.text = card.text.replace(marker, section + "\n" + marker) if marker in card.text else card.text + section

@@ -184,3 +184,47 @@ def test_prefix_advantages_mask_and_fall_back():
     expected = torch.tensor([[0.5, 0.1, 0.0], [-0.2, 0.0, -0.6], [0.25, 0.25, 0.25], [0.0, 0.0, 0.0]])
     torch.testing.assert_close(tokens, expected)
     assert prefix.tolist() == [True, True, False, False]
+
+
+def test_token_baseline_keeps_the_exact_policy_gradient():
+    """The expectation of sum_t (r - V(x, y_<t)) grad log pi(y_t | x, y_<t) is grad E[r], exactly, on a tiny model
+    whose completions can all be enumerated (vocabulary 4, 3 tokens: 64 completions, so the mean over the policy is a
+    sum, not a sample). Per-token weights are 1 (a sum over tokens): a weight 1/|y| that depends on the completion's
+    length would make any baseline biased, since the length depends on y_t and the tokens after it. A value read from
+    the state that has seen y_t (one position later) biases the gradient: the test can see a leak."""
+    from itertools import product
+
+    from .tiny_archs import causal_lm
+
+    model = causal_lm("qwen3", vocab_size=4, hidden_size=16).double()
+    layer = find_decoder_layers(model)[0]
+    prompt, length = [2, 3], 3
+    completions = [list(y) for y in product(range(4), repeat=length)]
+    ids = _batch(model, [prompt] * len(completions), completions)
+    rows, _, spans, _ = _pass(model, layer, ids, samples=length)
+    reward = torch.tensor([float(y[0] == y[2]) + 0.3 * y[1] for y in completions], dtype=torch.float64)
+    flat = rows[spans.sampled]
+    probe = fit_prefix_probe(flat, reward.repeat_interleave(length) + torch.randn(len(flat)), alpha=1.0, clip=None)
+    _, values, *_ = _pass(model, layer, ids, PrefixMap.fold(probe, 16))
+    assert values.std() > 0.1  # a baseline that moves along the completion
+
+    sequences = torch.cat([ids[0], ids[2]], dim=1)
+    logits = model(sequences).logits[:, len(prompt) - 1 : -1]
+    token_logps = logits.log_softmax(-1).gather(-1, ids[2].unsqueeze(-1)).squeeze(-1)  # (64, 3)
+    probability = token_logps.sum(1).exp()
+    assert torch.isclose(probability.sum(), torch.tensor(1.0, dtype=torch.float64))
+    parameters = list(model.parameters())
+
+    def gradient(objective: torch.Tensor) -> torch.Tensor:
+        return torch.cat([g.flatten() for g in torch.autograd.grad(objective, parameters, retain_graph=True)])
+
+    exact = gradient((probability * reward).sum())  # grad E[r]
+    weights = probability.detach().unsqueeze(1)
+
+    def per_token(baseline: torch.Tensor) -> torch.Tensor:
+        return gradient((weights * (reward.unsqueeze(1) - baseline.double()).detach() * token_logps).sum())
+
+    error = (per_token(values) - exact).norm() / exact.norm()
+    leaked = torch.cat([values[:, 1:], values[:, -1:]], dim=1)  # token t's value from the state after y_t
+    leak = (per_token(leaked) - exact).norm() / exact.norm()
+    assert error < 1e-6 and leak > 1e-2  # measured: 5e-8 (the model computes some parts in float32) and 0.96

@@ -28,6 +28,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
         probe_warmup_steps=args.probe_warmup_steps,
         probe_preset=args.probe_preset,
         paper_rules=args.paper_rules,
+        probe_granularity=args.probe_granularity,
         eval_k=args.eval_k,
         logging_steps=args.logging_steps,
         cache_dir=args.cache_dir,
@@ -97,6 +98,12 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="the paper's probe input g(φ) and RLOO bootstrap instead of the library's partner-aware probe and shrunk "
         "bootstrap",
+    )
+    parser.add_argument(
+        "--probe-granularity",
+        choices=("sequence", "prefix"),
+        default="sequence",
+        help="one baseline per rollout, or per token from the prefix (docs: the per-prefix baseline)",
     )
     parser.add_argument(
         "--logging-steps",

@@ -139,6 +139,10 @@ def _real_task(model: str, seed: int, num_train: int, num_eval: int, cache_dir: 
     return DemoTask(model_dir, train, held_out, arith_reward, ARITH_MAX_COMPLETION_LENGTH, name, model)
 
 
+# The per-prefix probe's held-out share of the reward variance, overall and by quarter of the completion.
+PREFIX_KEYS = ("poise/prefix/variance_explained", *(f"poise/prefix/variance_explained/q{q}" for q in range(1, 5)))
+
+
 def _window_mean(log_history: list[dict[str, Any]], key: str, last: int) -> float | None:
     """Mean of a metric over the last `last` logging windows that have it (the end-of-run level, less noisy)."""
     values = [e[key] for e in log_history if isinstance(e.get(key), int | float) and math.isfinite(e[key])]
@@ -161,6 +165,7 @@ def run_demo(
     probe_warmup_steps: int | None = None,
     probe_preset: str = "release",
     paper_rules: bool = False,
+    probe_granularity: str = "sequence",
     eval_k: int = 8,
     logging_steps: int | None = None,
     cache_dir: str | Path | None = None,
@@ -224,6 +229,7 @@ def run_demo(
         probe_warmup_steps=probe_warmup_steps,
         probe_preset=probe_preset,
         **(dict(probe_partner_reward=False, probe_bootstrap="rloo") if paper_rules else {}),
+        probe_granularity=probe_granularity,
     )
     table = DemoTableCallback(write=write, show_progress=show_progress)
     trainer = POISETrainer(
@@ -260,6 +266,7 @@ def run_demo(
         "num_generations": num_generations,
         "max_completion_length": demo.max_completion_length,
         "probe_warmup_steps": probe_warmup_steps,
+        "probe_granularity": probe_granularity,
         "avg_at_k_before": before["avg_at_k"],
         "avg_at_k_after": after["avg_at_k"],
         "by_difficulty_before": before["by_difficulty"],
@@ -273,6 +280,7 @@ def run_demo(
                 "poise/variance_reduction",
                 "poise/variance_reduction_bound",
                 "poise/pearson_r",
+                *(PREFIX_KEYS if probe_granularity == "prefix" else ()),
             )
         },
         "probe_feature_passes": trainer.feature_passes,
