@@ -372,8 +372,9 @@ def plot_shares(results: dict[str, Any], path: Path) -> Path:
         table = results["subspaces"][subspace]["table"]
         rules = [r for r in table if "share_grpo8" in table[r]]
         shares = [table[r]["share_grpo8"] for r in rules]
-        low = [c["value"] - c["ci"][0] if c["ci"] else 0 for c in shares]
-        high = [c["ci"][1] - c["value"] if c["ci"] else 0 for c in shares]
+        # a percentile interval of a skewed ratio may miss its point estimate: the bar then stops at the point
+        low = [max(c["value"] - c["ci"][0], 0) if c["ci"] else 0 for c in shares]
+        high = [max(c["ci"][1] - c["value"], 0) if c["ci"] else 0 for c in shares]
         ax.barh([label(r) for r in rules], [c["value"] for c in shares], xerr=[low, high], color="tab:blue", alpha=0.7)
         ax.axvline(1.0, color="black", lw=0.8)
         ax.set(
