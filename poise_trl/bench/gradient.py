@@ -299,6 +299,15 @@ def _fmt(cell: dict[str, Any] | None, digits: int = 3) -> str:
     return f"{cell['value']:.{digits}f}" + ("" if not ci else f" [{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]")
 
 
+def unstable_rules(table: dict[str, Any]) -> list[str]:
+    """The rules whose scale-matched variance's point estimate lies outside its own bootstrap interval."""
+    return [
+        rule
+        for rule, cell in table.items()
+        if (ci := cell["matched_variance"]["ci"]) and not ci[0] <= cell["matched_variance"]["value"] <= ci[1]
+    ]
+
+
 def format_report(results: dict[str, Any]) -> str:
     pool, s = results["pool"], results["settings"]
     lines = [
@@ -352,6 +361,16 @@ def format_report(results: dict[str, Any]) -> str:
             f"||g||²/W: {_fmt(block['signal_over_within'], 5)} (an unbiased rule needs its variance / ||g||² "
             "completions for a relative MSE of 1).",
         ]
+        if unstable := unstable_rules(block["table"]):
+            lines += [
+                "",
+                f"**Scale matching is unstable on this pool** for {', '.join(map(label, unstable))}: the point "
+                "estimate of the scale-matched variance lies outside its own bootstrap interval, because it divides "
+                "by estimates of ||g||² and E ĝ·g that the pool does not resolve (see ||g||²/W). Those rows' "
+                "scale-matched variances, and every share taken against them, are not meaningful here; compare "
+                "unbiased rules by their variance per completion (the share of RLOO k=2 is a ratio of two unbiased "
+                "rules' variances).",
+            ]
     lines += prefix_report(results, _fmt)
     lines += ["", f"Ranking agreement between subspaces (Kendall's tau): {results['ranking_agreement']:+.2f}"]
     cached = " (the pool's from its first run; this run read it from the cache)" if results["cached"] else ""

@@ -19,7 +19,7 @@ from poise_trl.bench.exact import (
     summarize,
     truth_weights,
 )
-from poise_trl.bench.gradient import fitted_probe, measure, online_values, separate_prompts
+from poise_trl.bench.gradient import fitted_probe, measure, online_values, separate_prompts, unstable_rules
 from poise_trl.bench.value.collect import Collection
 from poise_trl.sampling import DEFAULT_FLOOR, importance_probabilities
 from poise_trl.trainer import ESTIMATOR_FILE
@@ -227,3 +227,10 @@ def test_a_bad_sampler_floor_is_refused_before_sampling(tmp_path, capsys):
     assert cli.main(argv + ["--cache-dir", str(tmp_path), "--output-dir", str(tmp_path / "out")]) != 0
     assert "prompt_selection_floor=0.0 must be in (0, 1]" in capsys.readouterr().err
     assert not (tmp_path / "gradient").exists()  # refused before any pool was sampled
+
+
+def test_unstable_scale_matching_is_named_in_the_report():
+    steady = {"value": 2.0, "ci": [1.5, 2.8]}
+    table = {"grpo8": {"matched_variance": {"value": 71.2, "ci": [0.1, 55.6]}}, "rloo2": {"matched_variance": steady}}
+    assert unstable_rules(table) == ["grpo8"]
+    assert unstable_rules({"rloo2": {"matched_variance": steady}}) == []
