@@ -437,6 +437,7 @@ def add_probe_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     add("--critic-batch-size", type=int, default=16, help="critic training batch, in rollouts")
     add("--splits", type=int, default=10, help="prompt splits of the beyond-the-paper tables; 0 skips them")
+    add("--prefix", action="store_true", help="also the per-prefix probe's variance explained by completion position")
     add("--output-dir", default="runs/probe_bench", help="collection, results.json, results.md, figure1.png")
     add(
         "--from-collection",
