@@ -314,7 +314,8 @@ def test_per_prefix_contender_trains_and_is_paired_with_poise_default(tmp_path):
     assert paired_references("poise_prefix") == (*REFERENCES, "poise")
     out = tmp_path / "study"
     argv = ["bench", "efficiency", "--seeds", "0", "--budget", "16", "--eval-every", "8"]
-    argv += ["--completions-per-step", "8", "--eval-k", "2", "--num-eval", "8", "--warmup-steps", "5", "--jobs", "1", "--output-dir", str(out)]
+    argv += ["--completions-per-step", "8", "--eval-k", "2", "--num-eval", "8", "--warmup-steps", "5", "--jobs", "1"]
+    argv += ["--output-dir", str(out)]
     argv += ["--contenders", "poise", "poise_prefix", "--cache-dir", str(tmp_path / "models")]
     args = parse_bench(argv)
     assert args.func(args) == 0
