@@ -46,6 +46,13 @@ def test_rho_is_one_minus_mse_over_reward_variance_and_resamples_by_prompt():
     assert _rho(error, present, rewards, counts)[0, 0] == pytest.approx(
         1 - error[rows, :, 0].mean() / rewards[rows].var()
     )
+    missing = error.copy()
+    missing[0, 0, 0] = np.nan  # a rollout without a value leaves the column
+    keep = np.ones((6, 4), bool)
+    keep[0, 0] = False
+    assert _rho(missing, present, rewards, np.ones(6))[0] == pytest.approx(
+        1 - error[..., 0][keep].mean() / rewards[keep].var()
+    )
     exact = _rho((rewards[..., None] - rewards[..., None]) ** 2 * np.ones((1, 1, 2)), present, rewards, np.ones(6))
     np.testing.assert_allclose(exact, 1.0)
 
@@ -59,7 +66,12 @@ def test_command_reports_the_per_prefix_probe_beside_the_sequence_level_one(tiny
     results = _run(argv)
     prefix = results["prefix"]
     names = [row["name"] for row in prefix["table"]]
-    assert names == ["Per-prefix probe V(x, y_<t)", "Sequence-level probe (release preset)", "Train mean"]
+    assert names == [
+        "Per-prefix probe V(x, y_<t)",
+        "POISE (sequence level): the partner's probe value, G=2",
+        "Sequence-level probe on the rollout's own completion (reference, biased)",
+        "Train mean",
+    ]
     collection = Collection.load(out / "collection.safetensors")
     assert prefix["settings"] == {**prefix_probe_settings(collection.meta), "bins": 4, "layer": 2}
     assert prefix["held_out_rollouts"] == 16 and prefix["train_rollouts"] == 48

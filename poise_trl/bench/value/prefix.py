@@ -4,6 +4,7 @@ passes that give the sampled tokens' feature rows and, with a fitted map, every 
 the hook keeps (b, T) scalars, never a (N, T, d) copy of the states).
 """
 
+import math
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from poise_trl.baselines import cross_rollout_baselines
 from poise_trl.features import find_decoder_layers
 from poise_trl.prefix import PREFIX_SAMPLES, PrefixMap, PrefixSpans, capture_prefix, fit_prefix_probe, prefix_spans
 
@@ -122,9 +124,9 @@ def _squared_errors(
 
 
 def _rho(error: np.ndarray, present: np.ndarray, rewards: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """1 - E[(r - V)²] / Var(r) per column, over the rollouts present in it, for prompt weights (..., P) (the
-    point estimate: ones; a bootstrap resample: its counts). error, present: (P, k, C); rewards (P, k)."""
-    w = present * np.isfinite(rewards)[..., None]
+    """1 - E[(r - V)²] / Var(r) per column, over the rollouts present in it (finite V), for prompt weights (..., P)
+    (the point estimate: ones; a bootstrap resample: its counts). error, present: (P, k, C); rewards (P, k)."""
+    w = present & np.isfinite(rewards)[..., None] & np.isfinite(error)
     r = np.nan_to_num(rewards)[..., None]
     n, sr, srr = ((w * x).sum(1) for x in (np.ones_like(r), r, r * r))  # (P, C) per prompt
     se = (w * np.nan_to_num(error)).sum(1)
@@ -132,6 +134,23 @@ def _rho(error: np.ndarray, present: np.ndarray, rewards: np.ndarray, weights: n
     with np.errstate(invalid="ignore", divide="ignore"):
         variance = srr / n - (sr / n) ** 2
         return np.where(variance > 0, 1 - (se / n) / variance, np.nan)
+
+
+def sequence_baselines(bench: ValueBenchmark, probe: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The sequence-level rows beside the per-prefix probe, one value per held-out rollout from `probe` (the
+    sequence-level probe's held-out predictions): the baseline POISE applies, the partner's value at G =
+    `vr_group_size` (NaN past the last whole group); the rollout's own value, which reads its whole completion, so a
+    reference and not an unbiased baseline for its own tokens; and the train prompts' mean reward."""
+    g, k = bench.vr_group_size, bench.collection.k
+    used = (k // g) * g
+    own = probe.double().view(-1, k)
+    partner = torch.full_like(own, math.nan)
+    partner[:, :used] = cross_rollout_baselines(own[:, :used].reshape(-1), g).view(-1, used)
+    return {
+        f"POISE (sequence level): the partner's probe value, G={g}": partner.flatten(),
+        "Sequence-level probe on the rollout's own completion (reference, biased)": own.flatten(),
+        "Train mean": bench.train_mean(),
+    }
 
 
 def variance_explained(
@@ -214,8 +233,9 @@ def prefix_report(prefix: dict[str, Any] | None) -> list[str]:
         f'intervals over held-out prompts. The per-prefix probe is the trainer\'s (`probe_granularity="prefix"`: '
         f"layer {s['layer']}, window {s['pool_tokens']}, alpha {s['alpha']:g}, PCA {s['pca_dims']}, {s['samples']} "
         f"tokens per rollout), fitted on {prefix['train_rows']} sampled tokens of {prefix['train_rollouts']} train "
-        "rollouts; a sequence-level estimator gives every token the same value. Any baseline of the prompt alone "
-        f"explains at most {prefix['prompt_value_bound']:+.3f} (each held-out prompt's own avg@K).",
+        "rollouts. A sequence-level row gives every token of a rollout the same value: the partner's is what POISE "
+        "(default) subtracts; the own-completion one reads the rollout's last tokens. Any baseline of the prompt "
+        f"alone explains at most {prefix['prompt_value_bound']:+.3f} (each held-out prompt's own avg@K).",
         "",
         format_table(headers, [[row["name"], *map(cell, [row["all"], *row["bins"]])] for row in prefix["table"]]),
     ]

@@ -19,7 +19,7 @@ from poise_trl.probe import ValueProbe
 from ..common import config_default, resolve_device
 from .beyond import format_beyond, run_beyond
 from .collect import Collection, Log
-from .prefix import prefix_report, variance_explained
+from .prefix import prefix_report, sequence_baselines, variance_explained
 from .resolve import collect_from_args
 from .score import ValueBenchmark, parse_mlps, run_benchmark
 
@@ -204,8 +204,7 @@ def run_probe_bench(args: argparse.Namespace, log: Log = print) -> int:
     if args.prefix:
         settings = results["settings"]
         bench = ValueBenchmark(collection, args.test_fraction, args.seed, args.bootstrap, args.vr_group_size)
-        probe = bench.probe_preset(settings["features"], settings["preset"])
-        sequence = {f"Sequence-level probe ({settings['preset']} preset)": probe, "Train mean": bench.train_mean()}
+        sequence = sequence_baselines(bench, bench.probe_preset(settings["features"], settings["preset"]))
         results["prefix"] = variance_explained(
             bench, sequence, resolve_device(args.device), batch_size=args.feature_batch_size, log=log
         )
