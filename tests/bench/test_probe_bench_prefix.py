@@ -68,9 +68,10 @@ def test_command_reports_the_per_prefix_probe_beside_the_sequence_level_one(tiny
     names = [row["name"] for row in prefix["table"]]
     assert names == [
         "Per-prefix probe V(x, y_<t)",
-        "POISE (sequence level): the partner's probe value, G=2",
-        "Sequence-level probe on the rollout's own completion (reference, biased)",
+        "POISE: the partner's value, G=2",
+        "Probe on the rollout's own completion (reference, biased)",
         "Train mean",
+        "Per-prefix − POISE: the partner's value, G=2 (paired)",
     ]
     collection = Collection.load(out / "collection.safetensors")
     assert prefix["settings"] == {**prefix_probe_settings(collection.meta), "bins": 4, "layer": 2}
@@ -79,6 +80,9 @@ def test_command_reports_the_per_prefix_probe_beside_the_sequence_level_one(tiny
     for row in prefix["table"]:
         for cell in [row["all"], *row["bins"]]:
             assert cell["value"] <= 1 and cell["ci"][0] <= cell["value"] <= cell["ci"][1]
+    rows = {row["name"]: row for row in prefix["table"]}
+    difference = rows["Per-prefix probe V(x, y_<t)"]["all"]["value"] - rows[names[1]]["all"]["value"]
+    assert prefix["table"][-1]["all"]["value"] == pytest.approx(difference)
     report = (out / "results.md").read_text()
     assert "## Per-prefix value" in report and "| Per-prefix probe V(x, y_<t) |" in report
 

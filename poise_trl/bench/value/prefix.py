@@ -147,8 +147,8 @@ def sequence_baselines(bench: ValueBenchmark, probe: torch.Tensor) -> dict[str, 
     partner = torch.full_like(own, math.nan)
     partner[:, :used] = cross_rollout_baselines(own[:, :used].reshape(-1), g).view(-1, used)
     return {
-        f"POISE (sequence level): the partner's probe value, G={g}": partner.flatten(),
-        "Sequence-level probe on the rollout's own completion (reference, biased)": own.flatten(),
+        f"POISE: the partner's value, G={g}": partner.flatten(),
+        "Probe on the rollout's own completion (reference, biased)": own.flatten(),
         "Train mean": bench.train_mean(),
     }
 
@@ -163,7 +163,8 @@ def variance_explained(
 ) -> dict[str, Any]:
     """How much of the reward variance the trainer's per-prefix probe explains on held-out rollouts, overall and by
     relative position along the completion, beside sequence-level estimators (`sequence`: name -> one held-out
-    value per rollout, the order of `bench.test_rows`): rho = 1 - E[(r - V)²] / Var(r), each rollout weighing once
+    value per rollout, the order of `bench.test_rows`; the per-prefix probe's difference to the first one is given
+    paired, on the same resamples): rho = 1 - E[(r - V)²] / Var(r), each rollout weighing once
     per bin, with 95% bootstrap intervals over the held-out prompts (the resamples of `bench`'s other intervals).
 
     The probe is fitted, as `POISEConfig(probe_granularity="prefix")` fits it, on the sampled tokens of the train
@@ -193,15 +194,21 @@ def variance_explained(
         error[name] = np.broadcast_to(squared[..., None], present.shape)
     scored, index = bench.scored, bench.bootstrap_index
     counts = np.stack([np.bincount(row, minlength=int(scored.sum())) for row in index])
-    table = []
-    for name, e in error.items():
-        args = e[scored], present[scored], test_rewards.numpy()[scored]
-        point, samples = _rho(*args, np.ones(int(scored.sum()))), _rho(*args, counts)
+
+    def row(name: str, point: np.ndarray, samples: np.ndarray) -> dict[str, Any]:
         cells = [
             {"value": float(point[c]), "ci": [float(q) for q in np.nanpercentile(samples[:, c], [2.5, 97.5])]}
             for c in range(1 + bins)
         ]
-        table.append({"name": name, "all": cells[0], "bins": cells[1:]})
+        return {"name": name, "all": cells[0], "bins": cells[1:]}
+
+    rho: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for name, e in error.items():
+        args = e[scored], present[scored], test_rewards.numpy()[scored]
+        rho[name] = _rho(*args, np.ones(int(scored.sum()))), _rho(*args, counts)
+    table = [row(name, *pair) for name, pair in rho.items()]
+    (point, samples), (name, (other, other_samples)) = rho[next(iter(rho))], list(rho.items())[1]
+    table.append(row(f"Per-prefix − {name} (paired)", point - other, samples - other_samples))
     return {
         "settings": {**settings, "bins": bins, "layer": int(meta["default_layer"])},
         "train_rows": int(rows.size(0)),
