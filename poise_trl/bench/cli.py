@@ -71,6 +71,7 @@ per prompt means more distinct prompts and a lower-variance gradient):
     POISE (default)  B/2 prompts   POISETrainer with the library's defaults
     POISE +partner / +shrunk / +selection   POISE (paper) plus one beyond-the-paper option each: the partner-aware
                                    probe, the shrunk bootstrap, value-guided prompt selection
+    POISE per-prefix B/2 prompts   POISE (default) with probe_granularity="prefix": A_t = r - V(x, y_<t) per token
 
 Shared by all: the model and its warm start (per seed), the data-order seed, clip range (0.2/0.28), max completion
 length, temperature 1, no KL, one generation per optimizer step, the completions budget (`--budget`: every run stops
@@ -437,6 +438,7 @@ def add_probe_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     add("--critic-batch-size", type=int, default=16, help="critic training batch, in rollouts")
     add("--splits", type=int, default=10, help="prompt splits of the beyond-the-paper tables; 0 skips them")
+    add("--prefix", action="store_true", help="also the per-prefix probe's variance explained by completion position")
     add("--output-dir", default="runs/probe_bench", help="collection, results.json, results.md, figure1.png")
     add(
         "--from-collection",

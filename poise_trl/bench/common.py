@@ -88,15 +88,16 @@ CONTENDERS = {
             2,
             {"prompt_selection": "importance", "prompt_selection_floor": 0.5},
         ),
+        Contender("poise_prefix", "POISE per-prefix G=2", "poise", 2, {"probe_granularity": "prefix"}),
     )
 }
 # Paired statistics are taken against each: GRPO-8 (the paper's baseline) and GRPO-8 without reward scaling (POISE
 # does not scale either), DAPO-DS (behind the paper's wall-clock claim) and DAPO-DS-carry (the strongest dynamic
 # sampling) and RLOO-2 (the same prompts per step as POISE, with the plain leave-one-out baseline).
 REFERENCES = ("grpo8", "grpo8_noscale", "dapo_ds", "dapo_ds_carry", "rloo2")
-HEADLINE_CONTENDERS = ("poise", "poise_paper", "poise_importance")
+HEADLINE_CONTENDERS = ("poise", "poise_paper", "poise_importance", "poise_prefix")
 # A headline row that changes POISE (default) is also paired with it: the difference is that change's effect.
-PAIRED_WITH_DEFAULT = ("poise_importance",)
+PAIRED_WITH_DEFAULT = ("poise_importance", "poise_prefix")
 # The one-change ablations of POISE (paper) skip learning-rate tuning and run at POISE (paper)'s rate.
 ABLATIONS = ("poise_partner", "poise_shrunk", "poise_select")
 DEFAULT_SEEDS = tuple(range(20))
@@ -113,7 +114,7 @@ DAPO_MAX_ROUNDS = 8  # DAPO's recipe caps dynamic sampling at a few generation b
 GRADIENT_CONTENDERS = ("grpo8", "grpo8_noscale", "dapo_ds_carry", "rloo2", "poise_paper", "poise")  # bench gradient
 # bench gradient's per-prefix rows (--contenders adds them; they need a second gradient pass): name -> label
 GRADIENT_PREFIX_ROWS = {
-    "poise_prefix": "POISE per-prefix G=2",
+    "poise_prefix": CONTENDERS["poise_prefix"].label,
     "poise_prefix_mix": "POISE per-prefix ½ + partner ½ G=2",
 }
 

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from poise_trl.features import find_decoder_layers
-from poise_trl.prefix import PrefixMap, capture_prefix, fit_prefix_probe, prefix_spans, rollout_token_values
+from poise_trl.prefix import rollout_token_values
 
 from .common import CONTENDERS, GRADIENT_PREFIX_ROWS, resolve_device
 from .exact import (
@@ -40,14 +40,12 @@ from .exact import (
     truth_weights,
 )
 from .value.collect import Collection, Log
+from .value.prefix import fit_prefix, prefix_probe_settings, sampled_rows
 
 SUBSPACES = ("lora", "norms")
 PREFIX_ROWS = GRADIENT_PREFIX_ROWS
 PREFIX_MIX = {"poise_prefix": 1.0, "poise_prefix_mix": 0.5}  # the weight of V_{i,t}; the rest is the partner's value
 PREFIX_COMPARATORS = ("grpo8", "rloo2", "poise")
-# The per-prefix probe: positions sampled per probe-pool rollout, and the release preset's ridge and PCA (prompt,
-# prefix) dimensions.
-PREFIX_PROBE = {"samples": 4, "alpha": 100.0, "pca_dims": (32, 64)}
 TokenValues = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 """(rollout index, the hooked layer's output (L, d) over prompt + completion, the (T,) entropies of the distributions
 that emitted the completion) -> (T,) V_{i,t}; it may read the output at positions before each token only."""
@@ -135,49 +133,19 @@ def family_gram(g: torch.Tensor, h: torch.Tensor, k: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------- the per-prefix probe
-@torch.no_grad()
-def probe_pool_rows(
-    model: Any, probe: Collection, keep: np.ndarray, batch_size: int = 64, seed: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, F) per-prefix feature rows at `PREFIX_PROBE["samples"]` positions of every rollout of the probe pool's
-    prompts `keep`, and their rollouts' rewards (M,): one teacher-forced pass per batch, padded as TRL pads."""
-    from trl.trainer.utils import entropy_from_logits
-
-    layer = find_decoder_layers(model)[int(probe.meta["default_layer"])]
-    temperature = float(probe.meta.get("temperature", 1.0))
-    device = next(model.parameters()).device
-    rollouts = torch.from_numpy((keep[:, None] * probe.k + np.arange(probe.k)).ravel())
-    generator = torch.Generator().manual_seed(seed)
-    rows, targets = [], []
-    for chunk in rollouts.split(batch_size):
-        prompt_ids = probe.prompt_ids[probe.prompt_index[chunk]]
-        prompt_mask = probe.prompt_mask[probe.prompt_index[chunk]]
-        completion_ids, completion_mask = probe.completion_ids[chunk].long(), probe.completion_mask[chunk].long()
-        spans = prefix_spans(
-            prompt_mask, completion_mask, int(probe.meta["default_pool"]), PREFIX_PROBE["samples"], None, generator
-        )
-        with capture_prefix(layer, spans, None) as capture:
-            logits = model(
-                input_ids=torch.cat([prompt_ids, completion_ids], 1).to(device),
-                attention_mask=torch.cat([prompt_mask, completion_mask], 1).to(device),
-            ).logits[:, prompt_ids.size(1) - 1 : -1]
-        batch_rows, _ = capture.result(entropy_from_logits(logits.float() / temperature).cpu())
-        sampled = spans.sampled & probe.rewards[chunk].isfinite()[:, None]
-        rows.append(batch_rows.cpu()[sampled])
-        targets.append(probe.rewards[chunk][:, None].expand_as(sampled)[sampled])
-    return torch.cat(rows), torch.cat(targets)
-
-
 def prefix_token_values(model: Any, probe: Collection, keep: np.ndarray, seed: int = 0) -> TokenValues:
-    """The per-prefix probe fitted on the probe pool, as `rollout_gradients`' token values for the measured pool."""
-    rows, targets = probe_pool_rows(model, probe, keep, seed=seed)
-    fitted = fit_prefix_probe(rows, targets, PREFIX_PROBE["alpha"], PREFIX_PROBE["pca_dims"])
-    prefix_map = PrefixMap.fold(fitted, int(probe.meta["hidden_size"]))
-    pool = int(probe.meta["default_pool"])
+    """The per-prefix probe, with the trainer's settings (`prefix_probe_settings`), fitted on the sampled tokens of
+    every rollout of the probe pool's prompts `keep`, as `rollout_gradients`' token values for the measured pool."""
+    settings = prefix_probe_settings(probe.meta)
+    rollouts = torch.from_numpy((keep[:, None] * probe.k + np.arange(probe.k)).ravel())
+    rows, targets = sampled_rows(model, probe, rollouts, settings, seed=seed)
+    prefix_map = fit_prefix(rows, targets, settings, int(probe.meta["hidden_size"]))
 
     def values(index: int, hidden: torch.Tensor, entropies: torch.Tensor) -> torch.Tensor:
         completion = entropies.numel()
-        return rollout_token_values(hidden, hidden.size(0) - completion, entropies, prefix_map.to(hidden.device), pool)
+        return rollout_token_values(
+            hidden, hidden.size(0) - completion, entropies, prefix_map.to(hidden.device), settings["pool_tokens"]
+        )
 
     return values
 
@@ -195,7 +163,7 @@ def load_families(
     """The (2N, 2N) Gram matrices of [g; h] per subspace and {"seconds", "mean_value"}, from the pool's folder when
     an earlier run with the same per-prefix probe made them (the rows without prefix values never read this file)."""
     files = folder / "prefix_grams.safetensors", folder / "prefix_grams.json"
-    settings = {**PREFIX_PROBE, "probe_prompts": len(keep), "seed": seed}
+    settings = {**prefix_probe_settings(probe.meta), "probe_prompts": len(keep), "seed": seed}
     if all(f.exists() for f in files) and json.loads(files[1].read_text())["settings"] == json.loads(
         json.dumps(settings)
     ):

@@ -14,7 +14,14 @@ import torch
 
 import poise_trl
 from poise_trl.bench.cli import add_efficiency_parser
-from poise_trl.bench.common import CONTENDERS, PAPER_PINS, REFERENCES, environment, smallest_p_holm
+from poise_trl.bench.common import (
+    CONTENDERS,
+    PAPER_PINS,
+    REFERENCES,
+    environment,
+    paired_references,
+    smallest_p_holm,
+)
 from poise_trl.bench.efficiency import HeldOutCurve, _config, micro_batching
 from poise_trl.bench.report import _log_ratio, _wilcoxon, goal, holm, summarize_task, verdict, write_report
 from poise_trl.bench.settings import EfficiencySettings
@@ -73,7 +80,7 @@ def test_contender_configs(tmp_path):
     assert _config(CONTENDERS["grpo8_noscale"], task, args, 0, tmp_path, 1e-5).scale_rewards == "none"
     carry = _config(CONTENDERS["dapo_ds_carry"], task, args, 0, tmp_path, 1e-5)
     assert carry.num_generations == 8 and carry.loss_type == "dapo" and carry.scale_rewards == "group"
-    for name in ("poise_partner", "poise_shrunk", "poise_select"):
+    for name in ("poise_partner", "poise_shrunk", "poise_select", "poise_prefix"):
         if unavailable_reason(CONTENDERS[name]) is None:
             config = _config(CONTENDERS[name], task, args, 0, tmp_path, 1e-5)
             assert all(getattr(config, k) == v for k, v in CONTENDERS[name].overrides.items())
@@ -298,3 +305,21 @@ def test_efficiency_study_smoke_resumes_and_reports(tmp_path, capsys):
     with pytest.raises(SystemExit, match="other settings"):
         args = parse_bench([*argv, "--eval-k", "4"])
         args.func(args)
+
+
+def test_per_prefix_contender_trains_and_is_paired_with_poise_default(tmp_path):
+    """POISE per-prefix is a headline row paired with the references and with POISE (default): the difference is
+    the per-prefix baseline's effect. A two-step run exercises its capture, buffer and fit (the prefix probe is not
+    trusted before `probe_warmup_steps`, so this checks that it trains, not what it gains)."""
+    assert paired_references("poise_prefix") == (*REFERENCES, "poise")
+    out = tmp_path / "study"
+    argv = ["bench", "efficiency", "--seeds", "0", "--budget", "16", "--eval-every", "8"]
+    argv += ["--completions-per-step", "8", "--eval-k", "2", "--num-eval", "8", "--warmup-steps", "5", "--jobs", "1"]
+    argv += ["--output-dir", str(out)]
+    argv += ["--contenders", "poise", "poise_prefix", "--cache-dir", str(tmp_path / "models")]
+    args = parse_bench(argv)
+    assert args.func(args) == 0
+    (run,) = out.glob("runs/sort/poise_prefix/*.json")
+    assert json.loads(run.read_text())["completions_generated"] >= 16
+    entry = json.loads((out / "efficiency.json").read_text())["tasks"]["sort"]["contenders"]["poise_prefix"]
+    assert entry["label"] == "POISE per-prefix G=2" and set(entry["paired"]) == {"poise"}

@@ -22,6 +22,7 @@ from poise_trl.bench.exact import (
 )
 from poise_trl.bench.prefix_gradient import PREFIX_ROWS, rollout_gradients
 from poise_trl.bench.value.collect import Collection
+from poise_trl.bench.value.prefix import prefix_probe_settings
 
 TYPES, TOKENS, DIM, K = 10, 4, 4, 12
 RNG = np.random.default_rng(0)
@@ -184,3 +185,38 @@ def test_command_adds_the_per_prefix_rows_and_caches_their_pass(tiny_model_path,
     assert cli.main(_argv(tiny_model_path, tmp_path, out, [*rules, *PREFIX_ROWS])) == 0  # from the cache
     again = json.loads((out / "results.json").read_text())
     assert again["prefix"]["subspaces"] == results["prefix"]["subspaces"]
+    # a Gram made with other per-prefix probe settings is recomputed, not reused
+    info = folder / "prefix_grams.json"
+    stale = json.loads(info.read_text())
+    stale["settings"]["alpha"] *= 2
+    info.write_text(json.dumps(stale))
+    assert cli.main(_argv(tiny_model_path, tmp_path, out, [*rules, *PREFIX_ROWS])) == 0
+    assert json.loads(info.read_text())["settings"] == results_settings(folder)
+    assert json.loads((out / "results.json").read_text())["prefix"]["subspaces"] == results["prefix"]["subspaces"]
+
+
+def results_settings(folder):
+    """The settings the command keys its per-prefix cache with: the trainer's prefix probe's, plus the pool's."""
+    pool = Collection.load(folder / "probe_pool.safetensors")
+    return {**prefix_probe_settings(pool.meta), "probe_prompts": 24, "seed": 0}
+
+
+def test_the_prefix_probe_settings_are_the_trainers(tiny_model_path, tmp_path):
+    """`bench gradient` and `probe-bench --prefix` fit the per-prefix probe the trainer builds from
+    POISEConfig(probe_granularity="prefix"): its estimator's alpha, PCA dims, clip, and the window and samples."""
+    from poise_trl import POISEConfig
+    from poise_trl.estimator import POISEEstimator
+    from poise_trl.prefix import PREFIX_SAMPLES
+
+    meta = {"default_layer": 1, "default_pool": 3, "num_layers": 4, "hidden_size": 16}
+    config = POISEConfig(output_dir=str(tmp_path), use_cpu=True, probe_granularity="prefix", probe_layer=1,
+                         probe_pool_tokens=3)  # fmt: skip
+    estimator = POISEEstimator(2, **config.estimator_settings(4, 16))
+    settings = prefix_probe_settings(meta)
+    assert settings == {
+        "samples": PREFIX_SAMPLES,
+        "pool_tokens": 3,
+        "alpha": estimator.prefix.alpha,
+        "pca_dims": list(estimator.prefix.pca_dims),
+        "clip": estimator.prefix.clip,
+    }

@@ -19,8 +19,9 @@ from poise_trl.probe import ValueProbe
 from ..common import config_default, resolve_device
 from .beyond import format_beyond, run_beyond
 from .collect import Collection, Log
+from .prefix import prefix_report, sequence_baselines, variance_explained
 from .resolve import collect_from_args
-from .score import parse_mlps, run_benchmark
+from .score import ValueBenchmark, parse_mlps, run_benchmark
 
 COLLECTION_FILE = "collection.safetensors"
 RESULTS_FILE = "results.json"
@@ -199,7 +200,16 @@ def run_probe_bench(args: argparse.Namespace, log: Log = print) -> int:
             args.vr_group_size,
         )  # fmt: skip
         log(f"      beyond-the-paper study over {args.splits} splits done")
-    report = format_report(results)
+    results["prefix"] = None
+    if args.prefix:
+        settings = results["settings"]
+        bench = ValueBenchmark(collection, args.test_fraction, args.seed, args.bootstrap, args.vr_group_size)
+        sequence = sequence_baselines(bench, bench.probe_preset(settings["features"], settings["preset"]))
+        results["prefix"] = variance_explained(
+            bench, sequence, resolve_device(args.device), batch_size=args.feature_batch_size, log=log
+        )
+        log(f"      per-prefix variance explained done ({results['prefix']['seconds']:.0f}s)")
+    report = "\n".join([format_report(results), *prefix_report(results["prefix"])])
     log("[4/4] report\n")
     log(report)
     if args.export:
