@@ -15,7 +15,7 @@ from .test_training_options import LOSS_TYPES
 from .test_vision import _args as vision_args
 from .test_vision import _image_prompts as image_prompts
 from .test_vision import vlm_path  # noqa: F401 (a fixture)
-from .tiny_archs import SpyTrainer, code_reward, prompts, save_causal_lm
+from .tiny_archs import SpyTrainer, code_reward, env_rollout, prompts, save_causal_lm
 
 
 @pytest.fixture(scope="module")
@@ -171,17 +171,7 @@ def test_environment_tokens_get_no_baseline(model_path, tmp_path, monkeypatch):
     feedback tokens get advantage 0 and are never sampled for the probe; the policy's tokens after them get r - V."""
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
 
-    def rollout(prompts, trainer):
-        encode = lambda text: trainer.processing_class(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-        out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []}
-        for i, prompt in enumerate(prompts):
-            parts = [(f"move{i}", 1), ("feedback", 0), (f"{i % 3}ok", 1)]
-            completion = [(token, keep) for text, keep in parts for token in encode(text)]
-            out["prompt_ids"].append(encode(prompt))
-            out["completion_ids"].append([token for token, _ in completion])
-            out["env_mask"].append([keep for _, keep in completion])
-            out["logprobs"].append([0.0] * len(completion))
-        return out
+    rollout = env_rollout(lambda i: [(f"move{i}", 1), ("feedback", 0), (f"{i % 3}ok", 1)])
 
     args = short_args(tmp_path, probe_granularity="prefix", max_steps=3, max_completion_length=32)
     trainer = PrefixSpy(str(model_path), code_reward, args=args, train_dataset=prompts(), rollout_func=rollout)

@@ -16,7 +16,14 @@ from datasets import Dataset
 from poise_trl import POISEConfig
 
 from .conftest import score_and_capture_features, short_args
-from .tiny_archs import SpyTrainer, assert_poise_advantages_reach_the_loss, causal_lm, char_tokenizer, code_reward
+from .tiny_archs import (
+    SpyTrainer,
+    assert_poise_advantages_reach_the_loss,
+    causal_lm,
+    char_tokenizer,
+    code_reward,
+    env_rollout,
+)
 
 POOL = 3
 THINK_CALL = (
@@ -185,18 +192,9 @@ def test_environment_factory_with_an_environment_only_dataset(tool_model, tmp_pa
 def test_rollout_func_with_env_mask(tool_model, tmp_path):
     """A custom rollout whose completions interleave policy tokens and environment feedback (`env_mask` 0)."""
 
-    def rollout(prompts, trainer):
-        tokenizer = trainer.processing_class
-        encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-        out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []}
-        for i, prompt in enumerate(prompts):
-            parts = [(f"<think>\n{i}</think>\n\nmove", 1), ("\nfeedback: a</think>b\n", 0), (f"{i % 3}<|im_end|>", 1)]
-            completion = [(token, keep) for text, keep in parts for token in encode(text)]
-            out["prompt_ids"].append(encode(prompt))
-            out["completion_ids"].append([token for token, _ in completion])
-            out["env_mask"].append([keep for _, keep in completion])
-            out["logprobs"].append([0.0] * len(completion))
-        return out
+    rollout = env_rollout(
+        lambda i: [(f"<think>\n{i}</think>\n\nmove", 1), ("\nfeedback: a</think>b\n", 0), (f"{i % 3}<|im_end|>", 1)]
+    )
 
     dataset = Dataset.from_list([{"prompt": f"q{i}"} for i in range(4)])
     trainer = Recording(

@@ -2,6 +2,7 @@
 computed next to what TRL's loss received, for the drop-in tests (`test_grpo_parity`, `test_training_options`,
 `test_tools`, `test_vision`)."""
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,24 @@ def prompts(n: int = 8, conversational: bool = False) -> Dataset:
     if conversational:
         return Dataset.from_list([{"prompt": [{"role": "user", "content": t}]} for t in texts])
     return Dataset.from_list([{"prompt": t} for t in texts])
+
+
+def env_rollout(parts: Callable[[int], list[tuple[str, int]]]) -> Callable:
+    """A TRL `rollout_func` whose i-th completion is `parts(i)`: (text, 1) pieces the policy wrote and (text, 0)
+    environment feedback (`env_mask` 0), tokenized by the trainer's tokenizer, log-probs 0."""
+
+    def rollout(prompts: list, trainer: Any) -> dict[str, list]:
+        encode = lambda text: trainer.processing_class(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []}
+        for i, prompt in enumerate(prompts):
+            completion = [(token, keep) for text, keep in parts(i) for token in encode(text)]
+            out["prompt_ids"].append(encode(prompt))
+            out["completion_ids"].append([token for token, _ in completion])
+            out["env_mask"].append([keep for _, keep in completion])
+            out["logprobs"].append([0.0] * len(completion))
+        return out
+
+    return rollout
 
 
 def completion_text(completion: Any) -> str:
