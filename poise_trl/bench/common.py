@@ -117,6 +117,7 @@ GRADIENT_PREFIX_ROWS = {
     "poise_prefix": CONTENDERS["poise_prefix"].label,
     "poise_prefix_mix": "POISE per-prefix ½ + partner ½ G=2",
 }
+PREFIX_SAMPLED_ROW = ("poise_prefix_probe_sampler", "POISE per-prefix + probe sampler G=2")  # with poise_prefix
 
 
 def paired_references(name: str) -> tuple[str, ...]:

@@ -45,6 +45,7 @@ from .exact import point_and_interval as _interval
 from .gradient_samplers import oracle_samplers, probe_sampler, row_labels, sampled_rows
 from .prefix_gradient import (
     PREFIX_COMPARATORS,
+    PREFIX_LABELS,
     PREFIX_ROWS,
     SUBSPACES,
     gram,
@@ -289,7 +290,7 @@ def ranking_agreement(results: dict[str, Any]) -> float:
 
 # ---------------------------------------------------------------------------------------------------- report
 def label(rule: str) -> str:
-    return EXTRA_ROWS.get(rule) or PREFIX_ROWS.get(rule) or CONTENDERS[rule].label
+    return EXTRA_ROWS.get(rule) or PREFIX_LABELS.get(rule) or CONTENDERS[rule].label
 
 
 def _fmt(cell: dict[str, Any] | None, digits: int = 3) -> str:
@@ -432,7 +433,9 @@ def run_gradient(args: argparse.Namespace, log: Log = print) -> int:
     measured = measure(rewards, values, pool["grams"], contenders, args.bootstrap, args.seed, prompt_sampler)
     seconds["measure"] = time.perf_counter() - t
     comparators = rule_moments(rewards, values, [c for c in PREFIX_COMPARATORS if c in contenders], probe=False)
-    prefix = run_prefix(args, collection, probe, keep, folder, rewards, values, comparators, measured, log)
+    prefix = run_prefix(
+        args, collection, probe, keep, folder, rewards, values, comparators, measured, prompt_sampler, log
+    )
     seconds.update(prefix.pop("seconds", {}))
     seconds["total"] = time.perf_counter() - start
     by_prompt = collection.rewards.view(-1, collection.k)

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from poise_trl.features import find_decoder_layers
 from poise_trl.prefix import rollout_token_values
 
-from .common import CONTENDERS, GRADIENT_PREFIX_ROWS, resolve_device
+from .common import CONTENDERS, GRADIENT_PREFIX_ROWS, PREFIX_SAMPLED_ROW, resolve_device
 from .exact import (
     PoolGram,
     RuleMoments,
@@ -44,6 +44,7 @@ from .value.prefix import fit_prefix, prefix_probe_settings, sampled_rows
 
 SUBSPACES = ("lora", "norms")
 PREFIX_ROWS = GRADIENT_PREFIX_ROWS
+PREFIX_LABELS = {**PREFIX_ROWS, PREFIX_SAMPLED_ROW[0]: PREFIX_SAMPLED_ROW[1]}  # the rows measured, with their labels
 PREFIX_MIX = {"poise_prefix": 1.0, "poise_prefix_mix": 0.5}  # the weight of V_{i,t}; the rest is the partner's value
 PREFIX_COMPARATORS = ("grpo8", "rloo2", "poise")
 TokenValues = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -194,10 +195,12 @@ def measure_prefix(
     rules: list[str],
     bootstrap: int,
     seed: int,
+    prompt_sampler: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """Per subspace: the per-prefix rows' cells as `gradient.measure` makes them (variance and scale-matched
     variance in W, bias² in ||g||², shares of each comparator's completions, on the same bootstrap resamples), and
-    the unbiasedness check ||E h||² / ||g||² (h with the per-prefix baseline's own V)."""
+    the unbiasedness check ||E h||² / ||g||² (h with the per-prefix baseline's own V). With `prompt_sampler` (the
+    probe sampler's q over the prompts) and poise_prefix among `rules`, poise_prefix again under that sampler."""
     num_prompts, k = rewards.shape
     counts = bootstrap_counts(num_prompts, bootstrap, seed)
     weights = counts / counts.sum(1, keepdims=True)
@@ -210,11 +213,14 @@ def measure_prefix(
     for subspace, matrix in families.items():
         pool = PoolGram(num_prompts, 2 * k, gram=matrix.double().numpy())
         stats = {rule: summarize(pool, m, truth, counts) for rule, m in moments.items()}
+        if prompt_sampler is not None and "poise_prefix" in rules:
+            sampled = summarize(pool, moments["poise_prefix"], truth, counts, prompt_sampler)
+            stats[PREFIX_SAMPLED_ROW[0]] = sampled
         gg = stats[rules[0]]["signal"]
         matched = {rule: s["variance"] * (gg / s["mean_dot"]) ** 2 for rule, s in stats.items()}
         within = weights @ (pool.second(np.pad(noise, pad)) - pool.second(np.pad(signal, pad)))
         table = {}
-        for rule in rules:
+        for rule in [r for r in (*rules, PREFIX_SAMPLED_ROW[0]) if r in stats]:
             table[rule] = {
                 "variance": point_and_interval(stats[rule]["variance"] / within),
                 "bias2": point_and_interval(stats[rule]["bias2"] / gg),
@@ -237,11 +243,12 @@ def run_prefix(
     values: dict[str, np.ndarray],
     comparators: dict[str, RuleMoments],
     measured: dict[str, Any],
+    prompt_sampler: np.ndarray | None = None,
     log: Log = print,
 ) -> dict[str, Any]:
-    """The per-prefix rows asked for in --contenders, against the `comparators` among `PREFIX_COMPARATORS` (their
-    sequence-level moments): added to `measured`'s tables; their check, probe and timing returned ({} when none was
-    asked for)."""
+    """The per-prefix rows asked for in --contenders (and poise_prefix under `prompt_sampler`), against the
+    `comparators` among `PREFIX_COMPARATORS` (their sequence-level moments): added to `measured`'s tables; their
+    check, probe and timing returned ({} when none was asked for)."""
     rules = [r for r in args.contenders if r in PREFIX_ROWS]
     if not rules:
         return {}
@@ -255,7 +262,7 @@ def run_prefix(
     families, info = load_families(collection, probe, keep, folder, model, args.lora_rank, args.seed, log)
     comparators = {c: comparators[c] for c in PREFIX_COMPARATORS if c in comparators}
     out = measure_prefix(rewards, comparators, values["poise"].reshape(rewards.shape), families, rules,
-                         args.bootstrap, args.seed)  # fmt: skip
+                         args.bootstrap, args.seed, prompt_sampler)  # fmt: skip
     for subspace, block in out.items():
         measured[subspace]["table"].update(block["table"])
     return {
@@ -288,6 +295,6 @@ def prefix_report(results: dict[str, Any], fmt: Callable[[dict[str, Any] | None,
                 for c in PREFIX_COMPARATORS
                 if f"share_{c}" in cell
             )
-            lines.append(f"- {subspace}, {PREFIX_ROWS[rule]}: share of {shares}")
+            lines.append(f"- {subspace}, {PREFIX_LABELS[rule]}: share of {shares}")
         lines.append(f"- {subspace}, ||E h||² / ||g||²: {fmt(block['mean_h_sq_over_signal'], 4)}")
     return lines

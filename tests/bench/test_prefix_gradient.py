@@ -178,8 +178,13 @@ def test_command_adds_the_per_prefix_rows_and_caches_their_pass(tiny_model_path,
             assert cell["share_poise"]["value"] == pytest.approx(
                 cell["matched_variance"]["value"] / table["poise"]["matched_variance"]["value"], rel=1e-6
             )
+        # poise_prefix under the probe sampler: unbiased, its own variance (the sampler's q is not uniform)
+        sampled = table["poise_prefix_probe_sampler"]
+        assert abs(sampled["bias2"]["value"]) < 1e-9
+        assert sampled["variance"]["value"] != pytest.approx(table["poise_prefix"]["variance"]["value"])
     report = (out / "results.md").read_text()
     assert "POISE per-prefix G=2" in report and "||E h||² / ||g||²" in report
+    assert "POISE per-prefix + probe sampler G=2" in report
     seconds = results["seconds"]
     assert seconds["prefix_gradients"] > 0
     assert cli.main(_argv(tiny_model_path, tmp_path, out, [*rules, *PREFIX_ROWS])) == 0  # from the cache
