@@ -62,7 +62,9 @@ CACHE_KEYS = (  # the arguments that decide a pool's content
     "model dataset split task reward_fn num_prompts k temperature top_p max_new_tokens layer pool_tokens "
     "reasoning_end_marker seed lora_rank probe_prompts batch_size backend device"
 ).split()
-COMPARATORS = ("grpo8", "rloo2")  # shares are variance ratios against these
+# shares are variance ratios against these; GRPO G=8 without std scaling is the G = 8 comparator that stays defined
+# where a pool does not resolve ||g||² (its mean is exactly 7/8 of g, so its scale matching is exact)
+COMPARATORS = ("grpo8", "grpo8_noscale", "rloo2")
 EXTRA_ROWS = {"oracle": "Oracle baseline (true p) G=2", **row_labels()}
 
 
@@ -321,16 +323,16 @@ def format_report(results: dict[str, Any]) -> str:
         "",
         "POISE's probes: " + "; ".join(f"{label(r)}: {src}" for r, src in results["probes"].items()) + ".",
         "",
-        "Columns: the per-completion variance B·tr Cov(ĝ), in units of W = E tr Cov((r − p) ∇log π | x), the "
-        "within-prompt noise that no sequence-level baseline removes (a G = 2 rule with the true success rate p as "
-        "baseline pays W + 2 Bv); bias² = ||E ĝ − g||² relative to ||g||² (g the true gradient); the scale-matched "
-        "variance, of ĝ·||g||²/(E ĝ·g), what a tuned learning rate sees (equal to the variance for unbiased rules, "
-        "fair to rules that rescale); shares are ratios of scale-matched variances: the completions a rule needs, as "
-        "a share of GRPO G=8's and RLOO k=2's, for the same error. DAPO-DS-carry keeps a fixed number of informative "
-        "groups and is charged its expected G/q completions per kept group. The oracle sampler draws prompts with "
-        "probability ∝ sqrt(E[(r − b)² | x]) read off the pool, weighted 1/(n q); the probe sampler draws them as "
-        "prompt_selection='importance' does online, from POISE (default)'s prompt-only probe before generating "
-        "(q ∝ sqrt(v(1 − v)) mixed with uniform at the floor "
+        "Columns: the per-completion variance B·tr Cov(ĝ), in units of W = E tr Cov((r − p) ∇log π | x), the within-"
+        "prompt noise that no sequence-level baseline removes (a G = 2 rule with the true success rate p as baseline "
+        "pays W + 2 Bv); bias² = ||E ĝ − g||² relative to ||g||² (g the true gradient); the scale-matched variance, "
+        "of ĝ·||g||²/(E ĝ·g), what a tuned learning rate sees (equal to the variance for unbiased rules, fair to "
+        "rules that rescale); shares are ratios of scale-matched variances: the completions a rule needs, as a share "
+        "of GRPO G=8's (with and without std scaling) and RLOO k=2's, for the same error. DAPO-DS-carry keeps a fixed"
+        " number of informative groups and is charged its expected G/q completions per kept group. The oracle sampler"
+        " draws prompts with probability ∝ sqrt(E[(r − b)² | x]) read off the pool, weighted 1/(n q); the probe "
+        "sampler draws them as prompt_selection='importance' does online, from POISE (default)'s prompt-only probe "
+        "before generating (q ∝ sqrt(v(1 − v)) mixed with uniform at the floor "
         f"{s['prompt_selection_floor']}), weighted 1/(n q).",
     ]
     for subspace in SUBSPACES:
@@ -343,6 +345,7 @@ def format_report(results: dict[str, Any]) -> str:
                 _fmt(c["bias2"]),
                 _fmt(c["matched_variance"], 2),
                 _fmt(c.get("share_grpo8"), 2),
+                _fmt(c.get("share_grpo8_noscale"), 2),
                 _fmt(c.get("share_rloo2"), 2),
             ]
             for rule, c in block["table"].items()
@@ -353,6 +356,7 @@ def format_report(results: dict[str, Any]) -> str:
             "Bias² (||g||²)",
             "Scale-matched variance (W)",
             "Share of GRPO G=8",
+            "Share of GRPO G=8 no-scale",
             "Share of RLOO k=2",
         ]
         lines.append(format_table(headers, rows))

@@ -46,7 +46,7 @@ SUBSPACES = ("lora", "norms")
 PREFIX_ROWS = GRADIENT_PREFIX_ROWS
 PREFIX_LABELS = {**PREFIX_ROWS, PREFIX_SAMPLED_ROW[0]: PREFIX_SAMPLED_ROW[1]}  # the rows measured, with their labels
 PREFIX_MIX = {"poise_prefix": 1.0, "poise_prefix_mix": 0.5}  # the weight of V_{i,t}; the rest is the partner's value
-PREFIX_COMPARATORS = ("grpo8", "rloo2", "poise")
+PREFIX_COMPARATORS = ("grpo8", "grpo8_noscale", "rloo2", "poise")
 TokenValues = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 """(rollout index, the hooked layer's output (L, d) over prompt + completion, the (T,) entropies of the distributions
 that emitted the completion) -> (T,) V_{i,t}; it may read the output at positions before each token only."""

@@ -192,6 +192,10 @@ def test_command_end_to_end_on_the_tiny_model(tiny_model_path, tmp_path):
             sampled, plain = (table[r]["variance"]["value"] for r in (f"{rule}_probe_sampler", rule))
             assert sampled != pytest.approx(plain)
         assert table["grpo8"]["share_grpo8"]["value"] == pytest.approx(1.0)
+        # no std scaling: the mean is exactly 7/8 of g, so its scale-matched variance is its variance x (8/7)²
+        noscale = table["grpo8_noscale"]
+        assert noscale["share_grpo8_noscale"]["value"] == pytest.approx(1.0)
+        assert noscale["matched_variance"]["value"] == pytest.approx(noscale["variance"]["value"] * (8 / 7) ** 2)
     assert "POISE (default) + probe sampler G=2" in (out / "results.md").read_text()
     assert (out / "gradient.png").stat().st_size > 0
     first = (out / "results.md").read_text()
