@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
 from poise_trl.config import POISEConfig
+from poise_trl.resume import ESTIMATOR_FILE
 from poise_trl.trainer import POISETrainer
 
 from .arith import ARITH_MAX_COMPLETION_LENGTH, DEFAULT_FAMILIES, arith_reward, make_arith_splits
@@ -244,6 +245,9 @@ def run_demo(
     train_seconds = time.perf_counter() - train_start
     trainer.save_state()
     trainer.save_model(str(output_dir / "final"))
+    trainer.save_probe(
+        output_dir / "final" / ESTIMATOR_FILE
+    )  # the probe beside the policy it learned (bench gradient)
 
     write(f"[4/4] held-out avg@{eval_k} after RL")
     after = evaluate(trainer.model)

@@ -7,6 +7,7 @@ import pytest
 from poise_trl import cli
 from poise_trl.demo import run
 from poise_trl.demo.plots import load_log_history
+from poise_trl.resume import ESTIMATOR_FILE
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STEPS = 6
@@ -52,6 +53,7 @@ def test_demo_writes_summary_plot_state_and_model(demo_run):
     assert (on_disk["plot"], on_disk["final_model_dir"]) == (run.PLOT_FILE, "final")
     assert "/" not in on_disk["model_dir"]
     assert (run_dir / "final" / "config.json").exists()
+    assert (run_dir / "final" / ESTIMATOR_FILE).exists()  # the trained probe travels with the final model
     history = load_log_history(run_dir)
     assert [e["step"] for e in history if "reward" in e] == list(range(1, STEPS + 1))
     assert all("poise/mae" in e for e in history if "reward" in e)
