@@ -182,9 +182,9 @@ def learning_rates(study: Study, task: str, contenders: list[Contender]) -> dict
     rates = {name: {**tuned[name], "source": "tuned"} for name in tuned}
     for name in ablations:
         rates[name] = {"learning_rate": tuned["poise_paper"]["learning_rate"], "source": "poise_paper's tuned rate"}
-    _write_atomic(
-        study.results_dir / f"tuning_{task}.json", {"task": task, "tuning_seeds": settings.tuning_seeds, **rates}
-    )
+    path = study.results_dir / f"tuning_{task}.json"
+    earlier = json.loads(path.read_text()) if path.exists() else {}  # a run of some contenders keeps the others'
+    _write_atomic(path, {**earlier, "task": task, "tuning_seeds": settings.tuning_seeds, **rates})
     return rates
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import poise_trl
+from poise_trl.bench import study as study_module
 from poise_trl.bench.cli import add_efficiency_parser
 from poise_trl.bench.common import (
     CONTENDERS,
@@ -323,3 +324,17 @@ def test_per_prefix_contender_trains_and_is_paired_with_poise_default(tmp_path):
     assert json.loads(run.read_text())["completions_generated"] >= 16
     entry = json.loads((out / "efficiency.json").read_text())["tasks"]["sort"]["contenders"]["poise_prefix"]
     assert entry["label"] == "POISE per-prefix G=2" and set(entry["paired"]) == {"poise"}
+
+
+def test_tuning_one_contender_keeps_the_other_contenders_tuned_rates(tmp_path, monkeypatch):
+    """A study run on a subset of contenders (adding one to a finished study) merges into `tuning_TASK.json`."""
+    settings = EfficiencySettings.from_args(
+        parse_bench(["bench", "efficiency", "--tune-lr", "--output-dir", str(tmp_path)])
+    )
+    earlier = {"task": "sort", "tuning_seeds": [1000], "grpo8": {"learning_rate": 5e-5, "source": "tuned"}}
+    (tmp_path / "tuning_sort.json").write_text(json.dumps(earlier))
+    monkeypatch.setattr(study_module, "tune", lambda study, task, names: {n: {"learning_rate": 2.5e-5} for n in names})
+    study_module.learning_rates(study_module.Study(settings, None), "sort", [CONTENDERS["poise_importance"]])
+    written = json.loads((tmp_path / "tuning_sort.json").read_text())
+    assert written["grpo8"] == earlier["grpo8"]
+    assert written["poise_importance"] == {"learning_rate": 2.5e-5, "source": "tuned"}
