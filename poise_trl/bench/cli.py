@@ -139,8 +139,12 @@ generation dominates the step, as it does at real scale. Each length has two row
     computes old log-probs and POISE captures its features inside that pass.
 With `--per-device-batch-size` each optimizer step accumulates micro-batches to the same completions per step.
 A cycle is one generation and its optimizer steps. POISE's probe buffer is filled to capacity after the first
-cycle, so every timed step pays the steady-state refit on a full buffer. The first `--warmup-cycles` cycles are
-not timed. Both trainers are held at once: with `--model` on one GPU, pick a model for which two fit.
+cycle, so every timed step pays the steady-state refit on a full buffer, and its probe is trusted after one step,
+so every timed step pays for serving it too. The first `--warmup-cycles` cycles are not timed. The trainers are
+held at once: with `--model` on one GPU, pick a model for which all fit.
+  - `--prefix`: a third trainer, POISE with probe_granularity="prefix" (a value V(x, y_<t) for every generated
+    token from the same hooked layer in the same pass), takes its turn in every row; its time and peak memory are
+    reported against GRPO and against POISE (default), with the count of timed steps that served token advantages.
 
 Memory. Each contender runs every row in a fresh process of its own, one trainer at a time after one warm-up
 cycle: the peak is `torch.cuda.max_memory_allocated` on a GPU and the peak resident set on a CPU (Linux VmHWM,
@@ -357,6 +361,9 @@ def add_overhead_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help=f"prompts for --model ({ARITH_DATASET}, registry key, Hub id, file); required with "
                         f"--model (default for a real model: {ARITH_DATASET})")  # fmt: skip
     parser.add_argument("--train-limit", type=int, default=None, help="first N prompts (default: all)")
+    parser.add_argument("--prefix", action="store_true",
+                        help='also POISE with probe_granularity="prefix" (a value for every token), taking turns with '
+                        "POISE and GRPO in every row; its time and peak memory against both")  # fmt: skip
     parser.set_defaults(func=_run_overhead)
     return parser
 

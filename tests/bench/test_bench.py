@@ -160,6 +160,35 @@ def test_overhead_smoke(tmp_path, capsys):
             assert row[contender]["peak_mib"] >= row[contender]["start_mib"] > 0
         assert row["training_peak_ratio"] is not None
     assert [p["preset"] for p in result["probe_fit"]] == ["paper", "release"]
+    assert "per-prefix" not in printed[-1] and "poise_prefix_seconds" not in result["timing"][0]
     paper = result["probe_fit"][0]
     assert paper["shape"] == [96, 163]
     assert paper["max_abs_prediction_difference"] < 1e-4 * max(1.0, paper["prediction_std"])  # same math as sklearn
+
+
+@pytest.mark.slow
+def test_overhead_prefix_times_the_per_prefix_trainer_serving_token_advantages(tmp_path, capsys):
+    """`--prefix`: a third trainer takes its turns; every timed step served token advantages (the probe is trusted
+    after one step), and its time and peak memory are reported against GRPO and POISE (default)."""
+    out = tmp_path / "ovh"
+    args = parse_bench(
+        ["bench", "overhead", "--completion-lengths", "4", "--extra-passes", "1", "0", "--cycles", "1"]
+        + ["--warmup-cycles", "1", "--memory-cycles", "2", "--completions-per-step", "4", "--skip-probe-fit"]
+        + ["--prefix", "--output-dir", str(out)]
+    )
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert "; per-prefix/GRPO: 4 tok, +1 pass ×" in printed[-1] and "; per-prefix/POISE: " in printed[-1]
+    assert any(line.startswith("| 4 tok, +0 pass (per-prefix) |") for line in printed)
+    result = json.loads((out / "overhead.json").read_text())
+    assert result["settings"]["prefix"] is True
+    for row in result["timing"]:
+        assert len(row["poise_prefix_seconds"]) == len(row["poise_seconds"]) == len(row["grpo_seconds"]) == 1
+        assert row["prefix_timed_generations"] == row["prefix_served_generations"] == 1
+        assert row["poise_probe_fit_seconds_per_step"]["n"] == row["poise_prefix_probe_fit_seconds_per_step"]["n"] == 1
+        assert row["poise_prefix_feature_passes_per_cycle"] == row["poise_feature_passes_per_cycle"]  # same pass
+        ratio = row["poise_prefix_seconds"][0] / row["poise_seconds"][0]
+        assert row["prefix_poise_time_ratio"]["median"] == pytest.approx(ratio)
+    for row in result["memory"]:
+        assert row["poise_prefix"]["peak_mib"] >= row["poise_prefix"]["start_mib"] > 0
+        assert row["prefix_training_peak_ratio"] is not None and row["prefix_poise_training_peak_ratio"] is not None

@@ -26,7 +26,7 @@ from ..common import (
 )
 from .memory import measure_memory
 from .probe_fit import probe_fit_benchmark
-from .timing import Row, model_and_prompts, time_row
+from .timing import PREFIX, Row, model_and_prompts, time_row
 
 __all__ = ["format_report", "headline", "probe_fit_benchmark", "run_overhead"]
 
@@ -75,7 +75,40 @@ def format_report(timing: list[dict], memory: list[dict], probe: list[dict], set
                 "–",
             ]
         )
-    return format_table(headers, rows) + "\n" + headline(timing, memory, probe, settings)
+    tables = format_table(headers, rows)
+    if settings.get("prefix"):
+        tables += "\n" + prefix_table(timing, memory_by_name)
+    return tables + "\n" + headline(timing, memory, probe, settings)
+
+
+def prefix_table(timing: list[dict], memory_by_name: dict[str, dict]) -> str:
+    """POISE per-prefix beside GRPO and POISE (default), from the same alternated cycles and memory runs."""
+    headers = [
+        "setting",
+        "per-prefix s/cycle",
+        "time ratio to GRPO",
+        "time ratio to POISE",
+        "generations served / timed",
+        "peak MiB per-prefix",
+        "peak ratio to GRPO",
+        "peak ratio to POISE",
+    ]
+    rows = []
+    for t in timing:
+        m = memory_by_name.get(t["name"], {})
+        rows.append(
+            [
+                f"{t['name']} (per-prefix)",
+                fmt_summary(t[f"{PREFIX}_cycle_seconds"]),
+                fmt_summary(t["prefix_time_ratio"]),
+                fmt_summary(t["prefix_poise_time_ratio"]),
+                f"{t['prefix_served_generations']} / {t['prefix_timed_generations']}",
+                f"{m[PREFIX]['training_peak_mib']:.0f}" if PREFIX in m else "–",
+                fmt(m.get("prefix_training_peak_ratio")),
+                fmt(m.get("prefix_poise_training_peak_ratio")),
+            ]
+        )
+    return format_table(headers, rows)
 
 
 def headline(timing: list[dict], memory: list[dict], probe: list[dict], settings: dict[str, Any]) -> str:
@@ -84,6 +117,11 @@ def headline(timing: list[dict], memory: list[dict], probe: list[dict], settings
     peaks = [m["training_peak_ratio"] for m in memory if m.get("training_peak_ratio") is not None]
     if peaks:
         line += f"; training peak memory ×{fmt(min(peaks))}–×{fmt(max(peaks))}"
+    if settings.get("prefix"):
+        parts = [f"{t['name']} ×{fmt(t['prefix_time_ratio']['median'])}" for t in timing]
+        line += "; per-prefix/GRPO: " + ", ".join(parts)
+        parts = [f"{t['name']} ×{fmt(t['prefix_poise_time_ratio']['median'])}" for t in timing]
+        line += "; per-prefix/POISE: " + ", ".join(parts)
     for p in probe:
         if p["preset"] == "paper":
             line += (
@@ -125,6 +163,7 @@ def run_overhead(args: argparse.Namespace) -> int:
             "cycles", "warmup_cycles",
             "memory_cycles", "learning_rate", "seed", "model", "train_dataset", "train_limit",
             "gradient_checkpointing", "cpu_threads", "probe_fit_rows", "probe_fit_hidden", "probe_fit_repeats",
+            "prefix",
         )
     }  # fmt: skip
     settings.update(

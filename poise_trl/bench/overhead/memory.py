@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..common import device_kind, quiet_libraries, ratio, set_cpu_threads
-from .timing import Row, build_trainer, model_and_prompts
+from .timing import PREFIX, Row, build_trainer, contenders, model_and_prompts
 
 
 def _reset_peak() -> float:
@@ -68,9 +68,9 @@ def memory_worker(algorithm: str, rows: list[Row], settings: dict[str, Any]) -> 
 
 
 def measure_memory(rows: list[Row], settings: dict[str, Any]) -> list[dict[str, Any]]:
-    """Peak memory of POISE and GRPO per row, each contender in a fresh interpreter of its own (JSON on stdout).
+    """Peak memory of each contender per row, each in a fresh interpreter of its own (JSON on stdout).
 
-    On a CPU the two processes run at once (they share nothing, and peaks are per process); on a GPU one after the
+    On a CPU the processes run at once (they share nothing, and peaks are per process); on a GPU one after the
     other, so that two copies of a large model never compete for its memory.
     """
     if device_kind() == "cpu" and not Path("/proc/self/clear_refs").exists():
@@ -78,7 +78,7 @@ def measure_memory(rows: list[Row], settings: dict[str, Any]) -> list[dict[str, 
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # read by glibc at start: freed tensors leave the RSS
     measured: dict[str, list[dict[str, float]]] = {}
     processes = {}
-    for algorithm in ("poise", "grpo"):
+    for algorithm in contenders(settings):
         payload = json.dumps({"algorithm": algorithm, "rows": [asdict(r) for r in rows], "settings": settings})
         command = [sys.executable, "-m", "poise_trl.bench.overhead", payload]
         log = Path(settings["output_dir"]) / f"memory_{algorithm}.log"  # a file: a full stderr pipe would stall it
@@ -90,18 +90,25 @@ def measure_memory(rows: list[Row], settings: dict[str, Any]) -> list[dict[str, 
     for algorithm, (process, log) in processes.items():
         if algorithm not in measured:
             measured[algorithm] = _collect(algorithm, process, log)
-    return [
-        {
-            "name": row.name,
-            "poise": measured["poise"][i],
-            "grpo": measured["grpo"][i],
-            "peak_ratio": ratio(measured["poise"][i]["peak_mib"], measured["grpo"][i]["peak_mib"]),
-            "training_peak_ratio": ratio(
-                measured["poise"][i]["training_peak_mib"], measured["grpo"][i]["training_peak_mib"]
-            ),
-        }
-        for i, row in enumerate(rows)
-    ]
+    results = []
+    for i, row in enumerate(rows):
+        peaks = {algorithm: measured[algorithm][i] for algorithm in measured}
+        result = {"name": row.name, **peaks, **_ratios(peaks["poise"], peaks["grpo"])}
+        if PREFIX in peaks:
+            result.update(
+                {f"prefix_{k}": v for k, v in _ratios(peaks[PREFIX], peaks["grpo"]).items()},
+                **{f"prefix_poise_{k}": v for k, v in _ratios(peaks[PREFIX], peaks["poise"]).items()},
+            )
+        results.append(result)
+    return results
+
+
+def _ratios(a: dict[str, float], b: dict[str, float]) -> dict[str, float | None]:
+    """Peak over peak, and training peak (above what the process held at the start) over training peak."""
+    return {
+        "peak_ratio": ratio(a["peak_mib"], b["peak_mib"]),
+        "training_peak_ratio": ratio(a["training_peak_mib"], b["training_peak_mib"]),
+    }
 
 
 def _collect(algorithm: str, process: subprocess.Popen, log: Path) -> list[dict[str, float]]:

@@ -1,7 +1,8 @@
-"""`bench overhead`'s timing: POISE and GRPO trainers on the same model and prompts, taking turns cycle by cycle.
+"""`bench overhead`'s timing: POISE and GRPO trainers (and, with `--prefix`, POISE with the per-prefix baseline) on
+the same model and prompts, taking turns cycle by cycle.
 
-Alternating the two in one process (threads passing a baton) exposes both to the same machine load, so their per-cycle
-ratio is paired; the trainers are built here and reused by the memory worker.
+Alternating them in one process (threads passing a baton) exposes all to the same machine load, so their per-cycle
+ratios are paired; the trainers are built here and reused by the memory worker.
 """
 
 import threading
@@ -25,6 +26,13 @@ from poise_trl.rlvr.data import load_math_dataset
 from poise_trl.trainer import POISETrainer
 
 from ..common import ARITH_DATASET, summarize, trainer_device_args
+
+PREFIX = "poise_prefix"  # POISE with probe_granularity="prefix", timed beside POISE and GRPO with --prefix
+
+
+def contenders(settings: dict[str, Any]) -> tuple[str, ...]:
+    """The trainers a row times: POISE and GRPO, and POISE per-prefix with `--prefix`."""
+    return ("poise", "grpo", PREFIX) if settings.get("prefix") else ("poise", "grpo")
 
 
 def any_text_reward(completions: list, **kwargs: Any) -> list[float]:
@@ -72,9 +80,12 @@ def _config(algorithm: str, row: Row, settings: dict[str, Any], max_steps: int, 
         seed=settings["seed"],
         **trainer_device_args(settings["gradient_checkpointing"]),
     )
-    if algorithm == "poise":
-        return POISEConfig(**common)
-    return GRPOConfig(**common)
+    if algorithm == "grpo":
+        return GRPOConfig(**common)
+    # Trusted after one observed step, so the timed cycles pay for serving the probe (the per-prefix map inside the
+    # hook included), not only for fitting it.
+    granularity = "prefix" if algorithm == PREFIX else "sequence"
+    return POISEConfig(**common, probe_warmup_steps=1, probe_granularity=granularity)
 
 
 def model_and_prompts(settings: dict[str, Any]) -> tuple[str, Dataset]:
@@ -91,9 +102,9 @@ def model_and_prompts(settings: dict[str, Any]) -> tuple[str, Dataset]:
 
 
 def build_trainer(algorithm: str, row: Row, settings: dict[str, Any], cycles: int, model: str, prompts: Dataset):
-    """One contender's trainer for one row, training `cycles` generation cycles; POISE's probe buffer is filled to
+    """One contender's trainer for one row, training `cycles` generation cycles; POISE's probe buffers are filled to
     capacity after the first (`SteadyStateProbe`)."""
-    trainer_class = POISETrainer if algorithm == "poise" else GRPOTrainer
+    trainer_class = GRPOTrainer if algorithm == "grpo" else POISETrainer
     output_dir = str(Path(settings["output_dir"]) / "runs" / f"{algorithm}_{row.completion_length}_{row.extra_passes}")
     trainer = trainer_class(
         model=model,
@@ -102,14 +113,20 @@ def build_trainer(algorithm: str, row: Row, settings: dict[str, Any], cycles: in
         train_dataset=prompts,
     )
     trainer.remove_callback(PrinterCallback)
-    if algorithm == "poise":
+    if algorithm != "grpo":
         trainer.add_callback(SteadyStateProbe(trainer, row.steps_per_cycle))
     return trainer
 
 
 def fill_probe_buffer(trainer: POISETrainer) -> None:
-    """Repeat the buffered rows up to the buffer's capacity, so each refit costs what it costs in steady state."""
-    buffer = trainer.probe_buffer
+    """Repeat the buffered rows up to each buffer's capacity (the per-prefix probe's too), so each refit costs what it
+    costs in steady state."""
+    prefix = trainer.estimator.prefix
+    for buffer in (trainer.probe_buffer, *(() if prefix is None else (prefix.buffer,))):
+        _fill(buffer)
+
+
+def _fill(buffer: Any) -> None:
     missing = buffer.capacity - len(buffer)
     if missing <= 0 or len(buffer) == 0:
         return
@@ -208,9 +225,9 @@ class CycleTimer(TrainerCallback):
 
 
 def time_row(row: Row, settings: dict[str, Any], model: str, prompts: Dataset) -> dict[str, Any]:
-    """POISE and GRPO alternate cycle by cycle; returns per-cycle times and their paired ratios."""
+    """The contenders alternate cycle by cycle; returns per-cycle times and their paired ratios."""
     cycles = settings["warmup_cycles"] + settings["cycles"]
-    trainers = {name: build_trainer(name, row, settings, cycles, model, prompts) for name in ("poise", "grpo")}
+    trainers = {name: build_trainer(name, row, settings, cycles, model, prompts) for name in contenders(settings)}
     baton = Baton(len(trainers), timeout=settings["thread_timeout"])
     timers = {}
     for me, (name, trainer) in enumerate(trainers.items()):
@@ -233,19 +250,41 @@ def time_row(row: Row, settings: dict[str, Any], model: str, prompts: Dataset) -
     if errors:
         raise errors[0]
     skip = settings["warmup_cycles"]
-    poise, grpo = (timers[name].seconds[skip:] for name in ("poise", "grpo"))
-    passes = timers["poise"].feature_passes[skip:]
-    timed_steps = [h for h in trainers["poise"].state.log_history if "poise/probe_fit_seconds" in h]
-    timed_steps = timed_steps[skip * row.steps_per_cycle :]
-    return {
-        "row": asdict(row),
-        "name": row.name,
-        "poise_seconds": poise,
-        "grpo_seconds": grpo,
-        "poise_feature_passes_per_cycle": passes,
-        "time_ratio": summarize(p / g for p, g in zip(poise, grpo, strict=True)),
-        "poise_cycle_seconds": summarize(poise),
-        "grpo_cycle_seconds": summarize(grpo),
-        "extra_passes_observed": max(passes) if passes else None,
-        "poise_probe_fit_seconds_per_step": summarize(h["poise/probe_fit_seconds"] for h in timed_steps),
-    }
+    warmup_steps = skip * row.steps_per_cycle
+    seconds = {name: timer.seconds[skip:] for name, timer in timers.items()}
+    result = {"row": asdict(row), "name": row.name, "grpo_seconds": seconds["grpo"]}
+    for name in trainers:
+        if name == "grpo":
+            continue
+        passes = timers[name].feature_passes[skip:]
+        timed_steps = _timed(trainers[name], "poise/probe_fit_seconds", warmup_steps)
+        result.update(
+            {
+                f"{name}_seconds": seconds[name],
+                f"{name}_feature_passes_per_cycle": passes,
+                f"{name}_probe_fit_seconds_per_step": summarize(h["poise/probe_fit_seconds"] for h in timed_steps),
+            }
+        )
+    result.update({f"{name}_cycle_seconds": summarize(seconds[name]) for name in trainers})
+    result["time_ratio"] = _paired(seconds["poise"], seconds["grpo"])
+    result["extra_passes_observed"] = max(result["poise_feature_passes_per_cycle"], default=None)
+    if PREFIX in trainers:
+        timed = [h["poise/prefix/trusted"] for h in _timed(trainers[PREFIX], "poise/prefix/trusted", warmup_steps)]
+        result.update(
+            prefix_time_ratio=_paired(seconds[PREFIX], seconds["grpo"]),
+            prefix_poise_time_ratio=_paired(seconds[PREFIX], seconds["poise"]),
+            prefix_timed_generations=len(timed),
+            prefix_served_generations=sum(t == 1.0 for t in timed),  # generations given per-token advantages
+        )
+    return result
+
+
+def _timed(trainer: Any, key: str, warmup_steps: int) -> list[dict[str, Any]]:
+    """The log entries after the untimed warm-up steps that carry `key` (logged once per generation, which spans
+    `steps_per_cycle` optimizer steps)."""
+    return [h for h in trainer.state.log_history if key in h and h["step"] > warmup_steps]
+
+
+def _paired(a: list[float], b: list[float]) -> dict[str, float]:
+    """Per-cycle ratios a / b of two contenders that took turns, summarized."""
+    return summarize(x / y for x, y in zip(a, b, strict=True))
