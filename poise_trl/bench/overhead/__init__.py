@@ -77,7 +77,7 @@ def format_report(timing: list[dict], memory: list[dict], probe: list[dict], set
         )
     tables = format_table(headers, rows)
     if settings.get("prefix"):
-        tables += "\n" + prefix_table(timing, memory_by_name)
+        tables += "\n\n" + prefix_table(timing, memory_by_name)
     return tables + "\n" + headline(timing, memory, probe, settings)
 
 
