@@ -179,7 +179,13 @@ def run_overhead(args: argparse.Namespace) -> int:
     timing = []
     for row in rows:
         timing.append(time_row(row, settings, model, prompts))
-        print(f"[bench overhead] {row.name}: time ratio {fmt_summary(timing[-1]['time_ratio'])}", flush=True)
+        line = f"[bench overhead] {row.name}: time ratio {fmt_summary(timing[-1]['time_ratio'])}"
+        if args.prefix:
+            line += (
+                f"; per-prefix to GRPO {fmt_summary(timing[-1]['prefix_time_ratio'])}, to POISE "
+                f"{fmt_summary(timing[-1]['prefix_poise_time_ratio'])}"
+            )
+        print(line, flush=True)
         if timing[-1]["extra_passes_observed"] != row.extra_passes:
             print(
                 f"  warning: POISE ran {timing[-1]['extra_passes_observed']} passes per cycle, not {row.extra_passes}"
