@@ -57,11 +57,15 @@ class _TrainedAccounting:
         output = super()._generate_and_score_completions(inputs)
         mode = "train" if self.model.training else "eval"
         group = self.num_generations if mode == "train" else self.num_generations_eval
-        advantages = self.accelerator.gather(output["advantages"])  # rank-major: groups are consecutive
-        zero = (advantages.view(-1, group).abs() < 1e-8).all(1)
+        advantages = output["advantages"]  # (B,), or (B, T) token advantages (probe_granularity="prefix")
+        if advantages.ndim == 2:  # completion widths differ across processes
+            advantages = self.accelerator.pad_across_processes(advantages, dim=1)
+        advantages = self.accelerator.gather(advantages)  # rank-major: groups are consecutive
+        rows = (advantages.abs() < 1e-8).view(advantages.size(0), -1).all(1)  # a row teaches nothing
+        zero = rows.view(-1, group).all(1)
         self._metrics[mode]["frac_zero_advantage_prompts"].append(zero.float().mean().item())
         if mode == "train":
-            self.bench_counts["completions_trained"] += int(advantages.numel())
+            self.bench_counts["completions_trained"] += advantages.size(0)
         return output
 
 

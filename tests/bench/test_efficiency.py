@@ -28,7 +28,7 @@ from poise_trl.bench.report import _log_ratio, _wilcoxon, goal, holm, summarize_
 from poise_trl.bench.settings import EfficiencySettings
 from poise_trl.bench.study import run_path, validate
 from poise_trl.bench.summary import completions_to_gain, normalized_auc
-from poise_trl.bench.trainers import DynamicSampling, unavailable_reason
+from poise_trl.bench.trainers import DynamicSampling, _TrainedAccounting, unavailable_reason
 
 from .conftest import parse_bench
 
@@ -324,6 +324,38 @@ def test_per_prefix_contender_trains_and_is_paired_with_poise_default(tmp_path):
     assert json.loads(run.read_text())["completions_generated"] >= 16
     entry = json.loads((out / "efficiency.json").read_text())["tasks"]["sort"]["contenders"]["poise_prefix"]
     assert entry["label"] == "POISE per-prefix G=2" and set(entry["paired"]) == {"poise"}
+
+
+@pytest.mark.parametrize("token_level", [False, True])
+def test_trained_accounting_counts_rollouts_and_silent_prompts_with_token_advantages(token_level):
+    """With probe_granularity="prefix" the advantages are (B, T): a completion is one row, not T, and a prompt
+    teaches nothing only when every token of every completion has advantage 0."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    class Scored:
+        def _generate_and_score_completions(self, inputs):
+            return {"advantages": inputs}
+
+    class Trainer(_TrainedAccounting, Scored):
+        accelerator = Accelerator(cpu=True)
+        model = SimpleNamespace(training=True)
+        num_generations = 2
+
+        def __init__(self):
+            self._metrics = {"train": defaultdict(list)}
+            self.bench_counts = {"completions_trained": 0}
+
+    advantages = torch.tensor([0.0, 0.0, 0.5, -0.5, 0.0, 0.3])  # prompts: silent, teaching, teaching
+    if token_level:  # 5 tokens each; the third row's signal is on its last token only
+        advantages = advantages.unsqueeze(1).repeat(1, 5)
+        advantages[4, -1] = 0.2
+    trainer = Trainer()
+    trainer._generate_and_score_completions(advantages)
+    assert trainer.bench_counts["completions_trained"] == 6
+    assert trainer._metrics["train"]["frac_zero_advantage_prompts"] == [pytest.approx(1 / 3)]
 
 
 def test_tuning_one_contender_keeps_the_other_contenders_tuned_rates(tmp_path, monkeypatch):
