@@ -81,16 +81,18 @@ def prefix_spans(
     samples: int,
     generated_mask: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    row_offset: int = 0,
 ) -> PrefixSpans:
     """Spans for a batch: prompt_mask (B, P) left-padded, completion_mask (B, T) right-padded, generated_mask (B, T)
     0 on tokens the policy did not write (TRL's `tool_mask`; None: it wrote them all). Sampled token k of a row is
     drawn uniformly within the k-th of `samples` equal shares of the row's generated tokens (`generator`: a CPU
-    generator, for reproducible draws)."""
+    generator, for reproducible draws). The batch's rows are rows `row_offset`.. of one draw from `generator`, so a
+    process holding a slice of the global batch draws what one process holding all of it would."""
     if pool_tokens < 1 or samples < 1:
         raise ValueError(f"pool_tokens={pool_tokens} and samples={samples} must both be >= 1.")
     generated = completion_mask.bool() & (True if generated_mask is None else generated_mask.bool())
     count = generated.sum(1, keepdim=True)  # (B, 1)
-    share = torch.rand(count.size(0), samples, generator=generator).to(count.device)
+    share = torch.rand(row_offset + count.size(0), samples, generator=generator)[row_offset:].to(count.device)
     rank = ((torch.arange(samples, device=count.device) + share) * count / samples).long().clamp(max=count - 1)
     tokens = torch.searchsorted(generated.long().cumsum(1), rank + 1).clamp(max=max(generated.size(1) - 1, 0))
     prompt_index, prompt_weight = _last_n(prompt_mask, pool_tokens)

@@ -221,12 +221,13 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         with ExitStack() as hooks:  # one pass, one pooling hook per candidate layer (and the per-prefix one)
             captures = [hooks.enter_context(capture_layer(layers[i], spans)) for i in self.probe_layers]
             if prefix is not None:  # the prefix probe's fixed layer; its values from the fit of earlier steps
-                # which tokens the probe learns from: drawn from (seed, step, rank), so a resumed run draws the same
-                seed = self.args.seed + 7919 * self.state.global_step + self.accelerator.process_index
+                # which tokens the probe learns from: drawn from (seed, step) for the global batch, this rank's
+                # rows sliced from it, so a resumed run and any number of processes draw the same
+                seed = self.args.seed + 7919 * self.state.global_step
                 token_spans = prefix_spans(
                     attention_mask[:, :-logits_to_keep], attention_mask[:, -logits_to_keep:],
                     self.args.probe_pool_tokens, PREFIX_SAMPLES, spans.completion_mask,
-                    torch.Generator().manual_seed(seed),
+                    torch.Generator().manual_seed(seed), self.accelerator.process_index * input_ids.size(0),
                 )  # fmt: skip
                 layer = layers[self.probe_layers[0]]
                 token_capture = hooks.enter_context(capture_prefix(layer, token_spans, prefix.map(input_ids.device)))

@@ -1,4 +1,7 @@
-"""Run POISE on a deterministic rollout with 1 or 2 CPU processes and dump what each rank saw (launched by tests)."""
+"""Run POISE on a deterministic rollout with 1 or 2 CPU processes and dump what each rank saw (launched by tests).
+
+argv: MODEL OUT PER_DEVICE [GRANULARITY [PRESET]]; with "prefix" each row's token advantages (its generated tokens)
+and the per-prefix probe are recorded too."""
 
 import sys
 
@@ -8,6 +11,8 @@ from rank_io import finish
 from poise_trl import POISEConfig, POISETrainer
 
 MODEL, OUT, PER_DEVICE = sys.argv[1], sys.argv[2], int(sys.argv[3])
+GRANULARITY = sys.argv[4] if len(sys.argv) > 4 else "sequence"
+PRESET = sys.argv[5] if len(sys.argv) > 5 else "paper"
 G = 2
 
 
@@ -33,13 +38,19 @@ class Recording(POISETrainer):
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         n = len(inputs) * self.accelerator.num_processes
-        self.steps.append(
-            {
-                "advantages": output["advantages"].tolist(),
-                "baselines": list(self._logs["extra"]["baseline"])[-n:],
-                "probe": {k: v.flatten().tolist() for k, v in self.value_probe.state_dict().items()},
-            }
-        )
+        advantages, mask = output["advantages"], output["completion_mask"].bool()
+        step = {
+            "baselines": list(self._logs["extra"]["baseline"])[-n:],
+            "probe": {k: v.flatten().tolist() for k, v in self.value_probe.state_dict().items()},
+        }
+        if advantages.ndim == 2:  # token advantages: each row's generated tokens, whatever the rank's width
+            step["token_advantages"] = [row[m].tolist() for row, m in zip(advantages, mask, strict=True)]
+            advantages = (advantages * mask).sum(1) / mask.sum(1)
+        step["advantages"] = advantages.tolist()
+        prefix = self.estimator.prefix
+        if prefix is not None and prefix.probe is not None:
+            step["prefix_probe"] = {k: v.flatten().tolist() for k, v in prefix.probe.state_dict().items()}
+        self.steps.append(step)
         return output
 
 
@@ -49,8 +60,9 @@ args = POISEConfig(
     max_steps=3,
     learning_rate=1e-3,
     probe_warmup_steps=1,
-    probe_preset="paper",
+    probe_preset=PRESET,
     probe_pool_tokens=3,
+    probe_granularity=GRANULARITY,
     use_cpu=True,
     bf16=False,
     gradient_checkpointing=False,
