@@ -5,6 +5,7 @@ Its parts: `timing` (alternated step times), `memory` (peak memory per contender
 """
 
 import argparse
+import gc
 import time
 from pathlib import Path
 from typing import Any
@@ -175,10 +176,14 @@ def run_overhead(args: argparse.Namespace) -> int:
         raise SystemExit("--model needs --train-dataset (its prompts)")
     rows = [Row(length, passes) for length in args.completion_lengths for passes in args.extra_passes]
     start = time.perf_counter()
-    model, prompts = model_and_prompts(settings)
+    model, prompts = model_and_prompts(settings)  # prepares (and caches) the model once, before any worker reads it
+    # The memory workers run first, while this process holds no trainer: with a real model, three trainers held here
+    # beside the workers outgrew 24 GB, and the kernel killed the run after its timing.
+    memory = [] if args.skip_memory else measure_memory(rows, settings)
     timing = []
     for row in rows:
         timing.append(time_row(row, settings, model, prompts))
+        gc.collect()  # the row's trainers hold reference cycles; free them before the next row builds its own
         line = f"[bench overhead] {row.name}: time ratio {fmt_summary(timing[-1]['time_ratio'])}"
         if args.prefix:
             line += (
@@ -190,7 +195,6 @@ def run_overhead(args: argparse.Namespace) -> int:
             print(
                 f"  warning: POISE ran {timing[-1]['extra_passes_observed']} passes per cycle, not {row.extra_passes}"
             )
-    memory = [] if args.skip_memory else measure_memory(rows, settings)
     probe = (
         []
         if args.skip_probe_fit
