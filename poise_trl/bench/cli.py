@@ -146,11 +146,10 @@ held at once: with `--model` on one GPU, pick a model for which all fit.
     token from the same hooked layer in the same pass), takes its turn in every row; its time and peak memory are
     reported against GRPO and against POISE (default), with the count of timed steps that served token advantages.
 
-Memory (measured first, before the timing builds its trainers). Each contender runs every row in a fresh process
-of its own, one trainer at a time after one warm-up cycle: the peak is `torch.cuda.max_memory_allocated` on a GPU
-and the peak resident set on a CPU (Linux VmHWM, reset once the trainer is built; glibc is told to return freed
-blocks of 64 KiB or more to the OS, so the resident set tracks live tensors), each above the memory held when
-training starts.
+Memory, measured first (before the timing builds its trainers). Each contender runs every row in a fresh process,
+one trainer at a time after one warm-up cycle: the peak is `torch.cuda.max_memory_allocated` on a GPU and the peak
+resident set on a CPU (Linux VmHWM, reset once the trainer is built; glibc returns freed blocks of 64 KiB or more to
+the OS, so the resident set tracks live tensors), each above the memory held when training starts.
 
 Probe fit. The value probe on 4096 x (2*2560 + 3) features, the Qwen3-4B size, against scikit-learn's
 StandardScaler (+ per-block PCA) + Ridge on the same data with the same thread count, for the paper and release
