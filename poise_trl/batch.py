@@ -12,7 +12,7 @@ import torch
 
 from .baselines import DIAGNOSTICS, append_reward_column, diagnostic_tensors, leave_one_out_targets
 from .files import DEFAULT_DOMAIN
-from .prefix_baseline import PrefixBatch
+from .prefix import PrefixBatch
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,11 @@ The contract (the one TRL's `POISETrainer`, verl, OpenRLHF or a hand-written loo
 
 Features may hold one vector per candidate layer, (N, C, D); `layer_index` says which slice the probes use. Rows are
 grouped as G consecutive rollouts of one prompt. `domains` (one name per row) gives each domain its own probe.
+
+What it is made of, each in a module of its own: the value head (heads.py, probe.py), the online learner that buffers,
+trusts and persists a head (learner.py; one per domain, and one more for the per-prefix value), the granularity's
+token baseline (granularity.py), the layer choice (layer_choice.py), the sampler's prompt values (prompt_value.py) and
+the file format (files.py).
 """
 
 import json
@@ -35,19 +40,17 @@ from typing import Any
 
 import torch
 
-from .baselines import (
-    RunningStd,
-    cross_rollout_baselines,
-    poise_advantages,
-    shrunk_rloo_line,
-)
+from .baselines import RunningStd, cross_rollout_baselines, poise_advantages, shrunk_rloo_line
 from .batch import AdvantageResult, PreparedBatch, prepare_batch, scale_advantages, split_domains, step_statistics
-from .files import _strip, atomic_save, check_feature_config, read_state
-from .prefix_baseline import PrefixBaseline, PrefixBatch
-from .probe import OnlineProbe, ProbeBuffer, ValueProbe, choose_layer
+from .buffer import ProbeBuffer
+from .files import atomic_save, estimator_state, load_estimator_state, read_state
+from .granularity import GRANULARITIES, PrefixBatch
+from .layer_choice import select_layer
+from .learner import OnlineLearner
+from .probe import ValueProbe
+from .prompt_value import fit_prompt_values, target_range
 from .settings import check_settings
 
-FORMAT = "poise-estimator/1"
 __all__ = ["POISEEstimator", "AdvantageResult", "PreparedBatch"]  # the result types live in batch.py
 
 
@@ -76,8 +79,10 @@ class POISEEstimator:
         feature_config: how the caller extracts features; a saved state loads only into the same configuration.
         broadcast: makes every process agree (e.g. accelerate's `broadcast` from rank 0); None in one process.
         describe: text for a probe's refit settings in error messages (the trainer passes POISEConfig's terms).
-        granularity: "sequence" (paper) or "prefix" (a `PrefixBaseline` of one fixed layer, PCA `prefix_pca_dims`
-            [prompt k, prefix k]): token advantages r - V(x, y_<t) from the `PrefixBatch`es the caller hands in.
+        granularity: "sequence" (paper) or "prefix": a key of `granularity.GRANULARITIES`, resolved once into
+            `token_baseline`. "prefix" learns a per-prefix value of one fixed layer (PCA `prefix_pca_dims`,
+            [prompt k, prefix k]) and, once trusted, gives token advantages r - V(x, y_<t) from the `PrefixBatch`es
+            the caller hands in.
     """
 
     def __init__(
@@ -109,25 +114,37 @@ class POISEEstimator:
     ):
         check_settings({k: v for k, v in locals().items() if k not in ("self", "broadcast", "describe")})  # the args
         self.num_generations = num_generations
-        self.alpha, self.pca_dims, self.clip = alpha, pca_dims, clip
-        self.buffer_size, self.domain_buffer_sizes, self.max_domains = buffer_size, domain_buffer_sizes, max_domains
-        self.warmup_steps, self.partner_reward, self.bootstrap = warmup_steps, partner_reward, bootstrap
+        self.alpha = alpha
+        self.pca_dims = pca_dims
+        self.clip = clip
+        self.buffer_size = buffer_size
+        self.domain_buffer_sizes = domain_buffer_sizes
+        self.max_domains = max_domains
+        self.warmup_steps = warmup_steps
+        self.partner_reward = partner_reward
+        self.bootstrap = bootstrap
         self.scale_rewards = scale_rewards
-        self.layers, self.layer_index = layers, layer_index  # the automatic layer choice moves layer_index
-        self.layer_select_every, self.layer_switch_margin = layer_select_every, layer_switch_margin
+        self.layers = layers
+        self.layer_index = layer_index  # the automatic layer choice moves it
+        self.layer_select_every = layer_select_every
+        self.layer_switch_margin = layer_switch_margin
         self.layer_folds = layer_folds
-        self.prompt_columns, self.prompt_pca_dims = prompt_columns, prompt_pca_dims
+        self.prompt_columns = prompt_columns
+        self.prompt_pca_dims = prompt_pca_dims
         self.feature_config = feature_config
-        self.broadcast, self.describe = broadcast, describe
+        self.broadcast = broadcast
+        self.describe = describe
+        self.granularity = granularity
+        self.prefix_pca_dims = prefix_pca_dims
         # What the estimator learns.
-        self.probes: dict[str, OnlineProbe] = {}
+        self.probes: dict[str, OnlineLearner] = {}  # per domain: the sequence value
         self.bootstrap_pairs: dict[str, ProbeBuffer] = {}  # per domain: (partner mean, reward) of earlier steps
         self.bootstrap_lines: dict[str, torch.Tensor] = {}  # per domain: [a, w] fitted on those pairs
         self.reward_std = RunningStd()
         self.steps = 0  # observed (training) steps
-        self.granularity, self.prefix_pca_dims = granularity, prefix_pca_dims
-        prefix = granularity == "prefix"  # the per-prefix value: its probe, buffer and trust
-        self.prefix = PrefixBaseline(alpha, prefix_pca_dims, clip, buffer_size, warmup_steps) if prefix else None
+        self.token_baseline = GRANULARITIES[granularity](
+            alpha=alpha, pca_dims=prefix_pca_dims, clip=clip, buffer_size=buffer_size, warmup_steps=warmup_steps
+        )
 
     # ------------------------------------------------------------------------------------------------- structure
     @property
@@ -147,10 +164,12 @@ class POISEEstimator:
     def capacity(self, domain: str) -> int:
         return (self.domain_buffer_sizes or {}).get(domain, self.buffer_size)
 
-    def new_probe(self, domain: str) -> OnlineProbe:
-        return OnlineProbe(self.probe_template, self.capacity(domain), self.warmup_steps)
+    def new_probe(self, domain: str) -> OnlineLearner:
+        """A domain's learner of the sequence value, unfitted, with this estimator's settings."""
+        return OnlineLearner(self.probe_template, self.capacity(domain), self.warmup_steps)
 
-    def _describe(self, probe: ValueProbe) -> str:
+    def describe_probe(self, probe: ValueProbe) -> str:
+        """A probe's refit settings as the caller names them (error messages)."""
         return json.dumps(probe.config()) if self.describe is None else self.describe(probe)
 
     def prepare(
@@ -205,6 +224,18 @@ class POISEEstimator:
         nothing; the baseline of rollout i is the mean of its partners' values (`advantages`)."""
         return self._probe_values(self.prepare(features, rewards, None, domains, has_completion))[0]
 
+    def _fallback(self, batch: PreparedBatch) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """The bootstrap baseline of each row (None: RLOO, `poise_advantages`' own) and the lines it used."""
+        if self.bootstrap != "shrunk":
+            return None, []
+        fallback, lines = batch.targets.clone(), []
+        identity = torch.tensor([0.0, 1.0], dtype=torch.float64)
+        for name, rows in batch.domain_rows.items():
+            line = self.bootstrap_lines.get(name, identity).to(batch.rewards.device)
+            fallback = torch.where(rows, (line[0] + line[1] * batch.targets).to(batch.rewards.dtype), fallback)
+            lines.append(line)
+        return fallback, lines
+
     def advantages(
         self,
         features: torch.Tensor,
@@ -229,22 +260,15 @@ class POISEEstimator:
         g, rewards, scorable, usable = batch.num_generations, batch.rewards, batch.scorable, batch.usable
         values, unclipped = self._probe_values(batch)
         trusted = torch.zeros_like(scorable)
-        fallback = batch.targets.clone() if self.bootstrap == "shrunk" else None
-        lines = []
         for name, rows in batch.domain_rows.items():
             online = self.probes.get(name)
             if online is not None and online.trusted:
                 trusted = trusted | rows
-            if fallback is not None:
-                line = self.bootstrap_lines.get(name, torch.tensor([0.0, 1.0], dtype=torch.float64)).to(rewards.device)
-                fallback = torch.where(rows, (line[0] + line[1] * batch.targets).to(rewards.dtype), fallback)
-                lines.append(line)
+        fallback, lines = self._fallback(batch)
         advantages, baselines, receives = poise_advantages(
             rewards, values, g, usable, batch.has_completion, trusted, fallback
         )
-        use_prefix = self.prefix is not None and prefix is not None
-        tokens = self.prefix.advantages(prefix, rewards, receives, advantages) if use_prefix else None
-        row_advantages = advantages if tokens is None else tokens.mean  # a row's logged value: its tokens' mean
+        tokens = self.token_baseline.advantages(prefix, rewards, receives, advantages)
         divisor = self.reward_std.divisor() if self.scale_rewards == "batch" else None  # of earlier steps' rewards
         from_probe = trusted & ~torch.isnan(cross_rollout_baselines(values, g, usable))
         extra = {  # the share of rows whose baseline really is the bootstrap's (untrusted, or no usable partner)
@@ -255,17 +279,24 @@ class POISEEstimator:
         if lines:
             mean_line = torch.stack(lines).mean(0)
             extra.update(bootstrap_intercept=mean_line[0], bootstrap_weight=mean_line[1])
-        if use_prefix:
-            extra.update(self.prefix.diagnostics(prefix, rewards, receives, tokens))
+        extra.update(self.token_baseline.diagnostics(prefix, rewards, receives, tokens))
         stats, names = step_statistics(batch, baselines, values, unclipped, receives, extra)
+        if tokens is not None:  # a row's logged advantage and baseline: its tokens' mean
+            advantages, baselines = tokens.mean, torch.where(receives, rewards - tokens.mean, baselines)
         result = AdvantageResult(
-            scale_advantages(row_advantages, divisor, weights),
-            baselines if tokens is None else torch.where(receives, rewards - tokens.mean, baselines),
-            receives, values, batch.targets, stats, names, batch, prefix,
-            None if tokens is None else scale_advantages(tokens.advantages, divisor, weights),
-        )  # fmt: skip
+            advantages=scale_advantages(advantages, divisor, weights),
+            baselines=baselines,
+            receives=receives,
+            values=values,
+            targets=batch.targets,
+            stats=stats,
+            names=names,
+            batch=batch,
+            prefix=prefix,
+            token_advantages=None if tokens is None else scale_advantages(tokens.advantages, divisor, weights),
+        )
         result.host_metrics = {"layer": float(self.layer), **self._buffer_sizes(batch)}
-        result.host_metrics.update({} if self.prefix is None else {"prefix/trusted": float(self.prefix.trusted)})
+        result.host_metrics.update(self.token_baseline.host_metrics())
         if batch.named_domains:
             for name in batch.domain_rows:
                 online = self.probes.get(name)
@@ -273,10 +304,11 @@ class POISEEstimator:
         return result
 
     def _buffer_sizes(self, batch: PreparedBatch) -> dict[str, float]:
-        """`buffer_size` (rows buffered in every domain) and, per domain of the batch, `domain/<name>/buffer_size`."""
+        """`buffer_size` (rows buffered in every domain) and, per domain of the batch, `domain/<name>/buffer_size`;
+        `<granularity>/buffer_size` for a token baseline's learner."""
         sizes = {"buffer_size": float(sum(len(online.buffer) for online in self.probes.values()))}
-        if self.prefix is not None:
-            sizes["prefix/buffer_size"] = float(len(self.prefix.buffer))
+        for learner in self.token_baseline.learners:
+            sizes[f"{self.token_baseline.name}/buffer_size"] = float(len(learner.buffer))
         if batch.named_domains:
             for name in batch.domain_rows:
                 online = self.probes.get(name)
@@ -314,9 +346,8 @@ class POISEEstimator:
         targets, scorable = batch.targets, batch.scorable
         examples = batch.usable & scorable & torch.isfinite(targets)
         if group_ids is None:  # every group of G consecutive rows is its own prompt, distinct across steps
-            group_ids = (self.steps << 32) + torch.arange(
-                targets.numel(), device=targets.device
-            ) // batch.num_generations
+            rows = torch.arange(targets.numel(), device=targets.device)
+            group_ids = (self.steps << 32) + rows // batch.num_generations
         for name, rows in batch.domain_rows.items():
             if name not in self.probes:
                 self.probes[name] = self.new_probe(name)
@@ -325,13 +356,12 @@ class POISEEstimator:
                 pairs = self.bootstrap_pairs.setdefault(name, ProbeBuffer(self.capacity(name)))
                 pairs.add(targets.unsqueeze(1), batch.rewards, keep=rows & scorable & torch.isfinite(targets))
         prefix = result.prefix if prefix is None and result is not None else prefix
-        if self.prefix is not None and prefix is not None:  # the rollout's own reward: a value, not a partner's
-            self.prefix.observe(prefix, batch.rewards, scorable & batch.has_completion)
+        self.token_baseline.observe(prefix, batch.rewards, scorable & batch.has_completion)
         self.reward_std.update(batch.rewards)
         self.steps += 1
         # The step's one device->host transfer: the buffers' fill levels and the handed result's diagnostics.
         rings = [online.buffer for online in self.probes.values()] + list(self.bootstrap_pairs.values())
-        rings += [] if self.prefix is None else [self.prefix.buffer]
+        rings += [learner.buffer for learner in self.token_baseline.learners]
         counts = torch.cat([ring.counts().to(targets.device) for ring in rings]).double()
         pending = result is not None and not result.on_host
         payload = result.payload() if pending else torch.zeros(0, dtype=torch.float64)
@@ -342,38 +372,43 @@ class POISEEstimator:
             result.receive_host(host[2 * len(rings) :])
         metrics: dict[str, float] = {}
         if self.layer_select_every and self.steps % self.layer_select_every == 0:
-            metrics.update(self._select_layer(targets.device))
+            learners = list(self.probes.values())
+            self.layer_index, chosen = select_layer(
+                learners,
+                self.layers,
+                self.layer_index,
+                self.layer_switch_margin,
+                self.layer_folds,
+                targets.device,
+                self.broadcast,
+            )
+            metrics.update(chosen)
         refitted = False
         for name, online in self.probes.items():
             if online.can_fit and (name in batch.domain_rows or online.layer_index != self.layer_index):
                 online.fit(self.layer_index, targets.device)
                 refitted = True
-                if self.broadcast is not None:  # identical inputs, but broadcast so ranks agree to the bit
-                    online.probe.map_state(self.broadcast)
-        if self.prefix is not None and prefix is not None and self.prefix.can_fit:
-            self.prefix.fit(targets.device)
+                self._agree(online)
+        if self.token_baseline.fit(prefix, targets.device):
             refitted = True
-            if self.broadcast is not None:
-                self.prefix.probe.map_state(self.broadcast)
-        for name, pairs in self.bootstrap_pairs.items():
-            if len(pairs):
-                self.bootstrap_lines[name] = shrunk_rloo_line(pairs.features[:, 0], pairs.targets)
+            for learner in self.token_baseline.learners:
+                self._agree(learner)
+        self.bootstrap_lines = self._bootstrap_lines()
         metrics["probe_fit_seconds"] = time.perf_counter() - start if refitted or metrics else 0.0
         return {**metrics, **self._buffer_sizes(batch)}
 
-    def _select_layer(self, device) -> dict[str, float]:
-        """Choose the candidate layer with the lowest prompt-grouped K-fold MAE over every domain's buffer, switching
-        only when the best beats the current one by `layer_switch_margin` (relative)."""
-        errors = [online.layer_errors(self.layer_folds, device) for online in self.probes.values()]
-        errors = [e for e in errors if e is not None]
-        if not errors:  # too few prompts buffered to cross-validate yet
-            return {}
-        mae = torch.cat(errors, dim=1).mean(1)
-        if self.broadcast is not None:  # every rank must hook and fit the same layer: rank 0's errors decide
-            mae = self.broadcast(mae)
-        host = mae.tolist()
-        self.layer_index = choose_layer(host, self.layer_index, self.layer_switch_margin)
-        return {f"layer_mae/{layer}": value for layer, value in zip(self.layers, host, strict=True)}
+    def _agree(self, learner: OnlineLearner) -> None:
+        """Every process fitted on identical inputs; a broadcast from rank 0 makes them agree to the bit."""
+        if self.broadcast is not None:
+            learner.probe.map_state(self.broadcast)
+
+    def _bootstrap_lines(self) -> dict[str, torch.Tensor]:
+        """Each domain's shrunk-bootstrap line [a, w], fitted on its buffered (partner mean, reward) pairs."""
+        return {
+            name: shrunk_rloo_line(pairs.features[:, 0], pairs.targets)
+            for name, pairs in self.bootstrap_pairs.items()
+            if len(pairs)
+        }
 
     # ------------------------------------------------------------------------------------------- prompt values
     @property
@@ -382,53 +417,29 @@ class POISEEstimator:
         return any(online.trusted for online in self.probes.values())
 
     def prompt_values(self, prompt_features: torch.Tensor) -> torch.Tensor | None:
-        """Predicted success value of each candidate prompt from its (M, width) prompt-block features (current layer):
-        a prompt-only ridge probe on the buffers' prompt block against their targets, whose mean per prompt is the
-        prompt's expected reward. None until a probe is trusted and at least two groups are buffered. What to draw
-        from these values is `sampling.py`'s business."""
-        buffers = [online.buffer for online in self.probes.values() if len(online.buffer)]
-        if self.prompt_columns is None or not self.trusted or sum(map(len, buffers)) < 2 * self.num_generations:
+        """Predicted success value of each candidate prompt from its (M, width) prompt-block features (current
+        layer), by a prompt-only probe on the buffers (prompt_value.py); None until a probe is trusted and at least
+        two groups are buffered. What to draw from these values is `sampling.py`'s business."""
+        if self.prompt_columns is None or not self.trusted:
             return None
         start, stop = self.prompt_columns
-        device = prompt_features.device
-        x = torch.cat([b.features[:, self.layer_index, start:stop] for b in buffers]).to(device)
-        y = torch.cat([b.targets for b in buffers]).to(device)
         pca = [(0, stop - start, self.prompt_pca_dims)] if self.prompt_pca_dims else None
-        probe = ValueProbe(alpha=self.alpha, pca_dims=pca, clip="observed")
-        probe.fit(x, y, check_finite=False)  # buffered rows are finite
-        return probe.predict(prompt_features)
+        head = ValueProbe(alpha=self.alpha, pca_dims=pca, clip="observed")
+        learners = list(self.probes.values())
+        return fit_prompt_values(
+            learners, self.prompt_columns, self.layer_index, head, 2 * self.num_generations, prompt_features
+        )
 
     def target_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(lowest, highest) buffered target over every domain: the observed reward range that `prompt_values` are
         read on (0-d tensors, left on the buffers' device)."""
-        targets = torch.cat([o.buffer.targets for o in self.probes.values() if len(o.buffer)])
-        return targets.min(), targets.max()
+        return target_range(list(self.probes.values()))
 
     # ----------------------------------------------------------------------------------------------- persistence
     def state_dict(self, include_buffer: bool = True) -> dict[str, Any]:
-        """{"tensors": CPU tensors, "info": JSON-able dict}: everything `load_state_dict` needs, no pickle."""
-        tensors, domains = {}, []
-        for i, (name, online) in enumerate(self.probes.items()):
-            tensors.update({f"domain.{i}.{k}": v for k, v in online.state_dict(include_buffer).items()})
-            domains.append({"name": name, **online.info(include_buffer)})
-        pairs = [name for name, ring in self.bootstrap_pairs.items() if len(ring)]
-        for i, name in enumerate(pairs):
-            tensors.update({f"bootstrap.{i}.{k}": v for k, v in self.bootstrap_pairs[name].state_dict().items()})
-        info = {
-            "format": FORMAT,
-            "num_generations": self.num_generations,
-            "feature_config": dict(self.feature_config or {}),
-            "bootstrap": self.bootstrap,
-            "domains": domains,
-            "bootstrap_domains": pairs,
-            "probe_steps": self.steps,
-            "layer": self.layer,
-            "reward_std": self.reward_std.state_dict(),
-        }
-        if self.prefix is not None:
-            tensors.update({f"prefix.{k}": v for k, v in self.prefix.state_dict(include_buffer).items()})
-            info["prefix"] = self.prefix.info()
-        return {"tensors": tensors, "info": info}
+        """{"tensors": CPU tensors, "info": JSON-able dict}: everything `load_state_dict` needs, no pickle
+        (the layout is files.py's)."""
+        return estimator_state(self, include_buffer)
 
     def load_state_dict(
         self,
@@ -441,47 +452,9 @@ class POISEEstimator:
         counters (a new run starting from a saved probe). Buffers go to `device` (where the features will come
         from). Refuses a state of another feature configuration, and on resume one whose refit settings or
         bootstrap differ from this estimator's."""
-        tensors, info = state["tensors"], state["info"]
-        check_feature_config(info.get("feature_config") or {}, self.feature_config or {}, source)
-        if not warm_start and info.get("bootstrap") not in (None, self.bootstrap):
-            raise ValueError(
-                f"{source} was written by a run with probe_bootstrap={info['bootstrap']!r}, but this run sets "
-                f"probe_bootstrap={self.bootstrap!r}. Resume with the setting the run was started with."
-            )
-        probes = {}
-        for i, domain in enumerate(info["domains"]):
-            name, prefix = domain["name"], f"domain.{i}."
-            online = self.new_probe(name)  # this run's settings and capacity (the newest rows survive)
-            saved = ValueProbe.from_config(domain["probe"])
-            if not warm_start and saved.config() != online.probe.config():
-                raise ValueError(
-                    f"The probe in {source} (domain {name!r}) refits with {self._describe(saved)}, but this run sets "
-                    f"{self._describe(online.probe)}. Resume with the settings (or probe_preset) the run was started "
-                    "with; to change them, start a new run with probe_init_path pointing at this file."
-                )
-            online.load_state(
-                {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}, domain, device
-            )
-            if warm_start:  # trusted at once; without a buffer, keep the loaded fit until warmup steps of new rows
-                online.steps, online.warm_started = 0, True
-                online.refit_from_step = self.warmup_steps if len(online.buffer) == 0 else 0
-            probes[name] = online
-        self.probes = probes
-        if self.prefix is not None:  # a sequence-level run's file has none: the prefix probe starts afresh
-            self.prefix.load_state(_strip(tensors, "prefix."), info.get("prefix", {}), warm_start, device)
-        self.layer_index = self.layers.index(int(info["layer"]))
-        self.steps = 0 if warm_start else int(info.get("probe_steps", 0))
-        if warm_start:
-            return
-        if "reward_std" in info:
-            self.reward_std.load_state_dict(info["reward_std"])
-        self.bootstrap_pairs, self.bootstrap_lines = {}, {}
-        for i, name in enumerate(info.get("bootstrap_domains", [])):
-            ring = ProbeBuffer(self.capacity(name))
-            prefix = f"bootstrap.{i}."
-            ring.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}, device)
-            self.bootstrap_pairs[name] = ring
-            self.bootstrap_lines[name] = shrunk_rloo_line(ring.features[:, 0], ring.targets)
+        load_estimator_state(self, state, warm_start, source, device)
+        if not warm_start:
+            self.bootstrap_lines = self._bootstrap_lines()
 
     def save(self, path: str | os.PathLike, include_buffer: bool = True) -> None:
         """One safetensors file (the JSON in its header), written atomically."""

@@ -5,7 +5,7 @@ the spans, hooks one decoder layer for exactly one scoped pass, and pools as the
 activation outlives its layer call.
 """
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -108,7 +108,7 @@ def _last_valid(mask: torch.Tensor) -> torch.Tensor:
     return length - 1 - mask.flip(1).float().argmax(dim=1)
 
 
-def _last_n(mask: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def last_n_positions(mask: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions of the last n ones of each row of `mask` (latest first) and weight 1 on the slots they fill.
 
     The ones need not be contiguous: a tool result inside a completion leaves a gap that pooling skips."""
@@ -156,8 +156,8 @@ def feature_spans(
     tail = generated & (generated_after <= pool_tokens)
     answer_mask = torch.where(has_marker.unsqueeze(1), generated & ~reasoning_mask, tail)
 
-    prompt_index, prompt_weight = _last_n(prompt_mask, pool_tokens)
-    reasoning_index, reasoning_weight = _last_n(reasoning_mask, pool_tokens)
+    prompt_index, prompt_weight = last_n_positions(prompt_mask, pool_tokens)
+    reasoning_index, reasoning_weight = last_n_positions(reasoning_mask, pool_tokens)
     return FeatureSpans(
         pool_index=torch.stack([prompt_index, prompt_len + reasoning_index], dim=1),
         pool_weight=torch.stack([prompt_weight, reasoning_weight], dim=1),
@@ -206,12 +206,15 @@ class PooledCapture:
 
 
 @contextmanager
-def capture_layer(layer: nn.Module, spans: FeatureSpans) -> Iterator[PooledCapture]:
-    """Hook `layer` for the passes inside the `with` block only; the hook is removed in `finally`."""
-    capture = PooledCapture(spans)
-    handle = layer.register_forward_hook(capture)
+def capture_layer(layer: nn.Module, capture: FeatureSpans | Callable) -> Iterator:
+    """Hook `layer` with `capture` for the passes inside the `with` block only; the hook is removed in `finally`.
+
+    `capture` is the hook (a `PooledCapture`, a `prefix.PrefixCapture`, ...) or, for the pooled sequence features,
+    the `FeatureSpans` a `PooledCapture` is made from; the block receives the hook."""
+    hook = PooledCapture(capture) if isinstance(capture, FeatureSpans) else capture
+    handle = layer.register_forward_hook(hook)
     try:
-        yield capture
+        yield hook
     finally:
         handle.remove()
 

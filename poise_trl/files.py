@@ -1,4 +1,5 @@
-"""POISE's files: the estimator's one safetensors file, written atomically, and the layouts of poise-trl 0.1.
+"""POISE's files: the estimator's one safetensors file (its layout: `estimator_state`, `load_estimator_state`),
+written atomically, and the layouts of poise-trl 0.1.
 
 Nothing is pickled: safetensors cannot execute code, so a downloaded probe file is safe to read. The 0.1 layouts
 (`save_probe_file`: one probe; `save_probe_set`: named probes, e.g. one per domain; each with a `.json` beside it;
@@ -9,14 +10,21 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .probe import OnlineProbe, ProbeBuffer, ValueProbe
+from .buffer import ProbeBuffer
+from .heads import head_from_config
+from .probe import ValueProbe
 
+if TYPE_CHECKING:
+    from .estimator import POISEEstimator
+    from .learner import OnlineLearner
+
+FORMAT = "poise-estimator/1"
 DEFAULT_DOMAIN = "default"  # the one probe's name when rows carry no domain
 
 
@@ -37,7 +45,7 @@ def atomic_save(tensors: dict[str, torch.Tensor], path: str | Path, metadata: di
         raise
 
 
-def _strip(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+def strip_prefix(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     """The tensors whose key starts with `prefix`, keyed without it."""
     return {key[len(prefix) :]: value for key, value in tensors.items() if key.startswith(prefix)}
 
@@ -54,6 +62,80 @@ def check_feature_config(saved: dict[str, Any], current: dict[str, Any], source:
             f"The probe in {source} was fitted on features {saved}, but this run extracts other features: this run "
             f"sets {changed}. Resume with the settings and model the file was written with, or start a fresh run."
         )
+
+
+def estimator_state(estimator: "POISEEstimator", include_buffer: bool = True) -> dict[str, Any]:
+    """{"tensors": CPU tensors, "info": JSON-able dict}: what an estimator learned, as `POISEEstimator.save` writes
+    it. Tensors are keyed `domain.<i>.*` (each domain's learner), `bootstrap.<i>.*` (its shrunk-bootstrap pairs) and
+    `<granularity>.*` (a token baseline's learner); the info names them in order, so names may hold any character."""
+    tensors, domains = {}, []
+    for i, (name, online) in enumerate(estimator.probes.items()):
+        tensors.update({f"domain.{i}.{k}": v for k, v in online.state_dict(include_buffer).items()})
+        domains.append({"name": name, **online.info(include_buffer)})
+    pairs = [name for name, ring in estimator.bootstrap_pairs.items() if len(ring)]
+    for i, name in enumerate(pairs):
+        tensors.update({f"bootstrap.{i}.{k}": v for k, v in estimator.bootstrap_pairs[name].state_dict().items()})
+    info = {
+        "format": FORMAT,
+        "num_generations": estimator.num_generations,
+        "feature_config": dict(estimator.feature_config or {}),
+        "bootstrap": estimator.bootstrap,
+        "domains": domains,
+        "bootstrap_domains": pairs,
+        "probe_steps": estimator.steps,
+        "layer": estimator.layer,
+        "reward_std": estimator.reward_std.state_dict(),
+    }
+    token_baseline = estimator.token_baseline
+    if token_baseline.info() is not None:
+        tensors.update({f"{token_baseline.name}.{k}": v for k, v in token_baseline.state_dict(include_buffer).items()})
+        info[token_baseline.name] = token_baseline.info()
+    return {"tensors": tensors, "info": info}
+
+
+def load_estimator_state(
+    estimator: "POISEEstimator",
+    state: dict[str, Any],
+    warm_start: bool = False,
+    source: str = "the state",
+    device: torch.device | str | None = None,
+) -> None:
+    """Restore what `estimator_state` wrote into `estimator` (see `POISEEstimator.load_state_dict`)."""
+    tensors, info = state["tensors"], state["info"]
+    check_feature_config(info.get("feature_config") or {}, estimator.feature_config or {}, source)
+    if not warm_start and info.get("bootstrap") not in (None, estimator.bootstrap):
+        raise ValueError(
+            f"{source} was written by a run with probe_bootstrap={info['bootstrap']!r}, but this run sets "
+            f"probe_bootstrap={estimator.bootstrap!r}. Resume with the setting the run was started with."
+        )
+    probes = {}
+    for i, domain in enumerate(info["domains"]):
+        name = domain["name"]
+        online = estimator.new_probe(name)  # this run's settings and capacity (the newest rows survive)
+        saved = head_from_config(domain["probe"], domain.get("head", ValueProbe.name))
+        if not warm_start and (saved.name, saved.config()) != (online.probe.name, online.probe.config()):
+            raise ValueError(
+                f"The probe in {source} (domain {name!r}) refits with {estimator.describe_probe(saved)}, but this run "
+                f"sets {estimator.describe_probe(online.probe)}. Resume with the settings (or probe_preset) the run "
+                "was started with; to change them, start a new run with probe_init_path pointing at this file."
+            )
+        online.load_state(strip_prefix(tensors, f"domain.{i}."), domain, device, warm_start)
+        probes[name] = online
+    estimator.probes = probes
+    token_baseline = estimator.token_baseline  # a sequence-level run's file has none: a token baseline starts afresh
+    own = strip_prefix(tensors, f"{token_baseline.name}.")
+    token_baseline.load_state(own, info.get(token_baseline.name, {}), warm_start, device)
+    estimator.layer_index = estimator.layers.index(int(info["layer"]))
+    estimator.steps = 0 if warm_start else int(info.get("probe_steps", 0))
+    if warm_start:
+        return
+    if "reward_std" in info:
+        estimator.reward_std.load_state_dict(info["reward_std"])
+    estimator.bootstrap_pairs = {}
+    for i, name in enumerate(info.get("bootstrap_domains", [])):
+        ring = ProbeBuffer(estimator.capacity(name))
+        ring.load_state_dict(strip_prefix(tensors, f"bootstrap.{i}."), device)
+        estimator.bootstrap_pairs[name] = ring
 
 
 def read_state(path: str | os.PathLike, bootstrap_path: str | os.PathLike | None = None) -> dict[str, Any]:
@@ -106,21 +188,21 @@ def load_probe_file(path: str | Path) -> tuple[ValueProbe, ProbeBuffer | None, d
     info = json.loads(path.with_suffix(path.suffix + ".json").read_text())
     tensors = load_file(str(path))
     probe = ValueProbe.from_config(info["probe"])
-    probe.load_state_dict(_strip(tensors, "probe."))
+    probe.load_state_dict(strip_prefix(tensors, "probe."))
     buffer = None
     if info.get("buffer_capacity") is not None:
         buffer = ProbeBuffer(info["buffer_capacity"])
-        buffer.load_state_dict(_strip(tensors, "buffer."))
+        buffer.load_state_dict(strip_prefix(tensors, "buffer."))
     return probe, buffer, info
 
 
 def save_probe_set(
     path: str | Path,
-    probes: dict[str, OnlineProbe],
+    probes: dict[str, "OnlineLearner"],
     metadata: dict[str, Any] | None = None,
     include_buffer: bool = True,
 ) -> None:
-    """Write several named `OnlineProbe`s (e.g. one per domain) to ONE safetensors file plus `path` + '.json'.
+    """Write several named `OnlineLearner`s (e.g. one per domain) to ONE safetensors file plus `path` + '.json'.
 
     Tensor keys are `domain.<i>.probe.*` / `domain.<i>.buffer.*`; the JSON lists the names in order (names may hold
     any character), each with its probe settings and counters. Nothing is pickled.
@@ -138,7 +220,7 @@ def save_probe_set(
 def load_probe_set(
     path: str | Path, single_name: str = "default"
 ) -> tuple[dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]], dict]:
-    """Inverse of `save_probe_set`: {name: (tensors, per-probe info)} for `OnlineProbe.load_state`, and the JSON.
+    """Inverse of `save_probe_set`: {name: (tensors, per-probe info)} for `OnlineLearner.load_state`, and the JSON.
 
     A single probe written by `save_probe_file` reads as one set member named `single_name`, with its buffer's
     (N, D) features as the one slice of (N, 1, D).
@@ -162,5 +244,5 @@ def load_probe_set(
     out = {}
     for i, domain in enumerate(info["domains"]):
         prefix = f"domain.{i}."
-        out[domain["name"]] = (_strip(tensors, prefix), domain)
+        out[domain["name"]] = (strip_prefix(tensors, prefix), domain)
     return out, info

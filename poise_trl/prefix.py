@@ -16,14 +16,12 @@ outlives the layer call. The probe learns from `samples` positions per rollout (
 rollout's reward), drawn one per equal share of the row's generated tokens before the pass.
 """
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .features import _last_n, pool_hidden
+from .features import last_n_positions, pool_hidden
 from .probe import ValueProbe
 
 PREFIX_SAMPLES = 4  # tokens per rollout the probe learns from: one per quarter of its generated tokens
@@ -35,10 +33,26 @@ def feature_width(hidden_size: int) -> int:
     return 2 * hidden_size + len(STATS)
 
 
-def pca_blocks(hidden_size: int, pca_dims: tuple[int, int]) -> list[tuple[int, int, int]]:
+def prefix_pca_blocks(hidden_size: int, pca_dims: tuple[int, int]) -> list[tuple[int, int, int]]:
     """(start, stop, k) blocks for `ValueProbe(pca_dims=...)` from [prompt k, prefix k] (0: no PCA on that block)."""
     blocks = [(0, hidden_size, pca_dims[0]), (hidden_size, 2 * hidden_size, pca_dims[1])]
     return [(start, stop, min(k, hidden_size)) for start, stop, k in blocks if k > 0]
+
+
+@dataclass
+class PrefixBatch:
+    """One batch's per-prefix capture, rows in the order of the rewards.
+
+    rows: (N, K, F) the sampled tokens' feature rows; sampled: (N, K) False where a row had no generated token;
+    values: (N, T) every completion token's V(x, y_<t) from the map in use at capture time (None: no fitted head
+    then); generated: (N, T) the tokens the policy wrote, the only ones that get a token advantage; tokens: (N, K)
+    the completion token each row of `rows` describes."""
+
+    rows: torch.Tensor
+    sampled: torch.Tensor
+    values: torch.Tensor | None
+    generated: torch.Tensor
+    tokens: torch.Tensor
 
 
 @dataclass
@@ -95,7 +109,7 @@ def prefix_spans(
     share = torch.rand(row_offset + count.size(0), samples, generator=generator)[row_offset:].to(count.device)
     rank = ((torch.arange(samples, device=count.device) + share) * count / samples).long().clamp(max=count - 1)
     tokens = torch.searchsorted(generated.long().cumsum(1), rank + 1).clamp(max=max(generated.size(1) - 1, 0))
-    prompt_index, prompt_weight = _last_n(prompt_mask, pool_tokens)
+    prompt_index, prompt_weight = last_n_positions(prompt_mask, pool_tokens)
     return PrefixSpans(
         attended=torch.cat([prompt_mask.bool(), completion_mask.bool()], dim=1),
         prompt_width=prompt_mask.size(1),
@@ -208,7 +222,7 @@ def fit_prefix_probe(
     """A prefix probe fitted on (N, feature_width) rows and their rollouts' rewards (N,); `PrefixMap.fold` turns it
     into the map the hook applies. The rows must come from other rollouts than the ones it will serve."""
     hidden_size = (rows.size(-1) - len(STATS)) // 2
-    probe = ValueProbe(alpha=alpha, pca_dims=pca_blocks(hidden_size, pca_dims) or None, clip=clip)
+    probe = ValueProbe(alpha=alpha, pca_dims=prefix_pca_blocks(hidden_size, pca_dims) or None, clip=clip)
     return probe.fit(rows, targets)
 
 
@@ -230,8 +244,9 @@ class PrefixCapture:
             self.parts.append(self.map.hidden_part(hidden, spans))
         self.rows_seen += hidden.size(0)
 
-    def result(self, entropies: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """((B, K, feature_width) feature rows, (B, T) token values or None without a map) once the pass is over."""
+    def batch(self, entropies: torch.Tensor) -> PrefixBatch:
+        """The pass's `PrefixBatch` (feature rows of the sampled tokens, every token's value without a map: None)
+        once the pass is over; `entropies` (B, T) are the pass's own."""
         if self.rows_seen != self.spans.generated.size(0):
             raise RuntimeError(
                 f"The hooked layer saw {self.rows_seen} rows, expected {self.spans.generated.size(0)}: the capture "
@@ -240,18 +255,7 @@ class PrefixCapture:
         stats = prefix_stats(entropies, self.spans)
         rows = feature_rows(torch.cat(self.rows), stats, self.spans.tokens)
         values = None if self.map is None else self.map.values(torch.cat(self.parts), stats.to(self.parts[0].device))
-        return rows, values
-
-
-@contextmanager
-def capture_prefix(layer: nn.Module, spans: PrefixSpans, prefix_map: PrefixMap | None) -> Iterator[PrefixCapture]:
-    """Hook `layer` for the passes inside the `with` block only; the hook is removed in `finally`."""
-    capture = PrefixCapture(spans, prefix_map)
-    handle = layer.register_forward_hook(capture)
-    try:
-        yield capture
-    finally:
-        handle.remove()
+        return PrefixBatch(rows, self.spans.sampled, values, self.spans.generated, self.spans.tokens)
 
 
 def rollout_token_values(

@@ -92,10 +92,16 @@ class ValueGuidedSelection:
             values = self.estimator.prompt_values(states)
             reward_range = None if values is None else self.estimator.target_range()
         drawn = draw(
-            self.args.prompt_selection, len(groups), keep, values, reward_range,
-            seed=self.args.seed, rank=self.accelerator.process_index, step=self.estimator.steps,
+            self.args.prompt_selection,
+            len(groups),
+            keep,
+            values,
+            reward_range,
+            seed=self.args.seed,
+            rank=self.accelerator.process_index,
+            step=self.estimator.steps,
             floor=self.args.prompt_selection_floor,
-        )  # fmt: skip
+        )
         weights = drawn.weights or [1.0] * len(drawn.indices)
         self._weights = torch.tensor(weights, dtype=torch.float64).repeat_interleave(size)
         variance = drawn.scores or [0.0] * len(groups)  # predicted reward variance q(1 - q) of each candidate

@@ -7,7 +7,6 @@ import math
 import os
 import textwrap
 import warnings
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +21,15 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import get_config_model_id
 
+from .buffer import ProbeBuffer, prompt_group_ids
+from .capture import capture_pass
 from .card import card_section
 from .config import POISEConfig
 from .estimator import POISEEstimator
-from .features import assemble_features, capture_layer, feature_spans, find_decoder_layers
+from .features import feature_spans, find_decoder_layers
 from .files import DEFAULT_DOMAIN
-from .prefix import PREFIX_SAMPLES, capture_prefix, prefix_spans
-from .prefix_baseline import PrefixBatch
-from .probe import ProbeBuffer, ValueProbe, prompt_group_ids
+from .prefix import PrefixBatch
+from .probe import ValueProbe
 from .resume import (
     ESTIMATOR_FILE,
     ResumableSampler,
@@ -154,7 +154,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
     # --------------------------------------------------------------------------------------- estimator shortcuts
     @property
     def probes(self):
-        """Domain -> `OnlineProbe` (probe, buffer, step counter); one entry, "default", without a domain column."""
+        """Domain -> `OnlineLearner` (probe, buffer, step counter); one entry, "default", without a domain column."""
         return self.estimator.probes
 
     @property
@@ -215,32 +215,24 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         spans = self._spans(
             attention_mask[:, :-logits_to_keep], input_ids[:, -logits_to_keep:], attention_mask[:, -logits_to_keep:]
         )
+        # Which tokens a per-token baseline learns from is drawn from (seed, step) for the global batch, this
+        # process's rows sliced from it, so a resumed run and any number of processes draw the same.
+        tokens = self.estimator.token_baseline.capturer(
+            attention_mask[:, :-logits_to_keep],
+            attention_mask[:, -logits_to_keep:],
+            spans.completion_mask,
+            self.args.probe_pool_tokens,
+            torch.Generator().manual_seed(self.args.seed + 7919 * self.state.global_step),
+            self.accelerator.process_index * input_ids.size(0),
+        )
         layers = find_decoder_layers(self.accelerator.unwrap_model(self.model))
         kwargs["compute_entropy"] = True
-        prefix = self.estimator.prefix
-        with ExitStack() as hooks:  # one pass, one pooling hook per candidate layer (and the per-prefix one)
-            captures = [hooks.enter_context(capture_layer(layers[i], spans)) for i in self.probe_layers]
-            if prefix is not None:  # the prefix probe's fixed layer; its values from the fit of earlier steps
-                # which tokens the probe learns from: drawn from (seed, step) for the global batch, this rank's
-                # rows sliced from it, so a resumed run and any number of processes draw the same
-                seed = self.args.seed + 7919 * self.state.global_step
-                token_spans = prefix_spans(
-                    attention_mask[:, :-logits_to_keep], attention_mask[:, -logits_to_keep:],
-                    self.args.probe_pool_tokens, PREFIX_SAMPLES, spans.completion_mask,
-                    torch.Generator().manual_seed(seed), self.accelerator.process_index * input_ids.size(0),
-                )  # fmt: skip
-                layer = layers[self.probe_layers[0]]
-                token_capture = hooks.enter_context(capture_prefix(layer, token_spans, prefix.map(input_ids.device)))
+        with capture_pass([layers[i] for i in self.probe_layers], spans, self.args.probe_features, tokens) as capture:
             logps, entropies, aux = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, **kwargs
             )
-        blocks = self.args.probe_features
-        features = torch.stack([assemble_features(blocks, c.pooled(), entropies, spans) for c in captures], dim=1)
-        local = None
-        if prefix is not None:  # the sampled tokens' feature rows and every token's value
-            rows, values = token_capture.result(entropies)
-            local = PrefixBatch(rows, token_spans.sampled, values, token_spans.generated, token_spans.tokens)
-        self._captured = (features, spans, local)  # (B, len(probe_layers), D), the spans, the per-prefix capture
+        features, local = capture.result(entropies)
+        self._captured = (features, spans, local)  # (B, len(probe_layers), D), the spans, the per-token capture
         return logps, entropies, aux
 
     def _spans(self, prompt_mask, completion_ids, completion_mask):
@@ -269,11 +261,11 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
         forward_inputs = {key: output[key] for key in FORWARD_INPUT_KEYS if key in output}
         self._capture_armed = True
+        logits_to_keep = output["completion_ids"].size(1)
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             self._get_per_token_logps_and_entropies(
-                self.model, input_ids, attention_mask, output["completion_ids"].size(1), batch_size=batch_size,
-                **forward_inputs,
-            )  # fmt: skip
+                self.model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **forward_inputs
+            )
         self.feature_passes += 1
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -356,9 +348,12 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
             return self.accelerator.gather(tensor.to(self.accelerator.device) if dim is None else pad(tensor, dim))
 
         return PrefixBatch(
-            gather(local.rows), gather(local.sampled), gather(local.values, 1), gather(local.generated, 1),
-            gather(local.tokens),
-        )  # fmt: skip
+            rows=gather(local.rows),
+            sampled=gather(local.sampled),
+            values=gather(local.values, 1),
+            generated=gather(local.generated, 1),
+            tokens=gather(local.tokens),
+        )
 
     def _domain_names(self, inputs: list[dict], num_generations: int) -> list[str] | None:
         """Each global row's domain (identical on every rank), or None without `probe_domain_column`."""

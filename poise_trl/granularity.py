@@ -1,0 +1,238 @@
+"""The baseline's granularity, resolved once: a name -> token baseline table. Pure torch.
+
+"sequence" (the paper) gives each rollout one baseline, so its token baseline adds nothing. "prefix" gives every
+generated token its own, r - V(x, y_<t): the same hooked pass yields the feature rows of a few sampled tokens per
+rollout and, once a head is fitted, every token's value from that head folded into a map applied inside the hook
+(prefix.py). Its head is an `OnlineLearner` like the sequence value's (target: the rollout's own reward), so trust,
+warm start and persistence are the learner's. Until it is trusted the caller keeps the sequence-level advantages.
+
+Both entries answer the same calls, so the estimator and the trainer never ask which granularity runs.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .baselines import prefix_advantages
+from .learner import OnlineLearner
+from .prefix import PREFIX_SAMPLES, STATS, PrefixBatch, PrefixCapture, PrefixMap, prefix_pca_blocks, prefix_spans
+from .probe import ValueProbe
+
+QUARTERS = ("q1", "q2", "q3", "q4")  # poise/prefix/variance_explained/<quarter of the completion>
+
+
+@dataclass(frozen=True)
+class TokenAdvantages:
+    """A batch's token advantages (N, T), each row's mean over its generated tokens (N,) and the rows whose tokens
+    got the prefix baseline (N,) (the others keep their sequence-level advantage)."""
+
+    advantages: torch.Tensor
+    mean: torch.Tensor
+    used: torch.Tensor
+
+
+class SequenceBaseline:
+    """The paper's granularity: one baseline per rollout, nothing per token."""
+
+    name = "sequence"
+    learners: tuple[OnlineLearner, ...] = ()
+
+    def __init__(self, **settings: Any):
+        """Takes the settings `PrefixBaseline` takes, and needs none."""
+
+    def capturer(self, *args: Any, **kwargs: Any) -> None:
+        """No token capture: the sequence features are all the pass must yield."""
+        return None
+
+    def advantages(self, batch: PrefixBatch | None, *args: Any) -> None:
+        return None
+
+    def diagnostics(self, batch: PrefixBatch | None, *args: Any) -> dict[str, torch.Tensor]:
+        return {}
+
+    def host_metrics(self) -> dict[str, float]:
+        return {}
+
+    def observe(self, batch: PrefixBatch | None, *args: Any) -> None:
+        return None
+
+    def fit(self, batch: PrefixBatch | None, device: torch.device | str | None = None) -> bool:
+        return False
+
+    def state_dict(self, include_buffer: bool = True) -> dict[str, torch.Tensor]:
+        return {}
+
+    def info(self) -> dict[str, Any] | None:
+        return None
+
+    def load_state(self, state: dict[str, torch.Tensor], info: dict[str, Any], warm_start: bool, device=None) -> None:
+        return None
+
+
+class PrefixBaseline:
+    """The per-prefix value V(x, y_<t): an `OnlineLearner` over sampled tokens' feature rows, and its folded map.
+
+    Args:
+        alpha, pca_dims, clip: the ridge head's settings; pca_dims is [prompt k, prefix k] (0: no PCA), resolved
+            against the model's width when the first rows arrive; clip None is the observed reward range.
+        buffer_size: rows buffered (`PREFIX_SAMPLES` per rollout).
+        warmup_steps: observed steps before the head is trusted.
+    """
+
+    name = "prefix"
+
+    def __init__(
+        self,
+        alpha: float = 100.0,
+        pca_dims: tuple[int, int] = (0, 0),
+        clip: tuple[float, float] | None = None,
+        buffer_size: int = 4096,
+        warmup_steps: int = 16,
+    ):
+        self.alpha, self.pca_dims, self.clip = alpha, tuple(pca_dims), clip
+        self.learner = OnlineLearner(self._head(None), buffer_size, warmup_steps)
+        self._map: PrefixMap | None = None
+
+    def _head(self, width: int | None) -> ValueProbe:
+        """The unfitted head for rows of `width` columns (its PCA blocks need the model's width; None: not known)."""
+        blocks = None if width is None else prefix_pca_blocks((width - len(STATS)) // 2, self.pca_dims) or None
+        return ValueProbe(self.alpha, blocks, "observed" if self.clip is None else tuple(self.clip))
+
+    @property
+    def learners(self) -> tuple[OnlineLearner, ...]:
+        return (self.learner,)
+
+    @property
+    def probe(self) -> ValueProbe:
+        return self.learner.probe
+
+    @property
+    def buffer(self):
+        return self.learner.buffer
+
+    @property
+    def steps(self) -> int:
+        return self.learner.steps
+
+    @property
+    def trusted(self) -> bool:
+        return self.learner.trusted
+
+    def map(self, device: torch.device | str | None = None) -> PrefixMap | None:
+        """The trusted head as the affine map the hook applies; None before it is trusted (no values needed)."""
+        if not self.trusted:
+            return None
+        if self._map is None:
+            hidden_size = (self.probe.affine()[0].numel() - len(STATS)) // 2
+            self._map = PrefixMap.fold(self.probe, hidden_size)
+        return self._map if device is None else self._map.to(device)
+
+    # ----------------------------------------------------------------------------------------------- capture
+    def capturer(
+        self,
+        prompt_mask: torch.Tensor,
+        completion_mask: torch.Tensor,
+        generated_mask: torch.Tensor | None,
+        pool_tokens: int,
+        generator: torch.Generator,
+        row_offset: int = 0,
+    ) -> PrefixCapture:
+        """The hook callable for one pass over the batch: which tokens the head learns from are drawn from
+        `generator` for the global batch (this process's rows start at `row_offset`), so a resumed run and any
+        number of processes draw the same; the values come from the map of earlier steps' fit."""
+        spans = prefix_spans(
+            prompt_mask, completion_mask, pool_tokens, PREFIX_SAMPLES, generated_mask, generator, row_offset
+        )
+        return PrefixCapture(spans, self.map(completion_mask.device))
+
+    # ------------------------------------------------------------------------------------------------ estimate
+    def advantages(
+        self, batch: PrefixBatch | None, rewards: torch.Tensor, receives: torch.Tensor, sequence: torch.Tensor
+    ) -> TokenAdvantages | None:
+        """The batch's token advantages r - V(x, y_<t), or None while untrusted or without a capture. Rows without
+        finite values keep the `sequence` advantage (N,) on every generated token."""
+        if batch is None or not self.trusted or batch.values is None:
+            return None
+        tokens, used = prefix_advantages(rewards, batch.values, batch.generated, receives, sequence)
+        generated = batch.generated.to(tokens.dtype)
+        return TokenAdvantages(tokens, (tokens * generated).sum(1) / generated.sum(1).clamp(min=1), used)
+
+    def diagnostics(
+        self,
+        batch: PrefixBatch | None,
+        rewards: torch.Tensor,
+        receives: torch.Tensor,
+        tokens: TokenAdvantages | None,
+    ) -> dict[str, torch.Tensor]:
+        """`prefix/*` 0-d tensors, NaN where undefined: `share`, the rows receiving an advantage whose tokens got
+        the prefix baseline; `variance_explained`, the share of the reward variance the head of earlier steps
+        explains on this batch's sampled tokens (held out: it never saw them), overall and by completion quarter."""
+        if batch is None:
+            return {}
+        keep = batch.sampled & torch.isfinite(rewards).unsqueeze(1) & torch.isfinite(batch.rows).all(-1)
+        nan = torch.full((), float("nan"), dtype=torch.float64, device=rewards.device)
+        used = torch.zeros_like(receives) if tokens is None else tokens.used
+        share = {"prefix/share": torch.where(receives.any(), (used & receives).double().sum() / receives.sum(), nan)}
+        names = ["prefix/variance_explained"] + [f"prefix/variance_explained/{q}" for q in QUARTERS]
+        if not self.probe.is_fitted:
+            return {**share, **dict.fromkeys(names, nan)}
+        k = batch.rows.size(1)
+        values = self.probe.predict(batch.rows.flatten(0, 1).nan_to_num()).view(-1, k).double()
+        targets = rewards.double().unsqueeze(1).expand(-1, k)
+        quarter = torch.arange(k, device=keep.device) * len(QUARTERS) // k
+        out = {}
+        for name, rows in zip(names, [keep] + [keep & (quarter == q) for q in range(len(QUARTERS))], strict=True):
+            count = rows.sum()
+            mean = torch.where(rows, targets, 0.0).sum() / count
+            variance = torch.where(rows, targets - mean, 0.0).pow(2).sum() / count
+            error = torch.where(rows, targets - values, 0.0).pow(2).sum() / count
+            out[name] = torch.where((count > 1) & (variance > 0), 1 - error / variance, nan)
+        return {**share, **out}
+
+    def host_metrics(self) -> dict[str, float]:
+        return {"prefix/trusted": float(self.trusted)}
+
+    # --------------------------------------------------------------------------------------------------- learn
+    def observe(self, batch: PrefixBatch | None, rewards: torch.Tensor, keep: torch.Tensor) -> None:
+        """Buffer the sampled rows of the rollouts `keep` (N,) marks (scorable, with a completion), target: the
+        rollout's own reward (a value, not a partner's); count the step."""
+        if batch is None:
+            return
+        if not self.probe.is_fitted:  # the rows tell the model's width, which the head's PCA blocks need
+            self.learner.probe = self._head(batch.rows.size(-1))
+        k = batch.rows.size(1)
+        rows = keep.unsqueeze(1) & batch.sampled & torch.isfinite(batch.rows).all(-1)
+        targets = rewards.unsqueeze(1).expand(-1, k)
+        self.learner.add(batch.rows.flatten(0, 1).unsqueeze(1), targets.flatten(), keep=rows.flatten())
+
+    def fit(self, batch: PrefixBatch | None, device: torch.device | str | None = None) -> bool:
+        """Refit on the whole buffer after a step that brought a capture; whether it refitted."""
+        if batch is None or not self.learner.can_fit:
+            return False
+        self.learner.fit(0, device)
+        self._map = None
+        return True
+
+    # ---------------------------------------------------------------------------------------------- persistence
+    def state_dict(self, include_buffer: bool = True) -> dict[str, torch.Tensor]:
+        return self.learner.state_dict(include_buffer)
+
+    def info(self) -> dict[str, Any]:
+        return {**self.learner.info(), "fitted": self.probe.is_fitted}
+
+    def load_state(
+        self,
+        state: dict[str, torch.Tensor],
+        info: dict[str, Any],
+        warm_start: bool = False,
+        device: torch.device | str | None = None,
+    ) -> None:
+        """Restore `state_dict`/`info` (empty: start afresh), keeping this object's settings and capacity."""
+        width = state.get("probe.mean", state.get("buffer.features"))
+        self.learner.probe = self._head(None if width is None else width.size(-1))
+        self.learner.load_state(state, info, device, warm_start)
+        self._map = None
+
+
+GRANULARITIES: dict[str, type] = {SequenceBaseline.name: SequenceBaseline, PrefixBaseline.name: PrefixBaseline}
