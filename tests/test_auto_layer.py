@@ -8,7 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM, HfArgumentParser
 
 from poise_trl import POISEConfig, POISETrainer, features
-from poise_trl.probe import OnlineProbe, ValueProbe, choose_layer, grouped_kfold_errors
+from poise_trl.layer_choice import choose_layer, grouped_kfold_errors, select_layer
+from poise_trl.learner import OnlineLearner
+from poise_trl.probe import ValueProbe
 
 from .conftest import CPU_ARGS, digit_dataset, digit_reward, poise_args, score_and_capture_features
 from .test_trainer import _count_scoring_passes
@@ -166,12 +168,21 @@ def test_select_layer_hysteresis_and_logging_in_the_trainer(tiny_model_path, tmp
     )
     assert trainer.probe_layer == 2
     per_layer = {}
-    monkeypatch.setattr(OnlineProbe, "layer_errors", lambda self, folds, device=None: per_layer["errors"])
+    monkeypatch.setattr(OnlineLearner, "layer_errors", lambda self, folds, device=None: per_layer["errors"])
     per_layer["errors"] = torch.tensor([[0.97, 0.97], [1.0, 1.0], [1.5, 1.5]], dtype=torch.float64)  # 3% better
-    assert trainer.estimator._select_layer("cpu") == {"layer_mae/1": 0.97, "layer_mae/2": 1.0, "layer_mae/3": 1.5}
+    estimator = trainer.estimator
+
+    def select() -> dict[str, float]:
+        learners, margin = list(estimator.probes.values()), estimator.layer_switch_margin
+        estimator.layer_index, metrics = select_layer(
+            learners, estimator.layers, estimator.layer_index, margin, estimator.layer_folds, "cpu"
+        )
+        return metrics
+
+    assert select() == {"layer_mae/1": 0.97, "layer_mae/2": 1.0, "layer_mae/3": 1.5}
     assert trainer.probe_layer == 2
     per_layer["errors"] = torch.tensor([[0.8, 0.8], [1.0, 1.0], [1.5, 1.5]], dtype=torch.float64)  # 20%: switch
-    trainer.estimator._select_layer("cpu")
+    select()
     assert trainer.probe_layer == 1
 
 

@@ -1,4 +1,4 @@
-"""Per-domain probes (`probe_domain_column`): one OnlineProbe (probe, buffer, bootstrap) per value of the column."""
+"""Per-domain probes (`probe_domain_column`): one OnlineLearner (probe, buffer, bootstrap) per value of the column."""
 
 import copy
 
@@ -9,7 +9,8 @@ from datasets import Dataset
 from poise_trl import POISEConfig, POISETrainer
 from poise_trl.estimator import POISEEstimator
 from poise_trl.files import read_state
-from poise_trl.probe import OnlineProbe, ValueProbe
+from poise_trl.learner import OnlineLearner
+from poise_trl.probe import ValueProbe
 from poise_trl.trainer import ESTIMATOR_FILE, prompt_group_ids
 
 from .conftest import CPU_ARGS, digit_reward, poise_args, score_and_capture_features
@@ -31,15 +32,15 @@ def _two_domain_rollouts(n_prompts: int, seed: int) -> dict[str, dict[str, torch
     return out
 
 
-def _mae(online: OnlineProbe, data: dict[str, torch.Tensor]) -> float:
+def _mae(online: OnlineLearner, data: dict[str, torch.Tensor]) -> float:
     return (online.predict(data["x"]) - data["y"]).abs().mean().item()
 
 
 def test_per_domain_probes_beat_one_shared_probe_on_held_out_rows():
     train, test = _two_domain_rollouts(400, seed=0), _two_domain_rollouts(400, seed=1)
 
-    def online() -> OnlineProbe:
-        return OnlineProbe(ValueProbe(alpha=1.0, clip=(0.0, 1.0)), capacity=4096)
+    def online() -> OnlineLearner:
+        return OnlineLearner(ValueProbe(alpha=1.0, clip=(0.0, 1.0)), capacity=4096)
 
     shared, per_domain = online(), {name: online() for name in train}
     for step in range(4):  # fed online, a quarter of every domain per step, as a run would

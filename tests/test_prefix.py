@@ -11,11 +11,11 @@ from sklearn.preprocessing import StandardScaler
 
 from poise_trl.baselines import prefix_advantages
 from poise_trl.demo.tiny import build_tiny_model, build_tiny_tokenizer
-from poise_trl.features import find_decoder_layers
+from poise_trl.features import capture_layer, find_decoder_layers
 from poise_trl.prefix import (
     STATS,
+    PrefixCapture,
     PrefixMap,
-    capture_prefix,
     feature_rows,
     feature_width,
     fit_prefix_probe,
@@ -74,13 +74,14 @@ def _pass(model, layer, ids, prefix_map=None, samples=4, generated=None, seed=0)
     """One teacher-forced pass with the prefix capture: (feature rows, token values, spans, entropies)."""
     prompt_ids, prompt_mask, completion_ids, completion_mask = ids
     spans = prefix_spans(prompt_mask, completion_mask, N_POOL, samples, generated, torch.Generator().manual_seed(seed))
-    with torch.no_grad(), capture_prefix(layer, spans, prefix_map) as capture:
+    with torch.no_grad(), capture_layer(layer, PrefixCapture(spans, prefix_map)) as capture:
         logits = model(
             torch.cat([prompt_ids, completion_ids], 1), attention_mask=torch.cat([prompt_mask, completion_mask], 1)
         ).logits
     logits = logits[:, prompt_ids.size(1) - 1 : -1]  # the distribution that emitted each completion token
     entropies = -(logits.log_softmax(-1).exp() * logits.log_softmax(-1)).sum(-1)
-    rows, values = capture.result(entropies)
+    batch = capture.batch(entropies)
+    rows, values = batch.rows, batch.values
     return rows, values, spans, entropies
 
 

@@ -9,8 +9,9 @@ from sklearn.linear_model import Ridge
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
+from poise_trl.buffer import ProbeBuffer
 from poise_trl.files import load_probe_file, save_probe_file
-from poise_trl.probe import ProbeBuffer, ValueProbe, _principal_axes
+from poise_trl.probe import ValueProbe, _principal_axes
 
 
 def _data(n: int, d: int, rank: int | None = None, seed: int = 0):

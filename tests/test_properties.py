@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from poise_trl.baselines import baseline_diagnostics, cross_rollout_baselines, leave_one_out_targets
+from poise_trl.buffer import ProbeBuffer
 from poise_trl.features import (
     assemble_features,
     entropy_statistics,
@@ -20,7 +21,7 @@ from poise_trl.features import (
     find_last_subsequence,
     pool_hidden,
 )
-from poise_trl.probe import ProbeBuffer, ValueProbe
+from poise_trl.probe import ValueProbe
 
 NAN, INF = float("nan"), float("inf")
 SETTINGS = settings(max_examples=80, deadline=None, derandomize=True)

@@ -383,8 +383,9 @@ def test_vllm_importance_sampling_pass_is_reused_for_capture(tiny_model_path, tm
 def test_warm_start_accepts_a_single_probe_file(tiny_model_path, tmp_path):
     """`save_probe_file` (one probe, (N, D) buffer, e.g. exported by the probe benchmark) warm-starts a fixed-layer run
     as its one domain."""
+    from poise_trl.buffer import ProbeBuffer
     from poise_trl.files import save_probe_file
-    from poise_trl.probe import ProbeBuffer, ValueProbe
+    from poise_trl.probe import ValueProbe
 
     trainer = POISETrainer(str(tiny_model_path), digit_reward, args=poise_args(tmp_path), train_dataset=_dataset())
     g = torch.Generator().manual_seed(0)

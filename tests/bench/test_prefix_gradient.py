@@ -221,7 +221,7 @@ def test_the_prefix_probe_settings_are_the_trainers(tiny_model_path, tmp_path):
     assert settings == {
         "samples": PREFIX_SAMPLES,
         "pool_tokens": 3,
-        "alpha": estimator.prefix.alpha,
-        "pca_dims": list(estimator.prefix.pca_dims),
-        "clip": estimator.prefix.clip,
+        "alpha": estimator.token_baseline.alpha,
+        "pca_dims": list(estimator.token_baseline.pca_dims),
+        "clip": estimator.token_baseline.clip,
     }

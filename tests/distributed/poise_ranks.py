@@ -47,8 +47,8 @@ class Recording(POISETrainer):
             step["token_advantages"] = [row[m].tolist() for row, m in zip(advantages, mask, strict=True)]
             advantages = (advantages * mask).sum(1) / mask.sum(1)
         step["advantages"] = advantages.tolist()
-        prefix = self.estimator.prefix
-        if prefix is not None and prefix.probe is not None:
+        prefix = self.estimator.token_baseline
+        if prefix.name == "prefix" and prefix.probe.is_fitted:
             step["prefix_probe"] = {k: v.flatten().tolist() for k, v in prefix.probe.state_dict().items()}
         self.steps.append(step)
         return output

@@ -121,8 +121,8 @@ def build_trainer(algorithm: str, row: Row, settings: dict[str, Any], cycles: in
 def fill_probe_buffer(trainer: POISETrainer) -> None:
     """Repeat the buffered rows up to each buffer's capacity (the per-prefix probe's too), so each refit costs what it
     costs in steady state."""
-    prefix = trainer.estimator.prefix
-    for buffer in (trainer.probe_buffer, *(() if prefix is None else (prefix.buffer,))):
+    learners = trainer.estimator.token_baseline.learners
+    for buffer in (trainer.probe_buffer, *(learner.buffer for learner in learners)):
         _fill(buffer)
 
 

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from poise_trl.baselines import cross_rollout_baselines
-from poise_trl.features import find_decoder_layers
-from poise_trl.prefix import PREFIX_SAMPLES, PrefixMap, PrefixSpans, capture_prefix, fit_prefix_probe, prefix_spans
+from poise_trl.features import capture_layer, find_decoder_layers
+from poise_trl.prefix import PREFIX_SAMPLES, PrefixCapture, PrefixMap, PrefixSpans, fit_prefix_probe, prefix_spans
 
 from ..common import format_table
 from .collect import Collection, Log
@@ -77,14 +77,17 @@ def prefix_passes(
         completion_mask = collection.completion_mask[chunk, :width].long()
         pool, samples = settings["pool_tokens"], settings["samples"]
         spans = prefix_spans(prompt_mask, completion_mask, pool, samples, None, generator)
-        with capture_prefix(layer, spans, None if prefix_map is None else prefix_map.to(device)) as capture:
+        with capture_layer(
+            layer, PrefixCapture(spans, None if prefix_map is None else prefix_map.to(device))
+        ) as capture:
             logits = model(
                 input_ids=torch.cat([prompt_ids, completion_ids], 1).to(device),
                 attention_mask=torch.cat([prompt_mask, completion_mask], 1).to(device),
             ).logits[:, prompt_ids.size(1) - 1 : -1]
             entropies = entropy_from_logits(logits.float() / temperature).cpu()
             del logits
-        rows, values = capture.result(entropies)
+        batch = capture.batch(entropies)
+        rows, values = batch.rows, batch.values
         yield chunk, spans, rows.cpu(), None if values is None else values.cpu()
 
 

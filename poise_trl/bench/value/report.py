@@ -118,7 +118,7 @@ def export_probe(collection: Collection, features: Sequence[str], path: str | Pa
     partner-aware (the reward column appended) when `probe_partner_reward` defaults to True, as the trainer fits it."""
     from poise_trl.config import PROBE_PRESETS
     from poise_trl.files import DEFAULT_DOMAIN, save_probe_set
-    from poise_trl.probe import OnlineProbe
+    from poise_trl.learner import OnlineLearner
 
     meta, blocks = collection.meta, [b for b in FEATURE_BLOCKS if b in features]
     layer = meta["default_layer"]
@@ -147,7 +147,7 @@ def export_probe(collection: Collection, features: Sequence[str], path: str | Pa
         "probe_steps": 0,
         "layer": layer,
     }
-    online = OnlineProbe(probe, capacity=int(rows.sum()))
+    online = OnlineLearner(probe, capacity=int(rows.sum()))
     save_probe_set(path, {DEFAULT_DOMAIN: online}, metadata, include_buffer=False)
     return Path(path)
 
