@@ -1,4 +1,4 @@
-"""ValueProbe against sklearn, clipping, buffer eviction and safe files."""
+"""ValueProbe (the ridge head) against sklearn, clipping and safe files."""
 
 import numpy as np
 import pytest
@@ -117,30 +117,6 @@ def test_fit_rejects_bad_input():
         ValueProbe().predict(torch.ones(1, 3))
     with pytest.raises(ValueError, match="alpha"):
         ValueProbe(alpha=0)
-
-
-def test_buffer_evicts_oldest_rows_first():
-    buffer = ProbeBuffer(capacity=5)
-    buffer.add(torch.arange(3.0).view(3, 1), torch.arange(3.0))
-    buffer.add(torch.arange(3.0, 7.0).view(4, 1), torch.arange(3.0, 7.0))
-    assert len(buffer) == 5 and buffer.targets.tolist() == [2, 3, 4, 5, 6]
-    assert buffer.features[:, 0].tolist() == [2, 3, 4, 5, 6]
-    with pytest.raises(ValueError, match="Feature width changed"):
-        buffer.add(torch.zeros(1, 2), torch.zeros(1))
-
-
-def test_buffer_grows_as_rows_arrive_and_keeps_the_newest_rows_in_order():
-    """A rare domain's buffer takes memory for the rows it holds, not for `capacity`; masked rows never enter."""
-    buffer, reference, g = ProbeBuffer(capacity=50), [], torch.Generator().manual_seed(0)
-    for step in range(12):
-        values = torch.arange(8.0) + 8 * step
-        keep = torch.rand(8, generator=g) < 0.7
-        buffer.add(values.view(8, 1), values, values.long(), keep=keep)
-        buffer.set_counts(*buffer.counts().tolist())  # the estimator's one transfer a step
-        reference = (reference + values[keep].tolist())[-50:]
-        assert buffer.targets.tolist() == reference and buffer.groups.tolist() == reference
-        assert buffer.allocated <= max(2 * len(reference), 8)
-    assert buffer.allocated == 50
 
 
 def test_state_file_round_trip_predicts_identically(tmp_path):

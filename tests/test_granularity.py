@@ -1,0 +1,72 @@
+"""The granularity table: both token baselines answer the same calls; "sequence" adds nothing per token, "prefix"
+learns V(x, y_<t) with an OnlineLearner whose head is sized once the rows tell the model's width."""
+
+import torch
+
+from poise_trl.granularity import GRANULARITIES, PrefixBaseline, SequenceBaseline
+from poise_trl.prefix import STATS, PrefixBatch, feature_width
+
+D = 6  # hidden size of the made-up rows
+
+
+def _batch(n: int = 4, k: int = 4, t: int = 5, seed: int = 0, values: bool = False) -> PrefixBatch:
+    g = torch.Generator().manual_seed(seed)
+    return PrefixBatch(
+        rows=torch.randn(n, k, feature_width(D), generator=g),
+        sampled=torch.ones(n, k, dtype=torch.bool),
+        values=torch.rand(n, t, generator=g) if values else None,
+        generated=torch.ones(n, t, dtype=torch.bool),
+        tokens=torch.arange(k).expand(n, -1),
+    )
+
+
+def test_the_table_maps_each_name_to_an_entry_with_the_same_calls():
+    assert GRANULARITIES == {"sequence": SequenceBaseline, "prefix": PrefixBaseline}
+    calls = ("capturer", "advantages", "diagnostics", "host_metrics", "observe", "fit", "state_dict", "info")
+    for name, entry in GRANULARITIES.items():
+        assert entry.name == name
+        for call in (*calls, "load_state"):
+            assert callable(getattr(entry, call)), (name, call)
+    assert inspect.signature(SequenceBaseline.load_state).parameters.keys() == {
+        "self",
+        "state",
+        "info",
+        "warm_start",
+        "device",
+    }
+
+
+def test_the_sequence_granularity_adds_nothing_per_token():
+    sequence = SequenceBaseline(alpha=1.0, pca_dims=(2, 2))
+    rewards, receives = torch.rand(4), torch.ones(4, dtype=torch.bool)
+    assert sequence.capturer(torch.ones(4, 3), torch.ones(4, 5), None, 2, torch.Generator()) is None
+    assert sequence.advantages(None, rewards, receives, rewards) is None and sequence.diagnostics(None) == {}
+    assert not sequence.fit(None) and sequence.learners == () and sequence.info() is None
+
+
+def test_the_prefix_head_is_sized_by_the_first_rows_and_refits_only_after_a_capture():
+    prefix = PrefixBaseline(alpha=1.0, pca_dims=(2, 3), warmup_steps=1)
+    assert prefix.probe.pca_dims is None and not prefix.trusted and prefix.map() is None
+    rewards, keep = torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([True, True, True, False])
+    prefix.observe(_batch(), rewards, keep)
+    assert prefix.probe.pca_dims == [(0, D, 2), (D, 2 * D, 3)]
+    assert len(prefix.buffer) == 12 and prefix.buffer.features.shape[1:] == (1, feature_width(D))
+    assert not prefix.fit(None) and prefix.fit(_batch())
+    assert prefix.trusted and prefix.map().stats.shape == (len(STATS),)
+    tokens = prefix.advantages(_batch(values=True), rewards, keep, torch.zeros(4))
+    assert tokens.advantages.shape == (4, 5) and tokens.used.tolist() == [True, True, True, False]
+    assert prefix.advantages(None, rewards, keep, torch.zeros(4)) is None
+
+
+def test_the_prefix_state_round_trips_and_sizes_the_head_from_the_file():
+    prefix = PrefixBaseline(alpha=1.0, pca_dims=(2, 3), warmup_steps=1)
+    prefix.observe(_batch(), torch.rand(4), torch.ones(4, dtype=torch.bool))
+    prefix.fit(_batch())
+    resumed = PrefixBaseline(alpha=1.0, pca_dims=(2, 3), warmup_steps=1)
+    resumed.load_state(prefix.state_dict(), prefix.info())
+    assert resumed.probe.pca_dims == prefix.probe.pca_dims and resumed.trusted
+    rows = _batch(seed=3).rows.flatten(0, 1)
+    assert torch.equal(resumed.probe.predict(rows), prefix.probe.predict(rows))
+    fresh = PrefixBaseline(alpha=1.0, pca_dims=(2, 3))
+    fresh.load_state({}, {})  # a sequence-level run's file: the per-prefix head starts afresh
+    assert not fresh.probe.is_fitted and len(fresh.buffer) == 0
