@@ -33,7 +33,6 @@ the file format (files.py).
 """
 
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,7 +42,7 @@ import torch
 from .baselines import RunningStd, cross_rollout_baselines, poise_advantages, shrunk_rloo_line
 from .batch import AdvantageResult, PreparedBatch, prepare_batch, scale_advantages, split_domains, step_statistics
 from .buffer import ProbeBuffer
-from .files import atomic_save, estimator_state, load_estimator_state, read_state
+from .files import EstimatorFile
 from .granularity import GRANULARITIES, PrefixBatch
 from .layer_choice import select_layer
 from .learner import OnlineLearner
@@ -54,12 +53,13 @@ from .settings import check_settings
 __all__ = ["POISEEstimator", "AdvantageResult", "PreparedBatch"]  # the result types live in batch.py
 
 
-class POISEEstimator:
+class POISEEstimator(EstimatorFile):
     """POISE's value baseline, learned online (paper Algorithm 1). See the module docstring for the contract.
 
     The constructor stores its arguments as given (scikit-learn's rule): what derives from them (the probe template,
     each domain's capacity) is computed where it is used, and what is learned (probes, buffers, bootstrap lines,
-    reward std, step count, the layer in use) lives beside them.
+    reward std, step count, the layer in use) lives beside them. `state_dict`/`load_state_dict`/`save`/`load` are
+    `files.EstimatorFile`'s, beside the file format.
 
     Args:
         num_generations: G, rollouts per prompt (>= 2).
@@ -393,7 +393,7 @@ class POISEEstimator:
             refitted = True
             for learner in self.token_baseline.learners:
                 self._agree(learner)
-        self.bootstrap_lines = self._bootstrap_lines()
+        self.bootstrap_lines = self.fit_bootstrap_lines()
         metrics["probe_fit_seconds"] = time.perf_counter() - start if refitted or metrics else 0.0
         return {**metrics, **self._buffer_sizes(batch)}
 
@@ -402,7 +402,7 @@ class POISEEstimator:
         if self.broadcast is not None:
             learner.probe.map_state(self.broadcast)
 
-    def _bootstrap_lines(self) -> dict[str, torch.Tensor]:
+    def fit_bootstrap_lines(self) -> dict[str, torch.Tensor]:
         """Each domain's shrunk-bootstrap line [a, w], fitted on its buffered (partner mean, reward) pairs."""
         return {
             name: shrunk_rloo_line(pairs.features[:, 0], pairs.targets)
@@ -434,40 +434,3 @@ class POISEEstimator:
         """(lowest, highest) buffered target over every domain: the observed reward range that `prompt_values` are
         read on (0-d tensors, left on the buffers' device)."""
         return target_range(list(self.probes.values()))
-
-    # ----------------------------------------------------------------------------------------------- persistence
-    def state_dict(self, include_buffer: bool = True) -> dict[str, Any]:
-        """{"tensors": CPU tensors, "info": JSON-able dict}: everything `load_state_dict` needs, no pickle
-        (the layout is files.py's)."""
-        return estimator_state(self, include_buffer)
-
-    def load_state_dict(
-        self,
-        state: dict[str, Any],
-        warm_start: bool = False,
-        source: str = "the state",
-        device: torch.device | str | None = None,
-    ) -> None:
-        """Restore `state_dict()` exactly; with `warm_start`, only the probes, trusted at once and with fresh step
-        counters (a new run starting from a saved probe). Buffers go to `device` (where the features will come
-        from). Refuses a state of another feature configuration, and on resume one whose refit settings or
-        bootstrap differ from this estimator's."""
-        load_estimator_state(self, state, warm_start, source, device)
-        if not warm_start:
-            self.bootstrap_lines = self._bootstrap_lines()
-
-    def save(self, path: str | os.PathLike, include_buffer: bool = True) -> None:
-        """One safetensors file (the JSON in its header), written atomically."""
-        state = self.state_dict(include_buffer)
-        atomic_save(state["tensors"], path, metadata={"poise": json.dumps(state["info"], sort_keys=True)})
-
-    def load(
-        self,
-        path: str | os.PathLike,
-        warm_start: bool = False,
-        bootstrap_path: str | os.PathLike | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        """Load a file written by `save`, or poise-trl 0.1's probe file (`path` + '.json' beside it) with, on
-        resume, its `poise_bootstrap.safetensors` as `bootstrap_path`."""
-        self.load_state_dict(read_state(path, bootstrap_path), warm_start, str(path), device)

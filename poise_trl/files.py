@@ -1,5 +1,5 @@
-"""POISE's files: the estimator's one safetensors file (its layout: `estimator_state`, `load_estimator_state`),
-written atomically, and the layouts of poise-trl 0.1.
+"""POISE's files: the estimator's one safetensors file (its layout and `save`/`load`: `EstimatorFile`), written
+atomically, and the layouts of poise-trl 0.1.
 
 Nothing is pickled: safetensors cannot execute code, so a downloaded probe file is safe to read. The 0.1 layouts
 (`save_probe_file`: one probe; `save_probe_set`: named probes, e.g. one per domain; each with a `.json` beside it;
@@ -10,7 +10,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -19,10 +19,6 @@ from safetensors.torch import load_file, save_file
 from .buffer import ProbeBuffer
 from .heads import head_from_config
 from .probe import ValueProbe
-
-if TYPE_CHECKING:
-    from .estimator import POISEEstimator
-    from .learner import OnlineLearner
 
 FORMAT = "poise-estimator/1"
 DEFAULT_DOMAIN = "default"  # the one probe's name when rows carry no domain
@@ -64,80 +60,6 @@ def check_feature_config(saved: dict[str, Any], current: dict[str, Any], source:
         )
 
 
-def estimator_state(estimator: "POISEEstimator", include_buffer: bool = True) -> dict[str, Any]:
-    """{"tensors": CPU tensors, "info": JSON-able dict}: what an estimator learned, as `POISEEstimator.save` writes
-    it. Tensors are keyed `domain.<i>.*` (each domain's learner), `bootstrap.<i>.*` (its shrunk-bootstrap pairs) and
-    `<granularity>.*` (a token baseline's learner); the info names them in order, so names may hold any character."""
-    tensors, domains = {}, []
-    for i, (name, online) in enumerate(estimator.probes.items()):
-        tensors.update({f"domain.{i}.{k}": v for k, v in online.state_dict(include_buffer).items()})
-        domains.append({"name": name, **online.info(include_buffer)})
-    pairs = [name for name, ring in estimator.bootstrap_pairs.items() if len(ring)]
-    for i, name in enumerate(pairs):
-        tensors.update({f"bootstrap.{i}.{k}": v for k, v in estimator.bootstrap_pairs[name].state_dict().items()})
-    info = {
-        "format": FORMAT,
-        "num_generations": estimator.num_generations,
-        "feature_config": dict(estimator.feature_config or {}),
-        "bootstrap": estimator.bootstrap,
-        "domains": domains,
-        "bootstrap_domains": pairs,
-        "probe_steps": estimator.steps,
-        "layer": estimator.layer,
-        "reward_std": estimator.reward_std.state_dict(),
-    }
-    token_baseline = estimator.token_baseline
-    if token_baseline.info() is not None:
-        tensors.update({f"{token_baseline.name}.{k}": v for k, v in token_baseline.state_dict(include_buffer).items()})
-        info[token_baseline.name] = token_baseline.info()
-    return {"tensors": tensors, "info": info}
-
-
-def load_estimator_state(
-    estimator: "POISEEstimator",
-    state: dict[str, Any],
-    warm_start: bool = False,
-    source: str = "the state",
-    device: torch.device | str | None = None,
-) -> None:
-    """Restore what `estimator_state` wrote into `estimator` (see `POISEEstimator.load_state_dict`)."""
-    tensors, info = state["tensors"], state["info"]
-    check_feature_config(info.get("feature_config") or {}, estimator.feature_config or {}, source)
-    if not warm_start and info.get("bootstrap") not in (None, estimator.bootstrap):
-        raise ValueError(
-            f"{source} was written by a run with probe_bootstrap={info['bootstrap']!r}, but this run sets "
-            f"probe_bootstrap={estimator.bootstrap!r}. Resume with the setting the run was started with."
-        )
-    probes = {}
-    for i, domain in enumerate(info["domains"]):
-        name = domain["name"]
-        online = estimator.new_probe(name)  # this run's settings and capacity (the newest rows survive)
-        saved = head_from_config(domain["probe"], domain.get("head", ValueProbe.name))
-        if not warm_start and (saved.name, saved.config()) != (online.probe.name, online.probe.config()):
-            raise ValueError(
-                f"The probe in {source} (domain {name!r}) refits with {estimator.describe_probe(saved)}, but this run "
-                f"sets {estimator.describe_probe(online.probe)}. Resume with the settings (or probe_preset) the run "
-                "was started with; to change them, start a new run with probe_init_path pointing at this file."
-            )
-        online.load_state(strip_prefix(tensors, f"domain.{i}."), domain, device, warm_start)
-        probes[name] = online
-    estimator.probes = probes
-    token_baseline = estimator.token_baseline  # a sequence-level run's file has none: a token baseline starts afresh
-    own = strip_prefix(tensors, f"{token_baseline.name}.")
-    token_baseline.load_state(own, info.get(token_baseline.name, {}), warm_start, device)
-    estimator.layer_index = estimator.layers.index(int(info["layer"]))
-    estimator.steps = 0 if warm_start else int(info.get("probe_steps", 0))
-    if warm_start:
-        return
-    if "reward_std" in info:
-        estimator.reward_std.load_state_dict(info["reward_std"])
-    estimator.bootstrap_pairs = {}
-    for i, name in enumerate(info.get("bootstrap_domains", [])):
-        ring = ProbeBuffer(estimator.capacity(name))
-        ring.load_state_dict(strip_prefix(tensors, f"bootstrap.{i}."), device)
-        estimator.bootstrap_pairs[name] = ring
-
-
 def read_state(path: str | os.PathLike, bootstrap_path: str | os.PathLike | None = None) -> dict[str, Any]:
     """A saved estimator state as {"tensors", "info"}: the one-file format, or poise-trl 0.1's two files."""
     path = Path(path)
@@ -166,6 +88,102 @@ def read_state(path: str | os.PathLike, bootstrap_path: str | os.PathLike | None
         converted["bootstrap_domains"] = names
         tensors.update({f"bootstrap.{k}": v for k, v in pairs.items()})
     return {"tensors": tensors, "info": converted}
+
+
+class EstimatorFile:
+    """The estimator's persistence (a mixin of `POISEEstimator`, which holds the attributes it reads): its state as
+    tensors and JSON, and the one safetensors file. Tensors are keyed `domain.<i>.*` (each domain's learner),
+    `bootstrap.<i>.*` (its shrunk-bootstrap pairs) and `<granularity>.*` (a token baseline's learner); the JSON names
+    them in order, so names may hold any character."""
+
+    def state_dict(self, include_buffer: bool = True) -> dict[str, Any]:
+        """{"tensors": CPU tensors, "info": JSON-able dict}: everything `load_state_dict` needs, no pickle."""
+        tensors, domains = {}, []
+        for i, (name, online) in enumerate(self.probes.items()):
+            tensors.update({f"domain.{i}.{k}": v for k, v in online.state_dict(include_buffer).items()})
+            domains.append({"name": name, **online.info(include_buffer)})
+        pairs = [name for name, ring in self.bootstrap_pairs.items() if len(ring)]
+        for i, name in enumerate(pairs):
+            tensors.update({f"bootstrap.{i}.{k}": v for k, v in self.bootstrap_pairs[name].state_dict().items()})
+        info = {
+            "format": FORMAT,
+            "num_generations": self.num_generations,
+            "feature_config": dict(self.feature_config or {}),
+            "bootstrap": self.bootstrap,
+            "domains": domains,
+            "bootstrap_domains": pairs,
+            "probe_steps": self.steps,
+            "layer": self.layer,
+            "reward_std": self.reward_std.state_dict(),
+        }
+        tokens = self.token_baseline
+        if tokens.info() is not None:
+            tensors.update({f"{tokens.name}.{k}": v for k, v in tokens.state_dict(include_buffer).items()})
+            info[tokens.name] = tokens.info()
+        return {"tensors": tensors, "info": info}
+
+    def load_state_dict(
+        self,
+        state: dict[str, Any],
+        warm_start: bool = False,
+        source: str = "the state",
+        device: torch.device | str | None = None,
+    ) -> None:
+        """Restore `state_dict()` exactly; with `warm_start`, only the probes, trusted at once and with fresh step
+        counters (a new run starting from a saved probe). Buffers go to `device` (where the features will come
+        from). Refuses a state of another feature configuration, and on resume one whose refit settings or
+        bootstrap differ from this estimator's."""
+        tensors, info = state["tensors"], state["info"]
+        check_feature_config(info.get("feature_config") or {}, self.feature_config or {}, source)
+        if not warm_start and info.get("bootstrap") not in (None, self.bootstrap):
+            raise ValueError(
+                f"{source} was written by a run with probe_bootstrap={info['bootstrap']!r}, but this run sets "
+                f"probe_bootstrap={self.bootstrap!r}. Resume with the setting the run was started with."
+            )
+        probes = {}
+        for i, domain in enumerate(info["domains"]):
+            name = domain["name"]
+            online = self.new_probe(name)  # this run's settings and capacity (the newest rows survive)
+            saved = head_from_config(domain["probe"], domain.get("head", ValueProbe.name))
+            if not warm_start and (saved.name, saved.config()) != (online.probe.name, online.probe.config()):
+                raise ValueError(
+                    f"The probe in {source} (domain {name!r}) refits with {self.describe_probe(saved)}, but this run "
+                    f"sets {self.describe_probe(online.probe)}. Resume with the settings (or probe_preset) the run "
+                    "was started with; to change them, start a new run with probe_init_path pointing at this file."
+                )
+            online.load_state(strip_prefix(tensors, f"domain.{i}."), domain, device, warm_start)
+            probes[name] = online
+        self.probes = probes
+        tokens = self.token_baseline  # a sequence-level run's file has none: a token baseline starts afresh
+        tokens.load_state(strip_prefix(tensors, f"{tokens.name}."), info.get(tokens.name, {}), warm_start, device)
+        self.layer_index = self.layers.index(int(info["layer"]))
+        self.steps = 0 if warm_start else int(info.get("probe_steps", 0))
+        if warm_start:
+            return
+        if "reward_std" in info:
+            self.reward_std.load_state_dict(info["reward_std"])
+        self.bootstrap_pairs = {}
+        for i, name in enumerate(info.get("bootstrap_domains", [])):
+            ring = ProbeBuffer(self.capacity(name))
+            ring.load_state_dict(strip_prefix(tensors, f"bootstrap.{i}."), device)
+            self.bootstrap_pairs[name] = ring
+        self.bootstrap_lines = self.fit_bootstrap_lines()
+
+    def save(self, path: str | os.PathLike, include_buffer: bool = True) -> None:
+        """One safetensors file (the JSON in its header), written atomically."""
+        state = self.state_dict(include_buffer)
+        atomic_save(state["tensors"], path, metadata={"poise": json.dumps(state["info"], sort_keys=True)})
+
+    def load(
+        self,
+        path: str | os.PathLike,
+        warm_start: bool = False,
+        bootstrap_path: str | os.PathLike | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        """Load a file written by `save`, or poise-trl 0.1's probe file (`path` + '.json' beside it) with, on
+        resume, its `poise_bootstrap.safetensors` as `bootstrap_path`."""
+        self.load_state_dict(read_state(path, bootstrap_path), warm_start, str(path), device)
 
 
 def save_probe_file(
@@ -198,7 +216,7 @@ def load_probe_file(path: str | Path) -> tuple[ValueProbe, ProbeBuffer | None, d
 
 def save_probe_set(
     path: str | Path,
-    probes: dict[str, "OnlineLearner"],
+    probes: dict[str, Any],
     metadata: dict[str, Any] | None = None,
     include_buffer: bool = True,
 ) -> None:
