@@ -85,3 +85,41 @@ def test_the_demo_time_is_one_figure_everywhere():
             assert not re.search(r"(?:make|poise-trl) demo(?! --model)|tiny model `make demo`", context), (
                 f"{page.name}: {match.group(0)!r} for the demo"
             )
+
+
+GLOSSARY_TERMS = (
+    "POISE (paper)",
+    "POISE (default)",
+    "GRPO G=8 no-scale",
+    "VR",
+    "Bound",
+    "W",
+    "M",
+    "Bv",
+    "Oracle baseline",
+    "Oracle sampler",
+    "settled prompt",
+    "share",
+    "avg@k",
+    "AUC",
+    "wins / undecided / loses",
+)
+
+
+def test_the_results_overview_defines_every_term_the_result_pages_use():
+    """The glossary of docs/results.md defines each term in bold where its definition starts, and "bootstrap" in each
+    of its three meanings (the baseline before the probe is trusted, the period, the resampling intervals)."""
+    page = (ROOT / "docs" / "results.md").read_text()
+    glossary = page.split("## Glossary", 1)[1].split("\n## ", 1)[0]
+    defined = set(re.findall(r"\*\*([^*]+)\*\*", glossary))
+    missing = [term for term in GLOSSARY_TERMS if term not in defined]
+    assert not missing, f"docs/results.md's glossary does not define {missing}"
+    for meaning in ("the bootstrap baseline", "the bootstrap period", "bootstrap intervals"):
+        assert f"**{meaning}**" in glossary, meaning
+
+
+def test_no_page_points_at_the_tracker_or_the_design_notes_by_number():
+    """A reader cannot follow "issue 29" or "section 6 of the design": pages link to the page instead."""
+    for page in PAGES:
+        text = page.read_text()
+        assert not re.search(r"\bissues? \d+|section \d+ of the design", text, re.I), page.name
