@@ -1,10 +1,9 @@
-"""POISETrainer's guards and records: host transfers per step, a too-small training set, unscorable steps, the model
-card, the selection's trust gate and resumable random stream, and the two TRL behaviours the trainer has to copy
-(pinned here, so a TRL upgrade that changes them fails loudly)."""
+"""POISETrainer's guards and records: host transfers per step, a too-small training set, unscorable steps, and the two
+TRL behaviours the trainer has to copy (pinned here, so a TRL upgrade that changes them fails loudly). The model card:
+test_card.py; the selection's trust gate and resumable draws: test_selection.py."""
 
 import functools
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -115,29 +114,6 @@ def test_an_all_unscorable_step_warns_once_and_is_counted_apart(tiny_model_path,
     assert _logged(trainer, "poise/feature_rows_dropped") == [0.0, 0.0]  # their features were fine
 
 
-def test_the_model_card_says_how_poise_was_configured(tiny_model_path, tmp_path):
-    args = poise_args(tmp_path, max_steps=3, probe_bootstrap="shrunk", prompt_selection="value")
-    trainer = POISETrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
-    trainer.train()
-    trainer.create_model_card(model_name="tiny-poise")
-    card = (tmp_path / "out" / "README.md").read_text()
-    last = trainer.state.log_history[-2]  # the last training step's log (the final entry is the run summary)
-    for text in (
-        "## POISE",
-        "Rollouts per prompt (G): 2",
-        "Probe preset: paper (probe_alpha=0.01, probe_pca_dims=[0, 0]",
-        "Probe layer: default (in use: 2; candidates: [2])",
-        "Partner-aware probe (probe_partner_reward): False",
-        "Bootstrap (probe_bootstrap): shrunk",
-        "Prompt selection: value (oversample 2.0)",
-        f"variance reduction {last['poise/variance_reduction']:.4f}, Pearson r {last['poise/pearson_r']:.4f}, "
-        f"MAE {last['poise/mae']:.4f}",
-        "2605.07579",
-    ):
-        assert text in card, text
-    assert card.index("## POISE") < card.index("### Framework versions")  # inside TRL's card, not appended after
-
-
 def test_trl_s_reward_sum_is_what_poise_reads(tiny_model_path, tmp_path, monkeypatch):
     """TRL keeps its `sum_then_normalize` reward inline, so `_scalar_rewards` copies it: TRL's own advantages
     (scale_rewards="none": reward - group nanmean, unscorable -> 0) must equal those built from POISE's reading."""
@@ -191,65 +167,6 @@ def test_trl_runs_its_old_log_prob_pass_exactly_when_poise_expects(
     assert trainer._trl_runs_old_logps_pass() is reused
     assert all(("old_per_token_logps" in output) is reused for output in outputs)
     assert trainer.feature_passes == (0 if reused else len(outputs))
-
-
-def test_selection_after_a_warm_start_uses_the_probe_from_the_first_step(tiny_model_path, tmp_path):
-    first = POISETrainer(
-        str(tiny_model_path), digit_reward, args=poise_args(tmp_path, max_steps=2), train_dataset=digit_dataset()
-    )
-    first.train()
-    first.save_probe(tmp_path / "probe.safetensors")
-    args = poise_args(
-        tmp_path,
-        max_steps=1,
-        per_device_train_batch_size=4,
-        prompt_selection="value",
-        probe_warmup_steps=100,
-        probe_init_path=str(tmp_path / "probe.safetensors"),
-    )
-    warm = POISETrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
-    warm.train()
-    assert _logged(warm, "poise/selection/random") == [0.0]
-    assert not math.isnan(_logged(warm, "poise/selection/predicted_spread")[0])
-
-
-class KeptPrompts(POISETrainer):
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        self.kept.append(output["prompt_ids"].clone())
-        self.advantages.append(output["advantages"].clone())
-        return output
-
-
-def test_the_random_selection_phase_resumes_bit_for_bit(tiny_model_path, tmp_path):
-    selection = dict(prompt_selection="value", per_device_train_batch_size=4, probe_warmup_steps=100)
-    uninterrupted, resumed = _resumed_selection(tiny_model_path, tmp_path, selection)
-    assert _logged(uninterrupted, "poise/selection/random") == [1.0] * 4
-    assert len(resumed.kept) == 2
-    assert all(torch.equal(a, b) for a, b in zip(uninterrupted.kept[2:], resumed.kept, strict=True))
-
-
-def test_the_importance_sampler_resumes_its_draws_and_weights_bit_for_bit(tiny_model_path, tmp_path):
-    selection = dict(prompt_selection="importance", per_device_train_batch_size=4, probe_warmup_steps=1)
-    uninterrupted, resumed = _resumed_selection(tiny_model_path, tmp_path, selection)
-    assert _logged(uninterrupted, "poise/selection/random") == [1.0, 0.0, 0.0, 0.0]
-    weight_max = _logged(uninterrupted, "poise/selection/weight_max")
-    assert _logged(resumed, "poise/selection/weight_max") == weight_max and set(weight_max[2:]) != {1.0}
-    for name in ("kept", "advantages"):  # the same prompts drawn, the same weights on their advantages
-        pairs = zip(getattr(uninterrupted, name)[2:], getattr(resumed, name), strict=True)
-        assert all(torch.equal(a, b) for a, b in pairs), name
-
-
-def _resumed_selection(model, tmp_path, selection: dict) -> tuple[KeptPrompts, KeptPrompts]:
-    """A 4-step run, and the same run resumed from its step-2 checkpoint."""
-    args = poise_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, **selection)
-    runs = []
-    for checkpoint in (None, str(tmp_path / "out" / "checkpoint-2")):
-        run = KeptPrompts(str(model), digit_reward, args=args, train_dataset=digit_dataset())
-        run.kept, run.advantages = [], []
-        run.train(resume_from_checkpoint=checkpoint)
-        runs.append(run)
-    return runs[0], runs[1]
 
 
 def test_a_small_eval_set_is_not_refused(tiny_model_path, tmp_path):
