@@ -10,8 +10,8 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from poise_trl.baselines import prefix_advantages
-from poise_trl.demo.tiny import build_tiny_model, build_tiny_tokenizer
 from poise_trl.features import find_decoder_layers
+from poise_trl.models.tiny import build_tiny_model, build_tiny_tokenizer
 from poise_trl.prefix import (
     STATS,
     PrefixMap,

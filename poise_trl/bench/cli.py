@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from poise_trl.demo.real import REAL_MODELS
+from poise_trl.models.real import REAL_MODELS
 from poise_trl.sampling import DEFAULT_FLOOR
 
 from .common import (
@@ -96,7 +96,7 @@ Resumable: every (task, contender, rate, seed) run writes OUTPUT_DIR/runs/TASK/C
 re-run skips those already there; `poise-trl bench summarize OUTPUT_DIR` reports from whatever runs exist. Runs are
 independent processes (`--jobs`), one thread each on CPU, so the results do not depend on the number of jobs.
 
-Offline tasks (`--task`, `poise_trl.demo.tasks`): `sort` (2-9 digits; difficulty = length) and `hops` (pointer
+Offline tasks (`--task`, `poise_trl.tasks.toy`): `sort` (2-9 digits; difficulty = length) and `hops` (pointer
 chasing; one prompt and completion length, difficulty in the content), each warm-started so that over a quarter of
 G=8 groups start tied (the task check). With `--model`, `--train-dataset` and `--eval-dataset` the same command
 trains a real model on a math dataset, one run at a time on one GPU, with gradient checkpointing on and
@@ -307,8 +307,8 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     real.add_argument(
         "--train-dataset",
         default=None,
-        help=f"{ARITH_DATASET} (the arith task, held-out split included), or a poise_trl.rlvr.data registry key, "
-        "Hub id or local file; required with --model",
+        help=f"{ARITH_DATASET} (the arith task, held-out split included), or a poise_trl.tasks.math_data registry "
+        "key, Hub id or local file; required with --model",
     )
     real.add_argument("--train-limit", type=int, default=None, help="first N training rows (default: all)")
     real.add_argument(
@@ -471,9 +471,9 @@ def add_collection_arguments(parser: argparse.ArgumentParser, num_prompts: int, 
     add(
         "--dataset",
         default=None,
-        help=f"'{SORT_DATASET}' (the demo task), '{ARITH_DATASET}' (arithmetic chat prompts), a poise_trl.rlvr.data "
-        f"registry name, Hub id or local .jsonl/.parquet (default: {SORT_DATASET} for the demo, {ARITH_DATASET} for "
-        f"a real model, else {DEFAULT_MATH_DATASET})",
+        help=f"'{SORT_DATASET}' (the demo task), '{ARITH_DATASET}' (arithmetic chat prompts), a "
+        f"poise_trl.tasks.math_data registry name, Hub id or local .jsonl/.parquet (default: {SORT_DATASET} for "
+        f"the demo, {ARITH_DATASET} for a real model, else {DEFAULT_MATH_DATASET})",
     )
     add("--split", default=None, help="dataset split of a Hub id (default: the registry's split, else train)")
     add("--task", choices=TASKS, default=None, help="with the demo model: its offline task (default: sort)")

@@ -16,13 +16,13 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
-from poise_trl.demo.arith import ARITH_MAX_COMPLETION_LENGTH, arith_reward, make_arith_splits
-from poise_trl.demo.model import default_cache_dir, evaluate_avg_at_k, prepare_demo_model
-from poise_trl.demo.real import resolve_model
-from poise_trl.demo.tasks import MAX_COMPLETION_LENGTH, make_splits, task_reward
-from poise_trl.rlvr.data import load_math_dataset
-from poise_trl.rlvr.evaluation import score_benchmark
-from poise_trl.rlvr.rewards import math_answer_reward
+from poise_trl.models.avg_at_k import score_benchmark
+from poise_trl.models.real import resolve_model
+from poise_trl.models.toy import default_cache_dir, evaluate_avg_at_k, prepare_demo_model
+from poise_trl.tasks.arith import ARITH_MAX_COMPLETION_LENGTH, arith_reward, make_arith_splits
+from poise_trl.tasks.math_data import load_math_dataset
+from poise_trl.tasks.math_reward import math_answer_reward
+from poise_trl.tasks.toy import MAX_COMPLETION_LENGTH, make_splits, task_reward
 
 from .common import (
     ARITH_DATASET,

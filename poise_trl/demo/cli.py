@@ -3,10 +3,11 @@
 import argparse
 from typing import Any
 
+from poise_trl.models.real import REAL_MODELS
+from poise_trl.tasks.toy import DEFAULT_DIFFICULTIES, DEMO_WARMUP_LR, DEMO_WARMUP_STEPS, TASKS
+
 from .defaults import REAL_DEFAULTS as REAL
 from .defaults import TOY_DEFAULTS as TOY
-from .real import REAL_MODELS
-from .tasks import DEFAULT_DIFFICULTIES, DEMO_WARMUP_LR, DEMO_WARMUP_STEPS, TASKS
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
