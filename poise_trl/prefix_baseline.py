@@ -15,7 +15,7 @@ import torch
 
 from .baselines import prefix_advantages
 from .files import _strip
-from .prefix import STATS, PrefixMap, pca_blocks
+from .prefix import STATS, PrefixMap, prefix_pca_blocks
 from .probe import ProbeBuffer, ValueProbe
 
 QUARTERS = ("q1", "q2", "q3", "q4")  # poise/prefix/variance_explained/<quarter of the completion>
@@ -89,7 +89,7 @@ class PrefixBaseline:
 
     def _template(self, width: int) -> ValueProbe:
         clip = "observed" if self.clip is None else tuple(self.clip)
-        return ValueProbe(self.alpha, pca_blocks((width - len(STATS)) // 2, self.pca_dims) or None, clip)
+        return ValueProbe(self.alpha, prefix_pca_blocks((width - len(STATS)) // 2, self.pca_dims) or None, clip)
 
     # ------------------------------------------------------------------------------------------------ estimate
     def advantages(

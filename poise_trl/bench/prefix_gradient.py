@@ -24,7 +24,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from poise_trl.features import find_decoder_layers
-from poise_trl.prefix import rollout_token_values
 
 from .common import CONTENDERS, GRADIENT_PREFIX_ROWS, PREFIX_SAMPLED_ROW, resolve_device
 from .exact import (
@@ -40,7 +39,7 @@ from .exact import (
     truth_weights,
 )
 from .value.collect import Collection, Log
-from .value.prefix import fit_prefix, prefix_probe_settings, sampled_rows
+from .value.prefix import fit_prefix, prefix_probe_settings, rollout_token_values, sampled_rows
 
 SUBSPACES = ("lora", "norms")
 PREFIX_ROWS = GRADIENT_PREFIX_ROWS
