@@ -1,6 +1,6 @@
 """One `poise-trl bench efficiency` run: a contender trained on one seed's task with a held-out curve on a grid of
 completions generated. The study around it (tuning, resuming, the report) is `bench.study`; the method is
-`bench.EFFICIENCY_DESCRIPTION` (`--help`)."""
+`bench.cli.efficiency`, whose docstring is its `--help`."""
 
 import dataclasses
 import gc
@@ -213,8 +213,9 @@ def micro_batching(completions_per_step: int, per_device: int | None) -> dict[st
     """
     per_device = per_device or completions_per_step
     if completions_per_step % per_device:
-        raise SystemExit(f"--completions-per-step {completions_per_step} is not a multiple of --per-device-batch-size "
-                         f"{per_device}")  # fmt: skip
+        raise SystemExit(
+            f"--completions-per-step {completions_per_step} is not a multiple of --per-device-batch-size {per_device}"
+        )
     accumulation = completions_per_step // per_device
     return dict(
         per_device_train_batch_size=per_device,

@@ -49,11 +49,18 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
         "diagnostics, measure again, and write a training-dynamics plot and summary.json.",
     )
     parser.add_argument("--output-dir", default="runs/demo", help="where the plot, summary and final model go")
-    parser.add_argument("--model", default=None,
-                        help=f"a real model ({', '.join(REAL_MODELS)}) or a model folder, trained on arith "
-                        "(default: the tiny Qwen3 on --task)")  # fmt: skip
-    parser.add_argument("--task", choices=TASKS, default="sort",
-                        help="sort: k digits (difficulty = length); hops: pointer chasing (one length)")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        default=None,
+        help=f"a real model ({', '.join(REAL_MODELS)}) or a model folder, trained on arith "
+        "(default: the tiny Qwen3 on --task)",
+    )
+    parser.add_argument(
+        "--task",
+        choices=TASKS,
+        default="sort",
+        help="sort: k digits (difficulty = length); hops: pointer chasing (one length)",
+    )
     parser.add_argument(
         "--steps",
         type=int,

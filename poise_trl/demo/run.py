@@ -204,8 +204,15 @@ def run_demo(
     policy, tokenizer = load_demo_model(demo.model_dir)
 
     def evaluate(trained: Any) -> dict[str, Any]:
-        return evaluate_avg_at_k(trained, tokenizer, demo.held_out, k=eval_k, seed=seed, reward=demo.reward,
-                                 max_new_tokens=demo.max_completion_length)  # fmt: skip
+        return evaluate_avg_at_k(
+            trained,
+            tokenizer,
+            demo.held_out,
+            k=eval_k,
+            seed=seed,
+            reward=demo.reward,
+            max_new_tokens=demo.max_completion_length,
+        )
 
     write(f"[2/4] held-out avg@{eval_k} before RL ({len(demo.held_out)} prompts, {demo.name})")
     before = evaluate(policy)

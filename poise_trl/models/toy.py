@@ -108,8 +108,10 @@ def evaluate_avg_at_k(
     was_training = model.training
     model.eval()
     prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
-    texts = [p if isinstance(p, str) else tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
-             for p in prompts]  # fmt: skip
+    texts = [
+        p if isinstance(p, str) else tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+        for p in prompts
+    ]
     rates: list[float] = []
     devices = [model.device] if model.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):

@@ -149,9 +149,14 @@ def run_beyond(
             rules.setdefault(name, []).append(value)
         scored, rewards = bench.scored, collection.rewards[torch.isfinite(collection.rewards)]
         trials_out = selection_trials(
-            prompt_values(bench, preset)[scored], bench.avg_at_k[scored], batch_prompts, oversample, trials, split,
+            prompt_values(bench, preset)[scored],
+            bench.avg_at_k[scored],
+            batch_prompts,
+            oversample,
+            trials,
+            split,
             (float(rewards.min()), float(rewards.max())),
-        )  # fmt: skip
+        )
         for rule, stats in trials_out.items():
             for stat, value in stats.items():
                 selection.setdefault(rule, {}).setdefault(stat, []).append(value)

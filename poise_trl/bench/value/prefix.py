@@ -39,9 +39,13 @@ def prefix_probe_settings(meta: dict[str, Any]) -> dict[str, Any]:
 
     layer, pool = int(meta["default_layer"]), int(meta["default_pool"])
     config = POISEConfig(
-        output_dir="unused", report_to="none", use_cpu=True, probe_granularity="prefix", probe_layer=layer,
+        output_dir="unused",
+        report_to="none",
+        use_cpu=True,
+        probe_granularity="prefix",
+        probe_layer=layer,
         probe_pool_tokens=pool,
-    )  # fmt: skip
+    )
     settings = config.estimator_settings(int(meta["num_layers"]), int(meta["hidden_size"]))
     return {
         "samples": PREFIX_SAMPLES,

@@ -217,9 +217,14 @@ def run_probe_bench(args: argparse.Namespace, log: Log = print) -> int:
     if args.splits > 0:
         settings = results["settings"]
         results["beyond_paper"] = run_beyond(
-            collection, settings["features"], settings["preset"], args.test_fraction, args.seed, args.splits,
+            collection,
+            settings["features"],
+            settings["preset"],
+            args.test_fraction,
+            args.seed,
+            args.splits,
             args.vr_group_size,
-        )  # fmt: skip
+        )
         log(f"      beyond-the-paper study over {args.splits} splits done")
     results["prefix"] = None
     if args.prefix:

@@ -1,6 +1,7 @@
 """A collection's inputs from the command line, for `poise-trl probe-bench` and `poise-trl bench gradient`: the
 model (a Hub id, the demo's cached warm start, a real model prepared from its package), the prompts and the reward,
-read from the arguments `bench.cli.add_collection_arguments` declares; then `collect` samples and featurizes."""
+read from the arguments `bench.cli.collection.add_collection_arguments` declares; then `collect` samples and
+featurizes."""
 
 import argparse
 import importlib
