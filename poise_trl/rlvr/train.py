@@ -20,11 +20,10 @@ from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config
 
 from poise_trl import POISEConfig, POISETrainer
 from poise_trl.models.real import resolve_model
-from poise_trl.tasks.arith import arith_reward, make_arith_splits
+from poise_trl.tasks.arith import ARITH_DATASET, arith_reward, make_arith_splits
 from poise_trl.tasks.math_data import dataset_hub_id, load_math_dataset
 from poise_trl.tasks.math_reward import math_answer_reward
 
-ARITH_DATASET = "arith"
 TRAINERS: dict[str, tuple[type[GRPOTrainer], type[GRPOConfig]]] = {
     "poise": (POISETrainer, POISEConfig),
     "grpo": (GRPOTrainer, GRPOConfig),
