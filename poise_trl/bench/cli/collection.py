@@ -5,13 +5,7 @@ import argparse
 
 from poise_trl.models.real import REAL_MODELS
 
-from ..common import (
-    ARITH_DATASET,
-    DEFAULT_MATH_DATASET,
-    DEMO_MODEL,
-    SORT_DATASET,
-    TASKS,
-)
+from ..common import ARITH_DATASET, DEFAULT_MATH_DATASET, DEMO_MODEL, SORT_DATASET, TASKS
 
 
 def add_collection_arguments(parser: argparse.ArgumentParser, num_prompts: int, k: int) -> None:

@@ -24,10 +24,7 @@ from typing import Any
 
 from poise_trl.sampling import DEFAULT_FLOOR
 
-from ..common import (
-    GRADIENT_CONTENDERS,
-    GRADIENT_PREFIX_ROWS,
-)
+from ..common import GRADIENT_CONTENDERS, GRADIENT_PREFIX_ROWS
 from .collection import add_collection_arguments
 
 

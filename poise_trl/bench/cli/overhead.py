@@ -33,11 +33,7 @@ from typing import Any
 
 from poise_trl.models.real import REAL_MODELS
 
-from ..common import (
-    ARITH_DATASET,
-    PROBE_FIT_ROWS,
-    QWEN3_4B_HIDDEN,
-)
+from ..common import ARITH_DATASET, PROBE_FIT_ROWS, QWEN3_4B_HIDDEN
 
 
 def _run_overhead(args: argparse.Namespace) -> int:

@@ -16,10 +16,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from ..common import (
-    DEFAULT_MLPS,
-    DEFAULT_POOLS,
-)
+from ..common import DEFAULT_MLPS, DEFAULT_POOLS
 from .collection import add_collection_arguments
 
 
