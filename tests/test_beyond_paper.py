@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from poise_trl import POISETrainer
-from poise_trl.baselines import leave_one_out_targets, shrunk_rloo_fit
+from poise_trl.baselines import leave_one_out_targets, shrunk_rloo_line
 from poise_trl.files import read_state
 
 from .conftest import digit_dataset, digit_reward, poise_args
@@ -103,7 +103,7 @@ def test_shrunk_bootstrap_uses_a_line_fitted_on_earlier_steps_only(tiny_model_pa
         intercept, weight = 0.0, 1.0
         if step:
             earlier = torch.cat([r["rewards"] for r in trainer.records[:step]])
-            intercept, weight = shrunk_rloo_fit(leave_one_out_targets(earlier, G), earlier)
+            intercept, weight = shrunk_rloo_line(leave_one_out_targets(earlier, G), earlier).tolist()
         torch.testing.assert_close(record["baselines"], (intercept + weight * rloo).float())
         torch.testing.assert_close(record["output"]["advantages"], record["rewards"] - record["baselines"])
         assert _logged(trainer, "poise/bootstrap_weight")[step] == pytest.approx(weight)

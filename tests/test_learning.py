@@ -13,8 +13,8 @@ import pytest
 from poise_trl import POISEConfig, POISETrainer
 from poise_trl.bench.value.collect import collect
 from poise_trl.bench.value.score import pearson
-from poise_trl.demo.model import load_demo_model, prepare_demo_model
-from poise_trl.demo.tasks import MAX_COMPLETION_LENGTH, make_sort_splits, task_reward
+from poise_trl.models.toy import load_demo_model, prepare_demo_model
+from poise_trl.tasks.toy import MAX_COMPLETION_LENGTH, make_sort_splits, task_reward
 
 from .conftest import CPU_ARGS
 

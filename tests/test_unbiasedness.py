@@ -27,7 +27,7 @@ from poise_trl.baselines import (
     cross_rollout_baselines,
     leave_one_out_targets,
     poise_advantages,
-    shrunk_rloo_fit,
+    shrunk_rloo_line,
 )
 from poise_trl.estimator import POISEEstimator
 from poise_trl.files import DEFAULT_DOMAIN
@@ -261,7 +261,7 @@ def test_shrunk_bootstrap_from_earlier_steps_is_unbiased(bandit, group):
     g = torch.Generator().manual_seed(60 + group)
     _, _, earlier = bandit.sample(500, 4, group, g)
     earlier = earlier.reshape(-1)
-    intercept, weight = shrunk_rloo_fit(leave_one_out_targets(earlier, group), earlier)
+    intercept, weight = shrunk_rloo_line(leave_one_out_targets(earlier, group), earlier).tolist()
     assert abs(weight - 1) > 0.5  # a real shrinkage, not RLOO in disguise (this bandit: w ≈ 0.02)
     estimator = estimator_with(None, group, bootstrap="shrunk", warmup_steps=10**6, buffer_size=10**5)
     estimator.observe(torch.zeros(earlier.numel(), 1), earlier)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from poise_trl.rlvr.data import DAPO_PROMPT_PREFIX, DAPO_PROMPT_SUFFIX
+from poise_trl.tasks.math_data import DAPO_PROMPT_PREFIX, DAPO_PROMPT_SUFFIX
 
 ROOT = Path(__file__).resolve().parents[1]
 SNIPPETS = ROOT / "docs" / "snippets"
@@ -73,7 +73,7 @@ def test_gpu_snippet_is_the_cpu_variant_at_gpu_scale():
     cpu_imports, cpu = _parts("usage_cpu.py")
     assert list(gpu) == list(cpu) == ["dataset", "model", "args", "trainer", "train"]
     assert gpu_imports < cpu_imports
-    assert all("poise_trl.demo.model" in extra for extra in cpu_imports - gpu_imports)
+    assert all("poise_trl.models.toy" in extra for extra in cpu_imports - gpu_imports)
     # The same loader on another source; any model; the same trainer and train call.
     for dataset in (gpu["dataset"].value, cpu["dataset"].value):
         assert ast.unparse(dataset.func) == "load_math_dataset" and isinstance(dataset.args[0].value, str)

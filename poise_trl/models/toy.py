@@ -13,7 +13,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .tasks import (
+from poise_trl.tasks.toy import (
     DEFAULT_DIFFICULTIES,
     DEMO_WARMUP_LR,
     DEMO_WARMUP_STEPS,
@@ -25,6 +25,7 @@ from .tasks import (
     target_completion,
     task_reward,
 )
+
 from .tiny import build_tiny_model, build_tiny_tokenizer
 
 CACHE_FORMAT = 2  # bump when the task or the warm start changes, so stale caches are rebuilt
@@ -107,8 +108,10 @@ def evaluate_avg_at_k(
     was_training = model.training
     model.eval()
     prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
-    texts = [p if isinstance(p, str) else tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
-             for p in prompts]  # fmt: skip
+    texts = [
+        p if isinstance(p, str) else tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+        for p in prompts
+    ]
     rates: list[float] = []
     devices = [model.device] if model.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):

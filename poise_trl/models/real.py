@@ -160,7 +160,7 @@ def prepare_real_model(
     The folder is written to a temporary sibling and renamed into place, so concurrent callers (test workers, study
     processes) never see half a model. `poise_real_model.json` inside records where it came from and its licence.
     """
-    from .model import default_cache_dir  # here: the registry above stays light for the CLI
+    from .toy import default_cache_dir  # here: the registry above stays light for the CLI
 
     spec = real_model_spec(name)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "real"

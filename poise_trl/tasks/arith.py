@@ -92,6 +92,7 @@ FAMILIES = {
 DEFAULT_FAMILIES = ("add1", "sub1", "max2", "mul1")
 # Room for "The answer is 12." and a little more; SmolLM2 answers in 2-10 tokens once it has learned the format.
 ARITH_MAX_COMPLETION_LENGTH = 16
+ARITH_DATASET = "arith"  # the name that selects this task where the tools take a dataset
 
 
 def _prompt(question: str) -> list[dict[str, str]]:

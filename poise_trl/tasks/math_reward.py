@@ -100,14 +100,14 @@ def math_answer_reward(
 ) -> list[float | None]:
     """TRL reward function: 1.0 for a correct final answer, 0.0 otherwise, None if the ground truth is unparseable.
 
-    `answer` is the dataset column of ground truths (see `poise_trl.rlvr.data`); TRL passes it by name. None makes TRL
-    skip the sample (NaN) instead of teaching the policy from a broken label. A dataset without an `answer` column
-    fails with what to do, instead of Python's bare missing-argument error.
+    `answer` is the dataset column of ground truths (see `poise_trl.tasks.math_data`); TRL passes it by name. None
+    makes TRL skip the sample (NaN) instead of teaching the policy from a broken label. A dataset without an `answer`
+    column fails with what to do, instead of Python's bare missing-argument error.
     """
     if answer is None:
         raise ValueError(
             "math_answer_reward needs the ground truths in a dataset column named `answer`; it was given "
-            f"{sorted(kwargs)}. Load the dataset with poise_trl.rlvr.data.load_math_dataset, which maps the Hub "
+            f"{sorted(kwargs)}. Load the dataset with poise_trl.tasks.math_data.load_math_dataset, which maps the Hub "
             "schemas (DAPO-Math-17k's `solution`, `reward_model.ground_truth`, ...) to `answer` and applies the "
             "DAPO prompt template."
         )
