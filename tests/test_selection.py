@@ -11,7 +11,7 @@ from poise_trl import POISETrainer
 from poise_trl.estimator import POISEEstimator
 
 from .conftest import digit_dataset, digit_reward, poise_args, score_and_capture_features
-from .test_beyond_paper import G, Recording, _logged
+from .scenarios.test_beyond_paper import G, Recording, _logged
 
 
 def test_value_selection_keeps_whole_groups_and_trl_batch_shapes(tiny_model_path, tmp_path):

@@ -13,7 +13,7 @@ from poise_trl.learner import OnlineLearner
 from poise_trl.probe import ValueProbe
 from poise_trl.trainer import ESTIMATOR_FILE, prompt_group_ids
 
-from .conftest import CPU_ARGS, digit_reward, poise_args, score_and_capture_features
+from ..conftest import CPU_ARGS, digit_reward, poise_args, score_and_capture_features
 
 
 # ------------------------------------------------------------------------------------------------- pure level

@@ -12,7 +12,7 @@ from trl import GRPOConfig
 from poise_trl import POISEConfig, POISETrainer
 from poise_trl.config import changed_defaults
 
-from .conftest import CPU_ARGS, digit_dataset, digit_reward
+from ..conftest import CPU_ARGS, digit_dataset, digit_reward
 
 # Values a TRL script might set, none of them a default of GRPOConfig or POISEConfig.
 USER_VALUES = dict(
@@ -101,7 +101,7 @@ def test_derived_batch_fields_do_not_conflict(batch):
 
 def test_the_migration_page_quotes_the_warning_its_example_logs(caplog):
     """docs/from-grpo.md shows the warning of its own diff's `GRPOConfig` word for word."""
-    page = (Path(__file__).parents[1] / "docs" / "from-grpo.md").read_text()
+    page = (Path(__file__).parents[2] / "docs" / "from-grpo.md").read_text()
     (quoted,) = [line for line in page.splitlines() if line.startswith("Converted GRPOConfig")]
     with caplog.at_level(logging.WARNING):
         POISEConfig.from_grpo_config(GRPOConfig(output_dir="Qwen3-0.6B-GRPO", max_completion_length=1024, **CPU_ARGS))

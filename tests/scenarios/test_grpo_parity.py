@@ -11,8 +11,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from poise_trl import POISEConfig, POISETrainer
 
-from .conftest import CPU_ARGS, short_args
-from .tiny_archs import (
+from ..conftest import CPU_ARGS, short_args
+from ..tiny_archs import (
     SpyTrainer,
     assert_poise_advantages_reach_the_loss,
     char_tokenizer,

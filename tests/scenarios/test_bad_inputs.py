@@ -8,7 +8,7 @@ from datasets import Dataset
 from poise_trl import POISETrainer
 from poise_trl.features import find_decoder_layers
 
-from .conftest import poise_args
+from ..conftest import poise_args
 
 
 def _dataset(n: int = 64) -> Dataset:

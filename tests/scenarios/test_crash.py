@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from poise_trl.trainer import ESTIMATOR_FILE
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 CHILD = Path(__file__).parent / "crash" / "train_child.py"
 
 

@@ -13,10 +13,10 @@ from trl import GRPOTrainer
 
 from poise_trl import POISETrainer
 
-from .conftest import digit_dataset, digit_reward, poise_args, short_args
-from .host_sync import HostSyncCounter
+from ..conftest import digit_dataset, digit_reward, poise_args, short_args
+from ..host_sync import HostSyncCounter
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _logged(trainer, key: str) -> list:

@@ -16,8 +16,8 @@ from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGen
 from poise_trl import POISEConfig
 from poise_trl.trainer import FORWARD_INPUT_KEYS
 
-from .conftest import score_and_capture_features, short_args
-from .tiny_archs import SpyTrainer, assert_poise_advantages_reach_the_loss, char_tokenizer, code_reward
+from ..conftest import score_and_capture_features, short_args
+from ..tiny_archs import SpyTrainer, assert_poise_advantages_reach_the_loss, char_tokenizer, code_reward
 
 # Renders an image part as LLaVA's `<image>` placeholder, which the processor expands to one token per patch.
 TEMPLATE = (

@@ -1,7 +1,7 @@
 """POISE under the engines users scale out on, for real: DeepSpeed ZeRO-2/3 and FSDP1/2 on 2 CPU processes (gloo),
 launched with `accelerate launch --config_file configs/accelerate/<engine>.yaml` as a user would (bf16 off: CPU).
 
-One launch per engine trains 3 steps, saves at step 2 and resumes from that checkpoint (tests/distributed/
+One launch per engine trains 3 steps, saves at step 2 and resumes from that checkpoint (tests/scenarios/distributed/
 engine_ranks.py). accelerate 1.15 turns FSDP on CPU into plain DDP without a word; engine_ranks.py's
 `keep_fsdp_on_cpu` patches `AcceleratorState.__init__` so FSDP really runs, which `distributed_type` checks here.
 `POISE_TEST_DEVICE=cuda` runs the same launches on 2 GPUs (NCCL, fp32).

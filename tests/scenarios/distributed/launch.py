@@ -13,7 +13,7 @@ import sys
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).parents[2]  # the checkout under test, even where another copy is installed
+ROOT = Path(__file__).parents[3]  # the checkout under test, even where another copy is installed
 
 
 def launch(

@@ -7,8 +7,8 @@ import pytest
 import torch
 from trl import GRPOConfig
 
-from .conftest import short_args
-from .tiny_archs import SpyTrainer, assert_poise_advantages_reach_the_loss, code_reward, prompts, save_causal_lm
+from ..conftest import short_args
+from ..tiny_archs import SpyTrainer, assert_poise_advantages_reach_the_loss, code_reward, prompts, save_causal_lm
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 

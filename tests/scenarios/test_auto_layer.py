@@ -12,8 +12,8 @@ from poise_trl.layer_choice import choose_layer, grouped_kfold_errors, select_la
 from poise_trl.learner import OnlineLearner
 from poise_trl.probe import ValueProbe
 
-from .conftest import CPU_ARGS, digit_dataset, digit_reward, poise_args, score_and_capture_features
-from .test_trainer import _count_scoring_passes
+from ..conftest import CPU_ARGS, digit_dataset, digit_reward, poise_args, score_and_capture_features
+from ..test_trainer import _count_scoring_passes
 
 
 # ---------------------------------------------------------------------------------------------------- config

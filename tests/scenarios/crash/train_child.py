@@ -1,6 +1,6 @@
 """A POISE run that saves every step, for tests/test_crash.py to kill with SIGKILL (never imported by the package).
 
-    python tests/crash/train_child.py MODEL OUTPUT_DIR RESULT_DIR [CHECKPOINT | latest]
+    python tests/scenarios/crash/train_child.py MODEL OUTPUT_DIR RESULT_DIR [CHECKPOINT | latest]
 
 `POISE_TEST_PAUSE` makes the run stop at one moment, touch `RESULT_DIR/paused` and sleep until it is killed:
 - `step:N`: in step N after POISE learned from its batch and the loss was backpropagated, before the optimizer step;

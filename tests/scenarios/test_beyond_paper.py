@@ -10,7 +10,7 @@ from poise_trl import POISETrainer
 from poise_trl.baselines import leave_one_out_targets, shrunk_rloo_line
 from poise_trl.files import read_state
 
-from .conftest import digit_dataset, digit_reward, poise_args
+from ..conftest import digit_dataset, digit_reward, poise_args
 
 G = 2
 

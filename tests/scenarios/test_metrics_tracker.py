@@ -14,8 +14,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from poise_trl import POISETrainer
 
-from .conftest import digit_reward, short_args
-from .test_docs import GLOSSARY, METRIC
+from ..conftest import digit_reward, short_args
+from ..docs.test_docs import GLOSSARY, METRIC
 
 DOMAINS, LAYERS = ("a", "b"), (1, 2)
 PER_DOMAIN = ("bootstrap", "buffer_size")  # beside the first table's keys (the glossary's "Per domain" section)

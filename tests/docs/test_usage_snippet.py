@@ -17,7 +17,7 @@ import torch
 
 from poise_trl.tasks.math_data import DAPO_PROMPT_PREFIX, DAPO_PROMPT_SUFFIX
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SNIPPETS = ROOT / "docs" / "snippets"
 CPU_FIXTURE = "tests/fixtures/dapo_math_17k_en.jsonl"
 # What the CPU variant may add to the GPU snippet's POISEConfig: the CPU settings and a smaller run.

@@ -16,7 +16,7 @@ from poise_trl.bench.value.score import pearson
 from poise_trl.models.toy import load_demo_model, prepare_demo_model
 from poise_trl.tasks.toy import MAX_COMPLETION_LENGTH, make_sort_splits, task_reward
 
-from .conftest import CPU_ARGS
+from ..conftest import CPU_ARGS
 
 STEPS = 200
 WINDOW = 30  # steps averaged at each end of the run

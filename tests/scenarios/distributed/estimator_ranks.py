@@ -1,7 +1,7 @@
 """Two gloo processes run one `POISEEstimator` each on the same batches, with rank 0's probe broadcast, and count
 their device->host transfers per step (tests/test_distributed.py). Not imported by the package.
 
-    torchrun --nproc_per_node=2 tests/distributed/estimator_ranks.py OUTPUT_DIR
+    torchrun --nproc_per_node=2 tests/scenarios/distributed/estimator_ranks.py OUTPUT_DIR
 """
 
 import sys
@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 from poise_trl.estimator import POISEEstimator
-from tests.distributed.rank_io import finish
 from tests.host_sync import HostSyncCounter
+from tests.scenarios.distributed.rank_io import finish
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

@@ -15,8 +15,8 @@ from datasets import Dataset
 
 from poise_trl import POISEConfig
 
-from .conftest import score_and_capture_features, short_args
-from .tiny_archs import (
+from ..conftest import score_and_capture_features, short_args
+from ..tiny_archs import (
     SpyTrainer,
     assert_poise_advantages_reach_the_loss,
     causal_lm,
