@@ -29,7 +29,7 @@ demo: install
 test: install
 	$(BIN)/ruff check poise_trl tests examples
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=10
 
 # vLLM colocate with a real engine (tests/scenarios/test_vllm.py; the main suite skips it).
 $(VLLM_VENV)/.installed: pyproject.toml

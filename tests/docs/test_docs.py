@@ -127,8 +127,14 @@ def checkout(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def shell_env(checkout, tmp_path_factory) -> dict[str, str]:
-    """`python` is this interpreter and `poise-trl` the checkout's CLI; the model cache starts empty."""
+def shell_env(checkout, tmp_path_factory, demo_cache, real_model_path) -> dict[str, str]:
+    """`python` is this interpreter and `poise-trl` the checkout's CLI; the model cache holds what `make demo` leaves
+    there and the real model's one conversion, as on a machine that ran them: the session's fixtures build both once
+    (the same calls the blocks make, from an empty cache), instead of once more here."""
+    cache = tmp_path_factory.mktemp("cache")
+    shutil.copytree(demo_cache / "poise-trl", cache / "poise-trl")
+    # Hard links: the converted model is about 540 MB, and a cached folder is only read.
+    shutil.copytree(real_model_path, cache / "poise-trl" / "real" / real_model_path.name, copy_function=os.link)
     bin_dir = tmp_path_factory.mktemp("bin")
     # Wrappers, not symlinks: a symlinked venv interpreter would not find its venv.
     for name, command in (("python", ""), ("poise-trl", " -m poise_trl.cli")):
@@ -138,7 +144,7 @@ def shell_env(checkout, tmp_path_factory) -> dict[str, str]:
         **os.environ,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "PYTHONPATH": str(checkout),
-        "XDG_CACHE_HOME": str(tmp_path_factory.mktemp("cache")),
+        "XDG_CACHE_HOME": str(cache),
         "OMP_NUM_THREADS": "1",
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",

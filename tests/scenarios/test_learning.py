@@ -24,8 +24,9 @@ SAMPLES = 16  # rollouts per held-out prompt for its empirical success rate
 
 
 @pytest.mark.slow
-def test_reward_rises_and_probe_predicts_held_out_success(tmp_path):
-    model, tokenizer = load_demo_model(prepare_demo_model(tmp_path / "cache", seed=0))
+def test_reward_rises_and_probe_predicts_held_out_success(tmp_path, demo_cache):
+    # The demo's model (seed 0), warm-started once per session by the `demo_cache` fixture: found there, not rebuilt.
+    model, tokenizer = load_demo_model(prepare_demo_model(demo_cache / "poise-trl", seed=0))
     train, held_out = make_sort_splits(num_train=2000, num_eval=70, seed=0)
     args = POISEConfig(
         output_dir=str(tmp_path / "run"),

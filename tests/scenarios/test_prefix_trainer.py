@@ -10,8 +10,8 @@ from poise_trl.prefix import PrefixBatch
 from poise_trl.resume import ESTIMATOR_FILE
 
 from ..conftest import short_args
-from ..tiny_archs import SpyTrainer, code_reward, env_rollout, prompts, save_causal_lm
 from ..docs.test_docs import documented
+from ..tiny_archs import SpyTrainer, code_reward, env_rollout, prompts, save_causal_lm
 from .test_training_options import LOSS_TYPES
 from .test_vision import _args as vision_args
 from .test_vision import _image_prompts as image_prompts

@@ -1,4 +1,5 @@
-"""A POISE run that saves every step, for tests/test_crash.py to kill with SIGKILL (never imported by the package).
+"""A POISE run that saves every step, for tests/scenarios/test_crash.py to kill with SIGKILL (never imported by the
+package).
 
     python tests/scenarios/crash/train_child.py MODEL OUTPUT_DIR RESULT_DIR [CHECKPOINT | latest]
 

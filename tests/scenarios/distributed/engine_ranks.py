@@ -7,6 +7,7 @@ fp32 copy's, the estimator's digest after every step, and what the resumed train
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -36,6 +37,16 @@ def keep_fsdp_on_cpu() -> None:
             self.fsdp_plugin = fsdp_plugin
 
     AcceleratorState.__init__ = patched
+
+
+def no_shared_memory_all_reduce() -> None:
+    """DeepSpeed's first init on a CPU JIT-compiles its shared-memory all-reduce op (about 60 s of one core, again on
+    every fresh machine) after probing a compiler for each of its ops. Only its inference tensor parallelism calls
+    that op (`inference_all_reduce`); ZeRO training goes through torch.distributed (gloo here). Marked unavailable,
+    as DeepSpeed itself marks it off Linux, so neither the probe nor the compile runs and the engine is the same."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__ = {"deepspeed_shm_comm": False}
 
 
 def digest(trainer: POISETrainer) -> str:
@@ -152,6 +163,8 @@ def engine(recording: Recording) -> dict:
 
 
 keep_fsdp_on_cpu()
+if ON_CPU and os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":  # set by `accelerate launch` for DeepSpeed
+    no_shared_memory_all_reduce()
 first = trainer(OUT / "first")
 first.train()
 results = {

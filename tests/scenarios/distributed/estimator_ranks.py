@@ -1,5 +1,5 @@
 """Two gloo processes run one `POISEEstimator` each on the same batches, with rank 0's probe broadcast, and count
-their device->host transfers per step (tests/test_distributed.py). Not imported by the package.
+their device->host transfers per step (tests/scenarios/test_distributed.py). Not imported by the package.
 
     torchrun --nproc_per_node=2 tests/scenarios/distributed/estimator_ranks.py OUTPUT_DIR
 """

@@ -21,7 +21,7 @@ def launch(
     args: list[str],
     out: Path,
     processes: int = 2,
-    timeout: float = 300,
+    timeout: float = 1200,  # a hang's limit: a launch takes 10-40 s alone, several times that on shared cores
     accelerate: list[str] | None = None,
     env_vars: dict[str, str] | None = None,
 ) -> list[dict]:
