@@ -182,7 +182,8 @@ def test_prefix_advantages_mask_and_fall_back():
     receives = torch.tensor([True, True, True, False])
     fallback = torch.tensor([0.3, -0.4, 0.25, 0.0])
     tokens, prefix = prefix_advantages(rewards, values, generated, receives, fallback)
-    expected = torch.tensor([[0.5, 0.1, 0.0], [-0.2, 0.0, -0.6], [0.25, 0.25, 0.25], [0.0, 0.0, 0.0]])
+    # row 2: the token whose value is NaN alone falls back to the sequence advantage; the others keep r - V
+    expected = torch.tensor([[0.5, 0.1, 0.0], [-0.2, 0.0, -0.6], [0.5, 0.25, 0.5], [0.0, 0.0, 0.0]])
     torch.testing.assert_close(tokens, expected)
     assert prefix.tolist() == [True, True, False, False]
 
