@@ -140,6 +140,48 @@ def test_baseline_of_token_t_reads_nothing_from_token_t_on(tiny):
         assert (after[:, t + 1] - before[:, t + 1]).abs().max() > 1e-4  # the test can see a leak of token t
 
 
+@pytest.mark.parametrize("t", [0, 2, 5])
+def test_no_column_of_token_t_reads_the_completions_length_or_what_follows(tiny, t):
+    """Replace y_t on by completions of other lengths, ended by EOS (at t itself, or several tokens later): every
+    STATS column, every feature row and the value of tokens 0..t stay as they were. (The fixed-length test above
+    cannot see a statistic of the completion's length.)"""
+    model, layer = tiny
+    eos = build_tiny_tokenizer().eos_token_id
+    prompts, completions = _example()
+    ids = _batch(model, prompts, completions)
+    prefix_map, _ = _fitted_map(model, layer, ids)
+    _, before, spans, entropies = _pass(model, layer, ids, prefix_map)
+    every = torch.arange(spans.generated.size(1)).expand(len(prompts), -1)
+
+    def rows(ids, spans, entropies):
+        with torch.no_grad():
+            hidden = model(
+                torch.cat([ids[0], ids[2]], 1),
+                attention_mask=torch.cat([ids[1], ids[3]], 1),
+                output_hidden_states=True,
+            ).hidden_states[1]
+        tokens = torch.arange(t + 1).expand(len(prompts), -1)
+        return feature_rows(hidden_rows(hidden, spans, tokens), prefix_stats(entropies, spans), tokens)
+
+    stats, full = prefix_stats(entropies, spans), rows(ids, spans, entropies)
+    endings = ([eos], [(c % 30) + 5 for c in range(7 + t)] + [eos])  # shorter (EOS at t), longer
+    for ending in endings:
+        changed = [y[:t] + ending for y in completions]
+        lengths = [len(y) for y in changed]
+        assert lengths != [len(y) for y in completions]
+        new_ids = _batch(model, prompts, changed)
+        _, after, new_spans, new_entropies = _pass(model, layer, new_ids, prefix_map)
+        new_stats = prefix_stats(new_entropies, new_spans)
+        for column, name in enumerate(STATS):
+            torch.testing.assert_close(
+                new_stats[:, : t + 1, column], stats[:, : t + 1, column], rtol=0, atol=1e-5, msg=f"STATS {name!r}"
+            )
+        torch.testing.assert_close(rows(new_ids, new_spans, new_entropies), full, rtol=0, atol=1e-5)
+        # float32 rounding moves with the padded width: a leak of the length moves a value by far more
+        torch.testing.assert_close(after[:, : t + 1], before[:, : t + 1], rtol=0, atol=3e-5)
+    assert every.size(1) == max(len(y) for y in completions)
+
+
 def test_sampled_tokens_cover_the_generated_ones_evenly():
     """One sampled token per equal share of a row's generated tokens; none on padding or tool output."""
     completion_mask = torch.tensor([[1] * 8, [1] * 3 + [0] * 5, [0] * 8])
@@ -186,6 +228,11 @@ def test_prefix_advantages_mask_and_fall_back():
     expected = torch.tensor([[0.5, 0.1, 0.0], [-0.2, 0.0, -0.6], [0.5, 0.25, 0.5], [0.0, 0.0, 0.0]])
     torch.testing.assert_close(tokens, expected)
     assert prefix.tolist() == [True, True, False, False]
+    # token t's advantage depends on y_<t only: a non-finite value at a later token leaves the earlier ones alone
+    later = values.clone()
+    later[0, 1] = float("inf")
+    moved, _ = prefix_advantages(rewards, later, generated, receives, fallback)
+    assert moved[0, 0] == tokens[0, 0] and moved[0, 1] == fallback[0] and torch.equal(moved[1:], tokens[1:])
 
 
 def test_token_baseline_keeps_the_exact_policy_gradient():
