@@ -29,9 +29,10 @@ logger = logging.getLogger(__name__)
 # then the mean over the micro-batch's rows; dr_grpo: rows x max_completion_length; luspo: the mean over rows), so the
 # weighted step's expectation is the uniform one, exactly. "weighted token count": the loss divides by
 # `num_items_in_batch`, the generation batch's token count, which the trainer replaces by the importance-weighted count
-# (each row's tokens times its weight; unchanged under uniform draws), so numerator and denominator are both
-# estimates of the uniform batch's; the ratio's finite-batch difference is stated in docs/prompt-selection.md. A loss
-# missing here (TRL's "bnpo": the micro-batch's own token count, computed inside TRL's loss) is refused.
+# (each row's tokens times its weight, the weights rescaled to sum to the rows; unchanged under uniform draws), so
+# numerator and denominator both estimate the uniform batch's; the ratio's finite-batch difference from the uniform
+# step is measured by exact enumeration in docs/prompt-selection.md. A loss missing here (TRL's "bnpo": the
+# micro-batch's own token count, computed inside TRL's loss) is refused.
 IMPORTANCE_LOSS_TYPES = {
     "grpo": "constant",
     "dr_grpo": "constant",

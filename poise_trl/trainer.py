@@ -347,14 +347,17 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
 
     def _weighted_token_count(self, output: dict[str, Any], weights: torch.Tensor) -> torch.Tensor:
         """TRL's `num_items_in_batch` (the generation batch's loss tokens, gathered) with every row's tokens counted
-        `weights` (gathered, (N,)) times: the normaliser of the token-count losses, weighted as their numerator is, so
-        numerator and denominator are both importance-weighted estimates of a uniform batch's. Equal to TRL's count
-        when every weight is 1."""
+        as its advantages are weighted, by `weights` (gathered, (N,)) rescaled to sum to N: the token-count losses'
+        normaliser as an estimate of a uniform batch's count, like their numerator. The rescaling (a self-normalised,
+        Hajek, estimate) cancels the weights' own fluctuation; both counts tend to the uniform one as the batch grows,
+        and exact enumeration puts the self-normalised one nearer the uniform step at every batch size measured
+        (docs/prompt-selection.md). Equal to TRL's count when every weight is 1."""
         mask = output["completion_mask"]
         if output.get("tool_mask") is not None:
             mask = mask * output["tool_mask"]
-        tokens = self.accelerator.gather(mask.sum(1))
-        return (tokens.to(weights.dtype) * weights.to(tokens.device)).sum().float()
+        tokens = self.accelerator.gather(mask.sum(1)).to(weights.dtype)
+        weights = weights.to(tokens.device)
+        return ((tokens * weights).sum() * weights.numel() / weights.sum()).float()
 
     def _gather_prefix(self, local: PrefixBatch) -> PrefixBatch:
         """The per-prefix capture of every process, token tensors padded to the widest completion."""
