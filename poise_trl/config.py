@@ -266,9 +266,11 @@ class POISEConfig(GRPOConfig):
             "help": "None: train on the sampler's prompts (paper). Otherwise draw `prompt_selection_oversample` "
             "times more candidate prompts and predict each one's success rate p from its prompt hidden states (one "
             "no-grad prefill; a prompt-only probe on the buffer's prompt block), read as v on the observed reward "
-            "range. 'importance' (unbiased): draw with replacement with probability proportional to sqrt(v(1 - v)), "
-            "mixed with uniform at `prompt_selection_floor`, and multiply each prompt's advantages by its importance "
-            "weight 1 / (n q), so the expected gradient is the uniform one. 'value' (biased): keep the candidates of "
+            "range. 'importance': draw with replacement with probability proportional to sqrt(v(1 - v)), mixed with "
+            "uniform at `prompt_selection_floor`, and multiply each prompt's advantages by its importance weight "
+            "1 / (n q), so the expected gradient is the uniform one (exactly under loss_type grpo, dr_grpo, sapo, "
+            "luspo; under dapo, cispo, vespo the token-count normaliser is weighted too, up to a finite-batch "
+            "difference; bnpo, beta != 0, the entropy bonus and top_entropy_quantile < 1 are refused). 'value' (biased): keep the candidates of "
             "highest v(1 - v), unweighted. Uniform until the probe is trusted (a warm start is trusted at once).",
         },
     )
