@@ -270,8 +270,9 @@ class POISEConfig(GRPOConfig):
             "uniform at `prompt_selection_floor`, and multiply each prompt's advantages by its importance weight "
             "1 / (n q), so the expected gradient is the uniform one (exactly under loss_type grpo, dr_grpo, sapo, "
             "luspo; under dapo, cispo, vespo the token-count normaliser is weighted too, up to a finite-batch "
-            "difference; bnpo, beta != 0, the entropy bonus and top_entropy_quantile < 1 are refused). 'value' (biased): keep the candidates of "
-            "highest v(1 - v), unweighted. Uniform until the probe is trusted (a warm start is trusted at once).",
+            "difference; bnpo, beta != 0, the entropy bonus and top_entropy_quantile < 1 are refused). 'value' "
+            "(biased): keep the candidates of highest v(1 - v), unweighted. Uniform until the probe is trusted (a "
+            "warm start is trusted at once).",
         },
     )
     prompt_selection_oversample: float = field(

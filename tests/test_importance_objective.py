@@ -160,7 +160,7 @@ def test_the_estimator_gets_each_rows_1_over_nq_and_the_loss_the_weighted_token_
 ):
     """Single process: the weights handed to `estimator.advantages` are, on every row, 1 / (n q(x)) of that row's
     prompt x, q recomputed from the values the rule was given; TRL's `num_items_in_batch` becomes the rows' tokens
-    weighted alike (unchanged while the draws are uniform)."""
+    weighted alike, the weights rescaled to sum to the rows (unchanged while the draws are uniform)."""
     args = poise_args(
         tmp_path, max_steps=4, per_device_train_batch_size=4, prompt_selection="importance", probe_warmup_steps=1
     )
@@ -199,7 +199,8 @@ def test_the_estimator_gets_each_rows_1_over_nq_and_the_loss_the_weighted_token_
         torch.testing.assert_close(weighted, plain * weights.to(plain.dtype))
         tokens = record["tokens"].double()
         assert record["output"] == record["weighted"]
-        assert record["weighted"].item() == pytest.approx((tokens * expected).sum().item(), rel=1e-6)
+        self_normalised = (tokens * expected).sum() * len(expected) / expected.sum()
+        assert record["weighted"].item() == pytest.approx(self_normalised.item(), rel=1e-6)
         if values is None:
             assert record["weighted"].item() == record["trl"].item()
     assert drawn_steps >= 2 and any(len(set(w.tolist())) > 1 for w, _, _ in applied)
@@ -226,8 +227,14 @@ def test_the_committed_enumeration_is_what_its_script_computes():
             assert committed[("4", family, rule)] == pytest.approx(expected, abs=6e-5)
             if rule in ("grpo", "dr_grpo"):
                 assert row["max"] < 1e-12
-    # the weighted count's difference shrinks with the batch; the unweighted count's does not vanish
+    # the weighted counts' differences shrink with the batch, the unweighted count's does not vanish, and the
+    # self-normalised count (the trainer's) is the nearest at every k, median and max
     for family in ("independent", "rise with difficulty"):
-        weighted = [committed[(k, family, "dapo_weighted")][0] for k in ("4", "8", "16", "k -> inf")]
-        assert weighted == sorted(weighted, reverse=True) and weighted[-1] == 0
+        for rule in ("dapo_weighted", "dapo_self_normalised"):
+            medians = [committed[(k, family, rule)][0] for k in ("4", "8", "16", "k -> inf")]
+            assert medians == sorted(medians, reverse=True) and medians[-1] == 0
         assert committed[("k -> inf", family, "dapo_unweighted")][0] > 0
+        for k in ("4", "8", "16"):
+            used = committed[(k, family, "dapo_self_normalised")]
+            for other in ("dapo_unweighted", "dapo_weighted"):
+                assert used[0] < committed[(k, family, other)][0] and used[2] < committed[(k, family, other)][2]
