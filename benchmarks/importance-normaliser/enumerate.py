@@ -10,13 +10,15 @@ vectors). The step of a draw under each normaliser (loss-token sum sum_x c_x w_x
 - grpo: sum_x c_x w_x sum_j A_xj S_xj / L_xj / (k G)  (each sequence over its own tokens; sapo alike);
 - dr_grpo: sum_x c_x w_x N_x / (k G 300)              (a constant; luspo alike);
 - dapo, unweighted count (before): sum_x c_x w_x N_x / sum_x c_x T_x  (T_x = sum_j L_xj; cispo, vespo alike);
-- dapo, weighted count (after):     sum_x c_x w_x N_x / sum_x c_x w_x T_x.
+- dapo, weighted count:             sum_x c_x w_x N_x / sum_x c_x w_x T_x;
+- dapo, self-normalised weighted count (what POISETrainer uses): the weighted count times k / sum_x c_x w_x, i.e.
+  the weighted count of a draw whose weights are rescaled to sum to k; the weights' own fluctuation cancels.
 
 The reference is the same enumeration with q uniform (weights 1): the uniform step's expectation at the same k. The
 figure is ||E_q[step] - E_uniform[step]|| / ||E_uniform[step]|| over 200 random pools (median, 95th percentile,
 max) and the least cosine, in two pool families: lengths independent of p, and lengths rising with difficulty
 (L = 40 + 260 (1 - p) + N(0, 40)). "k -> inf" is the large-batch limit in closed form: sum N / sum T for the weighted
-count and the uniform step alike (difference 0), (mean_x N_x) / (sum_x q_x T_x) for the unweighted count.
+counts (both) and the uniform step alike (difference 0), (mean_x N_x) / (sum_x q_x T_x) for the unweighted count.
 
     PYTHONPATH=. python benchmarks/importance-normaliser/enumerate.py > benchmarks/importance-normaliser/results.md
 
@@ -32,7 +34,7 @@ from poise_trl.sampling import importance_probabilities, importance_weights
 
 N, G, D, FLOOR, POOLS = 8, 2, 16, 0.5, 200
 LENGTHS = (40, 300)
-RULES = ("grpo", "dr_grpo", "dapo_unweighted", "dapo_weighted")
+RULES = ("grpo", "dr_grpo", "dapo_unweighted", "dapo_weighted", "dapo_self_normalised")
 
 
 def compositions(n: int, k: int) -> torch.Tensor:
@@ -80,6 +82,7 @@ def expected_steps(P: dict[str, torch.Tensor], q: torch.Tensor, counts: torch.Te
         "dr_grpo": numerator / (k * G * LENGTHS[1]),
         "dapo_unweighted": numerator / (c @ tokens)[:, None],
         "dapo_weighted": numerator / (cw @ tokens)[:, None],
+        "dapo_self_normalised": numerator / ((cw @ tokens) * k / cw.sum(1))[:, None],
     }
     return {name: prob @ step for name, step in steps.items()}
 
@@ -90,6 +93,7 @@ def limits(P: dict[str, torch.Tensor], q: torch.Tensor) -> dict[str, torch.Tenso
     return {
         "dapo_unweighted": full.mean(0) / (q @ tokens),
         "dapo_weighted": full.mean(0) / tokens.mean(),
+        "dapo_self_normalised": full.mean(0) / tokens.mean(),
     }
 
 
@@ -104,7 +108,7 @@ def differences(seed: int, correlated: bool, counts: torch.Tensor | None) -> dic
         sampled, reference = expected_steps(P, q, counts), expected_steps(P, uniform, counts)
     out = {}
     for name, step in sampled.items():
-        ref = reference["dapo_unweighted" if name == "dapo_weighted" else name]
+        ref = reference["dapo_unweighted" if name.startswith("dapo") else name]
         out[name] = ((step - ref).norm() / ref.norm()).item(), torch.cosine_similarity(step, ref, 0).item()
     return out
 
