@@ -235,6 +235,49 @@ def test_prefix_advantages_mask_and_fall_back():
     assert moved[0, 0] == tokens[0, 0] and moved[0, 1] == fallback[0] and torch.equal(moved[1:], tokens[1:])
 
 
+def test_token_baseline_keeps_the_exact_policy_gradient_when_eos_ends_completions_early():
+    """The same exact expectation over completions of every length: token 3 is EOS, so a completion ends at its first
+    EOS or after 3 tokens (40 completions of 1-3 tokens, their probabilities summing to 1), and the reward depends on
+    the length. A baseline that reads the completion's length (decided by y_t and later tokens) biases the gradient:
+    adding the length to any `STATS` column makes this test fail."""
+    from itertools import product
+
+    from .tiny_archs import causal_lm
+
+    model = causal_lm("qwen3", vocab_size=4, hidden_size=16).double()
+    layer = find_decoder_layers(model)[0]
+    prompt, eos, most = [2, 1], 3, 3
+    completions = [[eos]] + [[a, eos] for a in range(3)] + [[a, b, c] for a, b in product(range(3), repeat=2)
+                                                            for c in range(4)]  # fmt: skip
+    ids = _batch(model, [prompt] * len(completions), completions)
+    mask = ids[3].double()
+    rows, _, spans, _ = _pass(model, layer, ids, samples=most)
+    reward = torch.tensor([0.4 * len(y) + float(y[0] == 0) for y in completions], dtype=torch.float64)
+    flat = rows[spans.sampled]
+    targets = reward.unsqueeze(1).expand(-1, most)[spans.sampled]
+    probe = fit_prefix_probe(flat, targets + 0.1 * torch.randn(len(flat)), alpha=1.0, clip=None)
+    _, values, *_ = _pass(model, layer, ids, PrefixMap.fold(probe, 16))
+
+    sequences = torch.cat([ids[0], ids[2]], dim=1)
+    logits = model(sequences).logits[:, len(prompt) - 1 : -1]
+    token_logps = logits.log_softmax(-1).gather(-1, ids[2].unsqueeze(-1)).squeeze(-1) * mask
+    probability = token_logps.sum(1).exp()
+    assert torch.isclose(probability.sum(), torch.tensor(1.0, dtype=torch.float64))
+    parameters = list(model.parameters())
+
+    def gradient(objective: torch.Tensor) -> torch.Tensor:
+        return torch.cat([g.flatten() for g in torch.autograd.grad(objective, parameters, retain_graph=True)])
+
+    exact = gradient((probability * reward).sum())
+    weights = probability.detach().unsqueeze(1)
+    baseline = torch.where(mask.bool(), values.double(), 0.0).detach()
+    estimate = gradient((weights * (reward.unsqueeze(1) - baseline) * token_logps).sum())
+    assert values.std() > 0.1 and (estimate - exact).norm() / exact.norm() < 1e-6
+    leaked = torch.where(mask.bool(), torch.cat([values[:, 1:], values[:, -1:]], dim=1).double(), 0.0).detach()
+    leak = gradient((weights * (reward.unsqueeze(1) - leaked) * token_logps).sum())
+    assert (leak - exact).norm() / exact.norm() > 1e-2  # the test can see a value that read y_t
+
+
 def test_token_baseline_keeps_the_exact_policy_gradient():
     """The expectation of sum_t (r - V(x, y_<t)) grad log pi(y_t | x, y_<t) is grad E[r], exactly, on a tiny model
     whose completions can all be enumerated (vocabulary 4, 3 tokens: 64 completions, so the mean over the policy is a
