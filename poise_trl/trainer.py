@@ -310,9 +310,8 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
             features, rewards, num_generations, domains, has_completion, weights=weights, prefix=prefix
         )
         rows = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
-        if (
-            weights is not None
-        ):  # dapo/cispo/vespo divide by it: count each row's tokens as its advantages are weighted
+        # dapo, cispo and vespo divide by TRL's token count: count each row's tokens as its advantages are weighted
+        if weights is not None:
             output["num_items_in_batch"] = self._weighted_token_count(output, weights)
         output["advantages"] = result.advantages[rows]
         if result.token_advantages is not None:  # (B, T): TRL's loss takes them as they are
