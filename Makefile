@@ -31,7 +31,7 @@ test: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 	$(BIN)/python -m pytest -q
 
-# vLLM colocate with a real engine (tests/test_vllm.py; the main suite skips it).
+# vLLM colocate with a real engine (tests/scenarios/test_vllm.py; the main suite skips it).
 $(VLLM_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install --quiet --upgrade pip
@@ -48,7 +48,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 install-vllm: $(VLLM_VENV)/.installed
 
 test-vllm: install-vllm
-	$(VLLM_BIN)/python -m pytest -q tests/test_vllm.py
+	$(VLLM_BIN)/python -m pytest -q tests/scenarios/test_vllm.py
 
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve

@@ -77,7 +77,17 @@ def diagnostic_tensors(
     valid: torch.Tensor | None = None,
     unclipped_values: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`baseline_diagnostics` as one float64 tensor in `DIAGNOSTICS` order, computed on the device without a sync."""
+    """Per-step value-estimation diagnostics over the rows that received a baseline, as one float64 tensor in
+    `DIAGNOSTICS` order, computed on the device without a sync.
+
+    Entries: reward_mean, value_mean (mean probe prediction), baseline_mean, mae (|b - r|), group_mae (paper Fig. 4:
+    |mean value - mean reward| per prompt), pearson_r (b vs r), brier_skill (1 - MSE(b, r)/Var(r)),
+    variance_reduction (1 - Var(A)/Var(R)), variance_reduction_bound (that of the best unbiased baseline, the prompt's
+    value V(x): 1 - mean within-group reward variance / Var(R), from the groups' sample variances, so noisy and
+    possibly negative on one small batch), sign_accuracy (within groups whose rewards differ, the fraction of
+    pairs the values order like the rewards), clip_fraction (predictions the reward-range clip changed).
+    Undefined quantities (e.g. zero variance) are NaN; `POISETrainer` leaves them out of that step's log.
+    """
     valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()
     valid = valid & torch.isfinite(rewards) & torch.isfinite(baselines)
     nan = torch.tensor(float("nan"), dtype=torch.float64, device=rewards.device)
@@ -130,28 +140,6 @@ def diagnostic_tensors(
         clip_fraction,
     ]
     return torch.stack([v.double() for v in out])
-
-
-def baseline_diagnostics(
-    rewards: torch.Tensor,
-    baselines: torch.Tensor,
-    values: torch.Tensor,
-    num_generations: int,
-    valid: torch.Tensor | None = None,
-    unclipped_values: torch.Tensor | None = None,
-) -> dict[str, float]:
-    """Per-step value-estimation diagnostics over the rows that received a baseline.
-
-    Keys: reward_mean, value_mean (mean probe prediction), baseline_mean, mae (|b - r|), group_mae (paper Fig. 4:
-    |mean value - mean reward| per prompt), pearson_r (b vs r), brier_skill (1 - MSE(b, r)/Var(r)),
-    variance_reduction (1 - Var(A)/Var(R)), variance_reduction_bound (that of the best unbiased baseline, the prompt's
-    value V(x): 1 - mean within-group reward variance / Var(R), from the groups' sample variances, so noisy and
-    possibly negative on one small batch), sign_accuracy (within groups whose rewards differ, the fraction of
-    pairs the values order like the rewards), clip_fraction (predictions the reward-range clip changed).
-    Undefined quantities (e.g. zero variance) are NaN; `POISETrainer` leaves them out of that step's log.
-    """
-    stats = diagnostic_tensors(rewards, baselines, values, num_generations, valid, unclipped_values)
-    return dict(zip(DIAGNOSTICS, stats.tolist(), strict=True))
 
 
 def poise_advantages(
@@ -294,9 +282,3 @@ def shrunk_rloo_line(partner_means: torch.Tensor, rewards: torch.Tensor) -> torc
     weight = torch.where(variance > 1e-12, (dm * dr).sum() / n.clamp(min=1) / variance.clamp(min=1e-300), 0.0)
     line = torch.stack([r_mean - weight * m_mean, weight])
     return torch.where(n > 0, line, torch.tensor([0.0, 1.0], dtype=torch.float64, device=line.device))
-
-
-def shrunk_rloo_fit(partner_means: torch.Tensor, rewards: torch.Tensor) -> tuple[float, float]:
-    """`shrunk_rloo_line` as Python floats (a, w)."""
-    intercept, weight = shrunk_rloo_line(partner_means, rewards).tolist()
-    return intercept, weight

@@ -219,7 +219,8 @@ def capture_layer(layer: nn.Module, capture: FeatureSpans | Callable) -> Iterato
         handle.remove()
 
 
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _masked_row_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per row, the mean of `values` (B, T) over `mask`; 0 for a row with no masked entry."""
     mask = mask.to(values.dtype)
     return (values * mask).sum(1) / mask.sum(1).clamp(min=1.0)
 
@@ -229,9 +230,9 @@ def entropy_statistics(entropies: torch.Tensor, spans: FeatureSpans) -> torch.Te
     entropies = entropies.float().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     return torch.stack(
         [
-            _masked_mean(entropies, spans.completion_mask),
-            _masked_mean(entropies, spans.reasoning_mask),
-            _masked_mean(entropies, spans.answer_mask),
+            _masked_row_mean(entropies, spans.completion_mask),
+            _masked_row_mean(entropies, spans.reasoning_mask),
+            _masked_row_mean(entropies, spans.answer_mask),
         ],
         dim=1,
     )

@@ -214,27 +214,6 @@ def load_probe_file(path: str | Path) -> tuple[ValueProbe, ProbeBuffer | None, d
     return probe, buffer, info
 
 
-def save_probe_set(
-    path: str | Path,
-    probes: dict[str, Any],
-    metadata: dict[str, Any] | None = None,
-    include_buffer: bool = True,
-) -> None:
-    """Write several named `OnlineLearner`s (e.g. one per domain) to ONE safetensors file plus `path` + '.json'.
-
-    Tensor keys are `domain.<i>.probe.*` / `domain.<i>.buffer.*`; the JSON lists the names in order (names may hold
-    any character), each with its probe settings and counters. Nothing is pickled.
-    """
-    path = Path(path)
-    tensors, domains = {}, []
-    for i, (name, online) in enumerate(probes.items()):
-        tensors.update({f"domain.{i}.{k}": v for k, v in online.state_dict(include_buffer).items()})
-        domains.append({"name": name, **online.info(include_buffer)})
-    save_file(tensors, str(path))
-    info = {**(metadata or {}), "domains": domains}
-    path.with_suffix(path.suffix + ".json").write_text(json.dumps(info, indent=2, sort_keys=True))
-
-
 def load_probe_set(
     path: str | Path, single_name: str = "default"
 ) -> tuple[dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]], dict]:

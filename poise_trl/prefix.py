@@ -212,20 +212,6 @@ def feature_rows(hidden_rows: torch.Tensor, stats: torch.Tensor, tokens: torch.T
     return torch.cat([hidden_rows, picked.to(hidden_rows.device)], dim=-1)
 
 
-def fit_prefix_probe(
-    rows: torch.Tensor,
-    targets: torch.Tensor,
-    alpha: float = 100.0,
-    pca_dims: tuple[int, int] = (0, 0),
-    clip: tuple[float, float] | str | None = "observed",
-) -> ValueProbe:
-    """A prefix probe fitted on (N, feature_width) rows and their rollouts' rewards (N,); `PrefixMap.fold` turns it
-    into the map the hook applies. The rows must come from other rollouts than the ones it will serve."""
-    hidden_size = (rows.size(-1) - len(STATS)) // 2
-    probe = ValueProbe(alpha=alpha, pca_dims=prefix_pca_blocks(hidden_size, pca_dims) or None, clip=clip)
-    return probe.fit(rows, targets)
-
-
 class PrefixCapture:
     """Receives the hooked layer's output chunk by chunk; keeps the sampled tokens' (b, K, 2d) hidden rows and,
     given a map, every token's (b, T) hidden part of the value."""
@@ -256,29 +242,3 @@ class PrefixCapture:
         rows = feature_rows(torch.cat(self.rows), stats, self.spans.tokens)
         values = None if self.map is None else self.map.values(torch.cat(self.parts), stats.to(self.parts[0].device))
         return PrefixBatch(rows, self.spans.sampled, values, self.spans.generated, self.spans.tokens)
-
-
-def rollout_token_values(
-    hidden: torch.Tensor,
-    prompt_length: int,
-    entropies: torch.Tensor,
-    prefix_map: PrefixMap,
-    pool_tokens: int,
-    generated: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """(T,) V(x, y_<t) of every completion token of ONE unpadded rollout from the hooked layer's output (L, d),
-    L = prompt_length + T, and the (T,) entropies of the distributions that emitted the tokens. `generated` (T,) is
-    0 on tokens the policy did not write (their values are computed all the same, and must not be used)."""
-    completion = hidden.size(0) - prompt_length
-    if entropies.shape != (completion,):
-        raise ValueError(f"Got {tuple(entropies.shape)} entropies for {completion} completion tokens.")
-    spans = prefix_spans(
-        torch.ones(1, prompt_length, dtype=torch.long, device=hidden.device),
-        torch.ones(1, completion, dtype=torch.long, device=hidden.device),
-        pool_tokens,
-        1,
-        None if generated is None else generated.view(1, -1),
-        torch.Generator().manual_seed(0),  # the one sampled token is unused: leave the global generator alone
-    )
-    part = prefix_map.hidden_part(hidden.unsqueeze(0), spans)
-    return prefix_map.values(part, prefix_stats(entropies.unsqueeze(0), spans))[0]

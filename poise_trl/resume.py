@@ -14,7 +14,7 @@ import json
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -23,8 +23,10 @@ from transformers import TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.trainer.utils import RepeatSampler
 
-from .estimator import POISEEstimator
 from .files import atomic_save
+
+if TYPE_CHECKING:
+    from .estimator import POISEEstimator
 
 ESTIMATOR_FILE = "poise_estimator.safetensors"  # a checkpoint's POISE state: `POISEEstimator.save`
 LEGACY_FILES = ("poise_probe.safetensors", "poise_bootstrap.safetensors")  # poise-trl 0.1's checkpoint files
@@ -120,7 +122,7 @@ def load_generation_batch(
     return load_batches(path, device) if path.exists() else None
 
 
-def load_estimator(folder: Path, estimator: POISEEstimator, device: torch.device | str) -> None:
+def load_estimator(folder: Path, estimator: "POISEEstimator", device: torch.device | str) -> None:
     """Restore the estimator from a checkpoint's file (or poise-trl 0.1's two); warn, and start afresh, without one."""
     if (folder / ESTIMATOR_FILE).exists():
         estimator.load(folder / ESTIMATOR_FILE, device=device)

@@ -5,7 +5,18 @@ import math
 import pytest
 import torch
 
-from poise_trl.baselines import RunningStd, baseline_diagnostics, cross_rollout_baselines, leave_one_out_targets
+from poise_trl.baselines import (
+    DIAGNOSTICS,
+    RunningStd,
+    cross_rollout_baselines,
+    diagnostic_tensors,
+    leave_one_out_targets,
+)
+
+
+def diagnostics(*args, **kwargs) -> dict[str, float]:
+    """`diagnostic_tensors` by name, as the trainer logs them."""
+    return dict(zip(DIAGNOSTICS, diagnostic_tensors(*args, **kwargs).tolist(), strict=True))
 
 
 def test_g2_is_the_swap():
@@ -42,7 +53,7 @@ def test_diagnostics_by_hand():
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
     values = torch.tensor([0.8, 0.4, 0.5, 0.5])
     baselines = cross_rollout_baselines(values, 2)  # [0.4, 0.8, 0.5, 0.5]
-    d = baseline_diagnostics(rewards, baselines, values, 2, unclipped_values=torch.tensor([0.8, 0.4, 0.5, 0.7]))
+    d = diagnostics(rewards, baselines, values, 2, unclipped_values=torch.tensor([0.8, 0.4, 0.5, 0.7]))
     advantages = rewards - baselines  # [0.6, -0.8, 0.5, 0.5]
     var_r = rewards.var(unbiased=False)
     assert d["mae"] == pytest.approx(advantages.abs().mean().item())
@@ -63,16 +74,16 @@ def test_variance_reduction_bound_is_what_the_true_value_baseline_reaches():
     generator = torch.Generator().manual_seed(0)
     p = torch.rand(4000, generator=generator).repeat_interleave(2)
     rewards = torch.bernoulli(p, generator=generator)
-    d = baseline_diagnostics(rewards, p, p, 2)
+    d = diagnostics(rewards, p, p, 2)
     expected = 1 - (p * (1 - p)).mean() / rewards.var(unbiased=False)
     assert d["variance_reduction_bound"] == pytest.approx(expected.item(), abs=0.02)
     assert d["variance_reduction"] == pytest.approx(d["variance_reduction_bound"], abs=0.03)
     noisy = (p + 0.3 * torch.randn(p.shape, generator=generator)).clamp(0, 1)
-    assert baseline_diagnostics(rewards, noisy, noisy, 2)["variance_reduction"] < d["variance_reduction_bound"] - 0.05
+    assert diagnostics(rewards, noisy, noisy, 2)["variance_reduction"] < d["variance_reduction_bound"] - 0.05
 
 
 def test_diagnostics_with_constant_rewards_are_nan_not_errors():
-    d = baseline_diagnostics(torch.ones(4), torch.full((4,), 0.5), torch.full((4,), 0.5), 2)
+    d = diagnostics(torch.ones(4), torch.full((4,), 0.5), torch.full((4,), 0.5), 2)
     assert d["mae"] == 0.5 and math.isnan(d["variance_reduction"]) and math.isnan(d["pearson_r"])
 
 

@@ -10,20 +10,20 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from poise_trl.baselines import prefix_advantages
-from poise_trl.demo.tiny import build_tiny_model, build_tiny_tokenizer
 from poise_trl.features import capture_layer, find_decoder_layers
+from poise_trl.models.tiny import build_tiny_model, build_tiny_tokenizer
 from poise_trl.prefix import (
     STATS,
     PrefixCapture,
     PrefixMap,
     feature_rows,
     feature_width,
-    fit_prefix_probe,
     hidden_rows,
+    prefix_pca_blocks,
     prefix_spans,
     prefix_stats,
-    rollout_token_values,
 )
+from poise_trl.probe import ValueProbe
 
 D, N_POOL = 128, 3
 
@@ -32,6 +32,13 @@ D, N_POOL = 128, 3
 def tiny():
     model = build_tiny_model(build_tiny_tokenizer(), num_layers=2, hidden_size=D, seed=0).eval()
     return model, find_decoder_layers(model)[0]
+
+
+def _fit_probe(rows, targets, alpha=100.0, pca_dims=(0, 0), clip="observed") -> ValueProbe:
+    """A prefix probe on (N, feature_width) rows, built as the per-prefix baseline builds it."""
+    hidden_size = (rows.size(-1) - len(STATS)) // 2
+    probe = ValueProbe(alpha=alpha, pca_dims=prefix_pca_blocks(hidden_size, pca_dims) or None, clip=clip)
+    return probe.fit(rows, targets)
 
 
 def _rows(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +52,7 @@ def _rows(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def test_folded_map_equals_sklearn_scaler_pca_ridge(pca):
     """The map the hook applies, x @ w + b, is the sklearn pipeline's prediction on the same feature rows."""
     x, y = _rows(200)
-    probe = fit_prefix_probe(x, y, alpha=10.0, pca_dims=pca, clip=None)
+    probe = _fit_probe(x, y, alpha=10.0, pca_dims=pca, clip=None)
     steps = [StandardScaler()]
     if pca != (0, 0):
         blocks = [("p", PCA(pca[0], svd_solver="full"), list(range(8))), ("q", PCA(pca[1], svd_solver="full"),
@@ -89,7 +96,7 @@ def _fitted_map(model, layer, ids) -> tuple[PrefixMap, object]:
     rows, _, spans, _ = _pass(model, layer, ids, samples=6)
     flat = rows[spans.sampled]
     targets = flat[:, 0] + flat[:, D + 1] + flat[:, 2 * D]  # a value that reads every block
-    probe = fit_prefix_probe(flat, targets + 0.1 * torch.randn(len(targets)), alpha=1.0, clip=None)
+    probe = _fit_probe(flat, targets + 0.1 * torch.randn(len(targets)), alpha=1.0, clip=None)
     return PrefixMap.fold(probe, D), probe
 
 
@@ -116,14 +123,6 @@ def test_hook_values_equal_the_probe_on_every_tokens_features(tiny):
     reference = probe.predict(rows.flatten(0, 1)).view_as(values)
     generated = spans.generated
     assert torch.allclose(values[generated], reference[generated], atol=1e-4, rtol=1e-4)
-    # one unpadded rollout through the instrument's entry point gives the same values
-    row = 1
-    unpadded = torch.cat([torch.tensor(prompts[row]), torch.tensor(completions[row])])
-    with torch.no_grad():
-        states = model(unpadded[None], output_hidden_states=True).hidden_states[1][0]
-    entropy = entropies[row, : len(completions[row])]
-    single = rollout_token_values(states, len(prompts[row]), entropy, prefix_map, N_POOL)
-    assert torch.allclose(single, values[row, : len(completions[row])], atol=1e-4)
 
 
 def test_baseline_of_token_t_reads_nothing_from_token_t_on(tiny):
@@ -212,9 +211,7 @@ def test_bad_inputs():
         prefix_spans(torch.ones(1, 2), torch.ones(1, 3), 0, 4)
     x, y = _rows(20)
     with pytest.raises(ValueError, match="inputs, not"):
-        PrefixMap.fold(fit_prefix_probe(x, y), 9)
-    with pytest.raises(ValueError, match="entropies for 3 completion tokens"):
-        rollout_token_values(torch.zeros(5, 8), 2, torch.zeros(4), PrefixMap.fold(fit_prefix_probe(x, y), 8), 2)
+        PrefixMap.fold(_fit_probe(x, y), 9)
 
 
 def test_prefix_advantages_mask_and_fall_back():
@@ -255,7 +252,7 @@ def test_token_baseline_keeps_the_exact_policy_gradient_when_eos_ends_completion
     reward = torch.tensor([0.4 * len(y) + float(y[0] == 0) for y in completions], dtype=torch.float64)
     flat = rows[spans.sampled]
     targets = reward.unsqueeze(1).expand(-1, most)[spans.sampled]
-    probe = fit_prefix_probe(flat, targets + 0.1 * torch.randn(len(flat)), alpha=1.0, clip=None)
+    probe = _fit_probe(flat, targets + 0.1 * torch.randn(len(flat)), alpha=1.0, clip=None)
     _, values, *_ = _pass(model, layer, ids, PrefixMap.fold(probe, 16))
 
     sequences = torch.cat([ids[0], ids[2]], dim=1)
@@ -296,7 +293,7 @@ def test_token_baseline_keeps_the_exact_policy_gradient():
     rows, _, spans, _ = _pass(model, layer, ids, samples=length)
     reward = torch.tensor([float(y[0] == y[2]) + 0.3 * y[1] for y in completions], dtype=torch.float64)
     flat = rows[spans.sampled]
-    probe = fit_prefix_probe(flat, reward.repeat_interleave(length) + torch.randn(len(flat)), alpha=1.0, clip=None)
+    probe = _fit_probe(flat, reward.repeat_interleave(length) + torch.randn(len(flat)), alpha=1.0, clip=None)
     _, values, *_ = _pass(model, layer, ids, PrefixMap.fold(probe, 16))
     assert values.std() > 0.1  # a baseline that moves along the completion
 

@@ -9,8 +9,6 @@ from sklearn.linear_model import Ridge
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from poise_trl.buffer import ProbeBuffer
-from poise_trl.files import load_probe_file, save_probe_file
 from poise_trl.probe import ValueProbe, _principal_axes
 
 
@@ -117,15 +115,3 @@ def test_fit_rejects_bad_input():
         ValueProbe().predict(torch.ones(1, 3))
     with pytest.raises(ValueError, match="alpha"):
         ValueProbe(alpha=0)
-
-
-def test_state_file_round_trip_predicts_identically(tmp_path):
-    x, y = _data(64, 20)
-    probe = ValueProbe(alpha=0.5, pca_dims=[(0, 10, 4)], clip=(0.0, 1.0)).fit(x, y)
-    buffer = ProbeBuffer(100)
-    buffer.add(x, y)
-    save_probe_file(tmp_path / "p.safetensors", probe, buffer, {"probe_steps": 3})
-    loaded, loaded_buffer, info = load_probe_file(tmp_path / "p.safetensors")
-    assert torch.equal(loaded.predict(x), probe.predict(x))
-    assert torch.equal(loaded_buffer.features, buffer.features) and info["probe_steps"] == 3
-    assert (tmp_path / "p.safetensors.json").exists()

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poise_trl.baselines import baseline_diagnostics, cross_rollout_baselines, leave_one_out_targets
+from poise_trl.baselines import DIAGNOSTICS, cross_rollout_baselines, diagnostic_tensors, leave_one_out_targets
 from poise_trl.buffer import ProbeBuffer
 from poise_trl.features import (
     assemble_features,
@@ -364,7 +364,8 @@ def test_diagnostics_never_raise_and_stay_in_range(case, data):
     n = rewards.numel()
     values = torch.tensor(data.draw(st.lists(maybe_finite, min_size=n, max_size=n)))
     valid = torch.tensor(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
-    out = baseline_diagnostics(rewards, cross_rollout_baselines(values, group, valid), values, group, valid)
+    stats = diagnostic_tensors(rewards, cross_rollout_baselines(values, group, valid), values, group, valid)
+    out = dict(zip(DIAGNOSTICS, stats.tolist(), strict=True))
     assert all(isinstance(v, float) for v in out.values())
     assert not any(math.isinf(v) for v in out.values())
     for key in ("sign_accuracy", "clip_fraction"):

@@ -1,7 +1,7 @@
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl.demo.model import default_cache_dir, prepare_demo_model
-from poise_trl.rlvr.data import load_math_dataset
-from poise_trl.rlvr.rewards import math_answer_reward
+from poise_trl.models.toy import default_cache_dir, prepare_demo_model
+from poise_trl.tasks.math_data import load_math_dataset
+from poise_trl.tasks.math_reward import math_answer_reward
 
 # Offline on a CPU, from the repository root: a local file in DAPO-Math-17k's schema and the demo's tiny model
 # (cached by `make demo`, else built here first). It checks the set-up end to end; a 1M-parameter

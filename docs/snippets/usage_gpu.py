@@ -1,6 +1,6 @@
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl.rlvr.data import load_math_dataset
-from poise_trl.rlvr.rewards import math_answer_reward
+from poise_trl.tasks.math_data import load_math_dataset
+from poise_trl.tasks.math_reward import math_answer_reward
 
 # open-r1/DAPO-Math-17k-Processed ("en"): DAPO's prompt template applied, the final answer in `answer`
 dataset = load_math_dataset("DAPO-Math-17k-en")

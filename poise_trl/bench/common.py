@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from poise_trl.demo.tasks import TASKS  # noqa: F401 (re-exported: the CLI reads the task names here, light)
+from poise_trl.tasks.arith import ARITH_DATASET  # noqa: F401 (re-exported with TASKS: the CLI reads them here)
+from poise_trl.tasks.toy import TASKS  # noqa: F401 (re-exported: the CLI reads the task names here, light)
 
 # The efficiency task must leave many G=8 groups tied at the start, or DAPO's dynamic sampling has nothing to do and
 # POISE's answer to degenerate groups is not tested (issue #13 asks for >= 25%), and must not saturate. Sorting 2-8
@@ -30,7 +31,6 @@ PROBE_FIT_ROWS = 4096
 # probe-bench: the model and dataset names that mean "the offline demo", and its sweep defaults.
 DEMO_MODEL = "demo"
 SORT_DATASET = "sort"
-ARITH_DATASET = "arith"  # the real models' task (poise_trl.demo.arith)
 ARITH_EVAL_PROMPTS = 96  # held-out arith prompts of `bench efficiency` (24 per default family)
 DEFAULT_MATH_DATASET = "DAPO-Math-17k-en"
 DEFAULT_POOLS = (5, 10, 15)

@@ -1,6 +1,6 @@
 """One `poise-trl bench efficiency` run: a contender trained on one seed's task with a held-out curve on a grid of
 completions generated. The study around it (tuning, resuming, the report) is `bench.study`; the method is
-`bench.EFFICIENCY_DESCRIPTION` (`--help`)."""
+`bench.cli.efficiency`, whose docstring is its `--help`."""
 
 import dataclasses
 import gc
@@ -16,13 +16,13 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
-from poise_trl.demo.arith import ARITH_MAX_COMPLETION_LENGTH, arith_reward, make_arith_splits
-from poise_trl.demo.model import default_cache_dir, evaluate_avg_at_k, prepare_demo_model
-from poise_trl.demo.real import resolve_model
-from poise_trl.demo.tasks import MAX_COMPLETION_LENGTH, make_splits, task_reward
-from poise_trl.rlvr.data import load_math_dataset
-from poise_trl.rlvr.evaluation import score_benchmark
-from poise_trl.rlvr.rewards import math_answer_reward
+from poise_trl.models.avg_at_k import score_benchmark
+from poise_trl.models.real import resolve_model
+from poise_trl.models.toy import default_cache_dir, evaluate_avg_at_k, prepare_demo_model
+from poise_trl.tasks.arith import ARITH_MAX_COMPLETION_LENGTH, arith_reward, make_arith_splits
+from poise_trl.tasks.math_data import load_math_dataset
+from poise_trl.tasks.math_reward import math_answer_reward
+from poise_trl.tasks.toy import MAX_COMPLETION_LENGTH, make_splits, task_reward
 
 from .common import (
     ARITH_DATASET,
@@ -213,8 +213,9 @@ def micro_batching(completions_per_step: int, per_device: int | None) -> dict[st
     """
     per_device = per_device or completions_per_step
     if completions_per_step % per_device:
-        raise SystemExit(f"--completions-per-step {completions_per_step} is not a multiple of --per-device-batch-size "
-                         f"{per_device}")  # fmt: skip
+        raise SystemExit(
+            f"--completions-per-step {completions_per_step} is not a multiple of --per-device-batch-size {per_device}"
+        )
     accumulation = completions_per_step // per_device
     return dict(
         per_device_train_batch_size=per_device,

@@ -24,7 +24,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from poise_trl.features import find_decoder_layers
-from poise_trl.prefix import rollout_token_values
 
 from .common import CONTENDERS, GRADIENT_PREFIX_ROWS, PREFIX_SAMPLED_ROW, resolve_device
 from .exact import (
@@ -40,7 +39,7 @@ from .exact import (
     truth_weights,
 )
 from .value.collect import Collection, Log
-from .value.prefix import fit_prefix, prefix_probe_settings, sampled_rows
+from .value.prefix import fit_prefix, prefix_probe_settings, rollout_token_values, sampled_rows
 
 SUBSPACES = ("lora", "norms")
 PREFIX_ROWS = GRADIENT_PREFIX_ROWS
@@ -102,8 +101,10 @@ def rollout_gradients(
             if token_values is not None:
                 values = token_values(i, states[0][0].detach(), entropy_from_logits(logits.detach()))
                 if values.shape != completion.shape or not torch.isfinite(values).all():
-                    raise RuntimeError(f"rollout {i}: token values of shape {tuple(values.shape)}, not finite ones "
-                                       f"of shape {tuple(completion.shape)}")  # fmt: skip
+                    raise RuntimeError(
+                        f"rollout {i}: token values of shape {tuple(values.shape)}, not finite ones "
+                        f"of shape {tuple(completion.shape)}"
+                    )
                 targets.append(((values.to(device).detach() * token_log_probs).sum(), "_h"))
             for n, (target, suffix) in enumerate(targets):
                 grads = torch.autograd.grad(target, lora_b + norms, retain_graph=n + 1 < len(targets))
@@ -261,8 +262,16 @@ def run_prefix(
 
     families, info = load_families(collection, probe, keep, folder, model, args.lora_rank, args.seed, log)
     comparators = {c: comparators[c] for c in PREFIX_COMPARATORS if c in comparators}
-    out = measure_prefix(rewards, comparators, values["poise"].reshape(rewards.shape), families, rules,
-                         args.bootstrap, args.seed, prompt_sampler)  # fmt: skip
+    out = measure_prefix(
+        rewards,
+        comparators,
+        values["poise"].reshape(rewards.shape),
+        families,
+        rules,
+        args.bootstrap,
+        args.seed,
+        prompt_sampler,
+    )
     for subspace, block in out.items():
         measured[subspace]["table"].update(block["table"])
     return {

@@ -308,8 +308,18 @@ def format_task(summary: dict[str, Any], k: int = 8) -> str:
     contenders, has_target = summary["contenders"], summary["target_gain"] is not None
     if not contenders:
         return "No evaluation runs yet."
-    headers = ["contender", "lr", "seeds", "generated / trained", f"AUC avg@{k} [95% CI]", "AUC above start",
-               f"final avg@{k}", "zero-adv prompts", "reached target", "train s"]  # fmt: skip
+    headers = [
+        "contender",
+        "lr",
+        "seeds",
+        "generated / trained",
+        f"AUC avg@{k} [95% CI]",
+        "AUC above start",
+        f"final avg@{k}",
+        "zero-adv prompts",
+        "reached target",
+        "train s",
+    ]
     rows = [
         [
             e["label"],
@@ -326,19 +336,34 @@ def format_task(summary: dict[str, Any], k: int = 8) -> str:
         for e in contenders.values()
     ]
     lines = [format_table(headers, rows), ""]
-    headers = ["POISE row", "vs", "AUC wins", "AUC diff [95% CI]", "p_holm", "verdict", "to-target ratio [95% CI]",
-               "p_holm", "verdict"]  # fmt: skip
+    headers = [
+        "POISE row",
+        "vs",
+        "AUC wins",
+        "AUC diff [95% CI]",
+        "p_holm",
+        "verdict",
+        "to-target ratio [95% CI]",
+        "p_holm",
+        "verdict",
+    ]
     rows = []
     for entry in contenders.values():
         for ref, p in entry["paired"].items():
             ratio = p["completions_to_target_ratio"]
-            rows.append([
-                entry["label"], contenders[ref]["label"], f"{p['wins']}/{p['seeds']}",
-                _ci(p["auc_gain_diff"], 3, True),
-                _p(p.get("p_holm")), verdict(p["auc_gain_diff"], p.get("p_holm")), _ci(ratio, 2),
-                _p(p.get("p_holm_target")),
-                verdict(ratio, p.get("p_holm_target"), better_below=True) if has_target else "no target",
-            ])  # fmt: skip
+            rows.append(
+                [
+                    entry["label"],
+                    contenders[ref]["label"],
+                    f"{p['wins']}/{p['seeds']}",
+                    _ci(p["auc_gain_diff"], 3, True),
+                    _p(p.get("p_holm")),
+                    verdict(p["auc_gain_diff"], p.get("p_holm")),
+                    _ci(ratio, 2),
+                    _p(p.get("p_holm_target")),
+                    verdict(ratio, p.get("p_holm_target"), better_below=True) if has_target else "no target",
+                ]
+            )
     if not rows:
         return "\n".join(lines)
     legend = (

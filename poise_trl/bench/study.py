@@ -68,8 +68,10 @@ def check_identity(results_dir: Path, identity: dict[str, Any]) -> None:
                 differ[f"warmup_steps[{task}]"] = (before["warmup_steps"][task], steps)
         if differ:
             detail = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in differ.items())
-            raise SystemExit(f"{results_dir} holds runs with other settings ({detail}); pass the same settings to "
-                             "resume, or another --output-dir")  # fmt: skip
+            raise SystemExit(
+                f"{results_dir} holds runs with other settings ({detail}); pass the same settings to "
+                "resume, or another --output-dir"
+            )
         identity = {**identity, "warmup_steps": {**before.get("warmup_steps", {}), **identity["warmup_steps"]}}
     _write_atomic(path, {"settings": identity})
 
@@ -141,8 +143,13 @@ def tune(study: Study, task: str, names: list[str]) -> dict[str, dict[str, Any]]
     extensions = dict.fromkeys(names, 0)
     while True:
         # Seed-major, so a study stopped midway has every contender and rate on the first tuning seeds.
-        jobs = [(name, lr, seed) for seed in settings.tuning_seeds for lr in sorted({*sum(grids.values(), [])})
-                for name in names if lr in grids[name]]  # fmt: skip
+        jobs = [
+            (name, lr, seed)
+            for seed in settings.tuning_seeds
+            for lr in sorted({*sum(grids.values(), [])})
+            for name in names
+            if lr in grids[name]
+        ]
         runs = study.ensure(task, jobs)
         tuned, extended = {}, False
         for name in names:
@@ -176,8 +183,10 @@ def learning_rates(study: Study, task: str, contenders: list[Contender]) -> dict
         return {name: {"learning_rate": settings.learning_rate, "source": "--learning-rate"} for name in names}
     ablations = [name for name in names if name in ABLATIONS]
     if ablations and "poise_paper" not in names:
-        raise SystemExit(f"--tune-lr runs the ablations {', '.join(ablations)} at POISE (paper)'s rate: add "
-                         "poise_paper to --contenders")  # fmt: skip
+        raise SystemExit(
+            f"--tune-lr runs the ablations {', '.join(ablations)} at POISE (paper)'s rate: add "
+            "poise_paper to --contenders"
+        )
     tuned = tune(study, task, [name for name in names if name not in ABLATIONS])
     rates = {name: {**tuned[name], "source": "tuned"} for name in tuned}
     for name in ablations:
@@ -213,8 +222,10 @@ def validate(settings: EfficiencySettings, contenders: list[Contender]) -> None:
     if settings.tune_lr:
         overlap = set(settings.tuning_seeds) & {s for task in settings.tasks for s in settings.eval_seeds(task)}
         if overlap:
-            raise SystemExit(f"tuning and evaluation seeds overlap ({sorted(overlap)}): choose disjoint --seeds, "
-                             "--task-seeds and --tuning-seeds")  # fmt: skip
+            raise SystemExit(
+                f"tuning and evaluation seeds overlap ({sorted(overlap)}): choose disjoint --seeds, "
+                "--task-seeds and --tuning-seeds"
+            )
         if len(settings.lr_grid) < 2 or any(not math.isfinite(lr) or lr <= 0 for lr in settings.lr_grid):
             raise SystemExit("--lr-grid needs at least two positive rates")
     headline = [c.name for c in contenders if c.name in HEADLINE_CONTENDERS]
@@ -223,9 +234,12 @@ def validate(settings: EfficiencySettings, contenders: list[Contender]) -> None:
     for task in settings.tasks:
         seeds = len(settings.eval_seeds(task))
         if tests and (floor := smallest_p_holm(seeds, tests)) >= ALPHA:
-            print(f"[bench efficiency] warning: {task} has {seeds} evaluation seeds; across {tests} headline tests "
-                  f"no Holm-corrected p-value can fall below {floor:.2g}, so no verdict can be decided: run more "
-                  "seeds (--seeds, --task-seeds)", flush=True)  # fmt: skip
+            print(
+                f"[bench efficiency] warning: {task} has {seeds} evaluation seeds; across {tests} headline tests "
+                f"no Holm-corrected p-value can fall below {floor:.2g}, so no verdict can be decided: run more "
+                "seeds (--seeds, --task-seeds)",
+                flush=True,
+            )
 
 
 def run_study(settings: EfficiencySettings) -> dict[str, dict[str, Any]]:

@@ -3,10 +3,11 @@
 import argparse
 from typing import Any
 
+from poise_trl.models.real import REAL_MODELS
+from poise_trl.tasks.toy import DEFAULT_DIFFICULTIES, DEMO_WARMUP_LR, DEMO_WARMUP_STEPS, TASKS
+
 from .defaults import REAL_DEFAULTS as REAL
 from .defaults import TOY_DEFAULTS as TOY
-from .real import REAL_MODELS
-from .tasks import DEFAULT_DIFFICULTIES, DEMO_WARMUP_LR, DEMO_WARMUP_STEPS, TASKS
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
@@ -48,11 +49,18 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
         "diagnostics, measure again, and write a training-dynamics plot and summary.json.",
     )
     parser.add_argument("--output-dir", default="runs/demo", help="where the plot, summary and final model go")
-    parser.add_argument("--model", default=None,
-                        help=f"a real model ({', '.join(REAL_MODELS)}) or a model folder, trained on arith "
-                        "(default: the tiny Qwen3 on --task)")  # fmt: skip
-    parser.add_argument("--task", choices=TASKS, default="sort",
-                        help="sort: k digits (difficulty = length); hops: pointer chasing (one length)")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        default=None,
+        help=f"a real model ({', '.join(REAL_MODELS)}) or a model folder, trained on arith "
+        "(default: the tiny Qwen3 on --task)",
+    )
+    parser.add_argument(
+        "--task",
+        choices=TASKS,
+        default="sort",
+        help="sort: k digits (difficulty = length); hops: pointer chasing (one length)",
+    )
     parser.add_argument(
         "--steps",
         type=int,

@@ -18,15 +18,11 @@ from tqdm.auto import tqdm
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
 from poise_trl.config import POISEConfig
+from poise_trl.models.real import is_real_model, prepare_real_model
+from poise_trl.models.toy import default_cache_dir, evaluate_avg_at_k, load_demo_model, prepare_demo_model
 from poise_trl.resume import ESTIMATOR_FILE
-from poise_trl.trainer import POISETrainer
-
-from .arith import ARITH_MAX_COMPLETION_LENGTH, DEFAULT_FAMILIES, arith_reward, make_arith_splits
-from .defaults import REAL_DEFAULTS, TOY_DEFAULTS
-from .model import default_cache_dir, evaluate_avg_at_k, load_demo_model, prepare_demo_model
-from .plots import plot_training_dynamics
-from .real import is_real_model, prepare_real_model
-from .tasks import (
+from poise_trl.tasks.arith import ARITH_MAX_COMPLETION_LENGTH, DEFAULT_FAMILIES, arith_reward, make_arith_splits
+from poise_trl.tasks.toy import (
     DEFAULT_DIFFICULTIES,
     DEMO_WARMUP_LR,
     DEMO_WARMUP_STEPS,
@@ -35,6 +31,10 @@ from .tasks import (
     make_splits,
     task_reward,
 )
+from poise_trl.trainer import POISETrainer
+
+from .defaults import REAL_DEFAULTS, TOY_DEFAULTS
+from .plots import plot_training_dynamics
 
 # (log key, column header, format): the per-step table, one row per logging window.
 TABLE_COLUMNS = (
@@ -204,8 +204,15 @@ def run_demo(
     policy, tokenizer = load_demo_model(demo.model_dir)
 
     def evaluate(trained: Any) -> dict[str, Any]:
-        return evaluate_avg_at_k(trained, tokenizer, demo.held_out, k=eval_k, seed=seed, reward=demo.reward,
-                                 max_new_tokens=demo.max_completion_length)  # fmt: skip
+        return evaluate_avg_at_k(
+            trained,
+            tokenizer,
+            demo.held_out,
+            k=eval_k,
+            seed=seed,
+            reward=demo.reward,
+            max_new_tokens=demo.max_completion_length,
+        )
 
     write(f"[2/4] held-out avg@{eval_k} before RL ({len(demo.held_out)} prompts, {demo.name})")
     before = evaluate(policy)

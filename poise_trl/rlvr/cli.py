@@ -3,7 +3,7 @@
 import argparse
 from typing import Any
 
-from .data import BENCHMARKS, DEFAULT_BENCHMARKS
+from poise_trl.tasks.math_data import BENCHMARKS, DEFAULT_BENCHMARKS
 
 EVAL_DESCRIPTION = """`poise-trl eval`: the paper's avg@k protocol (Table 1, App. C.3) on its olympiad math benchmarks.
 

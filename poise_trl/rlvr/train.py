@@ -19,12 +19,11 @@ import yaml
 from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl.demo.arith import arith_reward, make_arith_splits
-from poise_trl.demo.real import resolve_model
-from poise_trl.rlvr.data import dataset_hub_id, load_math_dataset
-from poise_trl.rlvr.rewards import math_answer_reward
+from poise_trl.models.real import resolve_model
+from poise_trl.tasks.arith import ARITH_DATASET, arith_reward, make_arith_splits
+from poise_trl.tasks.math_data import dataset_hub_id, load_math_dataset
+from poise_trl.tasks.math_reward import math_answer_reward
 
-ARITH_DATASET = "arith"
 TRAINERS: dict[str, tuple[type[GRPOTrainer], type[GRPOConfig]]] = {
     "poise": (POISETrainer, POISEConfig),
     "grpo": (GRPOTrainer, GRPOConfig),
@@ -45,8 +44,8 @@ class ScriptArguments:
     dataset_name: str = field(
         default="DAPO-Math-17k-en",
         metadata={
-            "help": "A `poise_trl.rlvr.data.BENCHMARKS` key, a Hub dataset id, a local .jsonl/.json/.parquet file, or "
-            "'arith' (the offline arithmetic task of `poise_trl.demo.arith`, with its first-number reward)."
+            "help": "A `poise_trl.tasks.math_data.BENCHMARKS` key, a Hub dataset id, a local .jsonl/.json/.parquet "
+            "file, or 'arith' (the offline arithmetic task of `poise_trl.tasks.arith`, with its first-number reward)."
         },
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})

@@ -11,13 +11,47 @@ from poise_trl.bench.value.prefix import (
     _rho,
     _squared_errors,
     fit_prefix,
+    fit_prefix_probe,
     prefix_passes,
     prefix_probe_settings,
+    rollout_token_values,
     sampled_rows,
 )
-from poise_trl.prefix import rollout_token_values
+from poise_trl.features import find_decoder_layers
+from poise_trl.models.tiny import build_tiny_model, build_tiny_tokenizer
+from poise_trl.prefix import PrefixMap
+from tests.test_prefix import N_POOL, D, _batch, _example, _fitted_map, _pass, _rows
 
 from .test_probe_bench import _run
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = build_tiny_model(build_tiny_tokenizer(), num_layers=2, hidden_size=D, seed=0).eval()
+    return model, find_decoder_layers(model)[0]
+
+
+def test_one_unpadded_rollout_gets_the_values_the_hook_gives_in_a_padded_batch(tiny):
+    """`rollout_token_values` (the instrument's entry point for one unpadded rollout) gives the values the trainer's
+    hook gives the same rollout in a padded batch."""
+    model, layer = tiny
+    prompts, completions = _example()
+    ids = _batch(model, prompts, completions)
+    prefix_map, _ = _fitted_map(model, layer, ids)
+    _, values, _, entropies = _pass(model, layer, ids, prefix_map)
+    row = 1
+    unpadded = torch.cat([torch.tensor(prompts[row]), torch.tensor(completions[row])])
+    with torch.no_grad():
+        states = model(unpadded[None], output_hidden_states=True).hidden_states[1][0]
+    entropy = entropies[row, : len(completions[row])]
+    single = rollout_token_values(states, len(prompts[row]), entropy, prefix_map, N_POOL)
+    assert torch.allclose(single, values[row, : len(completions[row])], atol=1e-4)
+
+
+def test_rollout_token_values_refuses_entropies_of_another_length():
+    x, y = _rows(20)
+    with pytest.raises(ValueError, match="entropies for 3 completion tokens"):
+        rollout_token_values(torch.zeros(5, 8), 2, torch.zeros(4), PrefixMap.fold(fit_prefix_probe(x, y), 8), 2)
 
 
 def test_squared_errors_split_each_rollout_into_relative_position_bins():

@@ -5,9 +5,10 @@ import json
 import pytest
 import torch
 
-from poise_trl.demo import model as demo_model
-from poise_trl.demo.model import evaluate_avg_at_k, load_demo_model, prepare_demo_model, warm_start
-from poise_trl.demo.tasks import (
+from poise_trl.models import toy as demo_model
+from poise_trl.models.tiny import build_tiny_model, build_tiny_tokenizer
+from poise_trl.models.toy import evaluate_avg_at_k, load_demo_model, prepare_demo_model, warm_start
+from poise_trl.tasks.toy import (
     MAX_COMPLETION_LENGTH,
     REASONING_END,
     extract_answer,
@@ -18,7 +19,6 @@ from poise_trl.demo.tasks import (
     target_completion,
     task_reward,
 )
-from poise_trl.demo.tiny import build_tiny_model, build_tiny_tokenizer
 
 
 def test_splits_are_deterministic_in_seed():

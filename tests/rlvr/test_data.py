@@ -6,7 +6,7 @@ import datasets
 import pytest
 from datasets import Dataset, load_dataset
 
-from poise_trl.rlvr.data import (
+from poise_trl.tasks.math_data import (
     BENCHMARKS,
     DAPO_PROMPT_PREFIX,
     DAPO_PROMPT_SUFFIX,

@@ -8,18 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from poise_trl.demo.tiny import build_tiny_tokenizer
+from poise_trl.models import avg_at_k
+from poise_trl.models.avg_at_k import _decode_completion, resolve_backend, score_benchmark, vllm_sampler
+from poise_trl.models.tiny import build_tiny_tokenizer
 from poise_trl.rlvr import evaluation
 from poise_trl.rlvr.cli import add_eval_parser
-from poise_trl.rlvr.data import DEFAULT_BENCHMARKS, PAPER_BENCHMARKS, load_math_dataset
-from poise_trl.rlvr.evaluation import (
-    _decode_completion,
-    evaluate,
-    format_table,
-    resolve_backend,
-    score_benchmark,
-    vllm_sampler,
-)
+from poise_trl.rlvr.evaluation import evaluate, format_table
+from poise_trl.tasks.math_data import DEFAULT_BENCHMARKS, PAPER_BENCHMARKS, load_math_dataset
 
 BENCH = str(Path(__file__).parents[1] / "fixtures" / "tiny_bench.jsonl")
 
@@ -37,14 +32,14 @@ class RecordingReward:
 
 
 def test_auto_backend_uses_vllm_only_when_installed(monkeypatch):
-    monkeypatch.setattr(evaluation, "vllm_available", lambda: False)
+    monkeypatch.setattr(avg_at_k, "vllm_available", lambda: False)
     assert resolve_backend("auto") == "hf"
-    monkeypatch.setattr(evaluation, "vllm_available", lambda: True)
+    monkeypatch.setattr(avg_at_k, "vllm_available", lambda: True)
     assert resolve_backend("auto") == "vllm"
 
 
 def test_vllm_backend_without_vllm_raises_a_clear_error(monkeypatch):
-    monkeypatch.setattr(evaluation, "vllm_available", lambda: False)
+    monkeypatch.setattr(avg_at_k, "vllm_available", lambda: False)
     with pytest.raises(ImportError, match="needs vLLM"):
         resolve_backend("vllm")
     with pytest.raises(ValueError, match="backend must be one of"):

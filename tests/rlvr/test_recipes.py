@@ -18,7 +18,7 @@ from trl.scripts.vllm_serve import make_parser as make_vllm_serve_parser
 
 from poise_trl import PROBE_PRESETS, POISEConfig, cli
 from poise_trl.rlvr import train as train_poise
-from poise_trl.rlvr.data import DAPO_PROMPT_PREFIX, DAPO_PROMPT_SUFFIX, dataset_hub_id
+from poise_trl.tasks.math_data import DAPO_PROMPT_PREFIX, DAPO_PROMPT_SUFFIX, dataset_hub_id
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "configs"

@@ -4,7 +4,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from poise_trl.rlvr.rewards import MAX_ANSWER_CHARS, extract_final_answer, last_boxed, math_answer_reward
+from poise_trl.tasks.math_reward import MAX_ANSWER_CHARS, extract_final_answer, last_boxed, math_answer_reward
 
 # (completion, ground truth, expected reward)
 CASES = [

@@ -1,4 +1,4 @@
-"""`poise-trl bench overhead`, the implementation; the method is `bench.OVERHEAD_DESCRIPTION` (`--help`).
+"""`poise-trl bench overhead`, the implementation; the method is `bench.cli.overhead`, whose docstring is its `--help`.
 
 Its parts: `timing` (alternated step times), `memory` (peak memory per contender, in fresh processes), `probe_fit`
 (the probe's refit against scikit-learn); this module runs them and writes the report.
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from poise_trl.demo.real import is_real_model
+from poise_trl.models.real import is_real_model
 
 from ..common import (
     ARITH_DATASET,
@@ -196,13 +196,28 @@ def run_overhead(args: argparse.Namespace) -> int:
     settings = {
         key: getattr(args, key)
         for key in (
-            "completion_lengths", "extra_passes", "group_size", "completions_per_step", "per_device_batch_size",
-            "cycles", "warmup_cycles",
-            "memory_cycles", "learning_rate", "seed", "model", "train_dataset", "train_limit",
-            "gradient_checkpointing", "cpu_threads", "probe_fit_rows", "probe_fit_hidden", "probe_fit_repeats",
-            "prefix", "importance",
+            "completion_lengths",
+            "extra_passes",
+            "group_size",
+            "completions_per_step",
+            "per_device_batch_size",
+            "cycles",
+            "warmup_cycles",
+            "memory_cycles",
+            "learning_rate",
+            "seed",
+            "model",
+            "train_dataset",
+            "train_limit",
+            "gradient_checkpointing",
+            "cpu_threads",
+            "probe_fit_rows",
+            "probe_fit_hidden",
+            "probe_fit_repeats",
+            "prefix",
+            "importance",
         )
-    }  # fmt: skip
+    }
     settings.update(
         output_dir=str(output_dir),
         cache_dir=str(args.cache_dir or output_dir / "models"),

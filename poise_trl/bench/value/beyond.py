@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from poise_trl.baselines import append_reward_column, leave_one_out_targets, shrunk_rloo_fit
+from poise_trl.baselines import append_reward_column, leave_one_out_targets, shrunk_rloo_line
 from poise_trl.sampling import reward_variance, top_k
 
 from .collect import Collection
@@ -34,7 +34,8 @@ def shrunk_line(bench: ValueBenchmark) -> tuple[float, float]:
     used = (k // g) * g
     rewards = bench.collection.rewards[bench.train_rows].view(-1, k)[:, :used].reshape(-1)
     means = leave_one_out_targets(rewards, g, torch.isfinite(rewards))
-    return shrunk_rloo_fit(means, rewards)
+    intercept, weight = shrunk_rloo_line(means, rewards).tolist()
+    return intercept, weight
 
 
 def partner_aware_probe(bench: ValueBenchmark, blocks: Sequence[str], preset: str) -> torch.Tensor:
@@ -148,9 +149,14 @@ def run_beyond(
             rules.setdefault(name, []).append(value)
         scored, rewards = bench.scored, collection.rewards[torch.isfinite(collection.rewards)]
         trials_out = selection_trials(
-            prompt_values(bench, preset)[scored], bench.avg_at_k[scored], batch_prompts, oversample, trials, split,
+            prompt_values(bench, preset)[scored],
+            bench.avg_at_k[scored],
+            batch_prompts,
+            oversample,
+            trials,
+            split,
             (float(rewards.min()), float(rewards.max())),
-        )  # fmt: skip
+        )
         for rule, stats in trials_out.items():
             for stat, value in stats.items():
                 selection.setdefault(rule, {}).setdefault(stat, []).append(value)

@@ -14,7 +14,17 @@ import torch
 
 from poise_trl.baselines import cross_rollout_baselines
 from poise_trl.features import capture_layer, find_decoder_layers
-from poise_trl.prefix import PREFIX_SAMPLES, PrefixCapture, PrefixMap, PrefixSpans, fit_prefix_probe, prefix_spans
+from poise_trl.prefix import (
+    PREFIX_SAMPLES,
+    STATS,
+    PrefixCapture,
+    PrefixMap,
+    PrefixSpans,
+    prefix_pca_blocks,
+    prefix_spans,
+    prefix_stats,
+)
+from poise_trl.probe import ValueProbe
 
 from ..common import format_table
 from .collect import Collection, Log
@@ -29,9 +39,13 @@ def prefix_probe_settings(meta: dict[str, Any]) -> dict[str, Any]:
 
     layer, pool = int(meta["default_layer"]), int(meta["default_pool"])
     config = POISEConfig(
-        output_dir="unused", report_to="none", use_cpu=True, probe_granularity="prefix", probe_layer=layer,
+        output_dir="unused",
+        report_to="none",
+        use_cpu=True,
+        probe_granularity="prefix",
+        probe_layer=layer,
         probe_pool_tokens=pool,
-    )  # fmt: skip
+    )
     settings = config.estimator_settings(int(meta["num_layers"]), int(meta["hidden_size"]))
     return {
         "samples": PREFIX_SAMPLES,
@@ -42,11 +56,51 @@ def prefix_probe_settings(meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def fit_prefix_probe(
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    alpha: float = 100.0,
+    pca_dims: tuple[int, int] = (0, 0),
+    clip: tuple[float, float] | str | None = "observed",
+) -> ValueProbe:
+    """A prefix probe fitted on (N, feature_width) rows and their rollouts' rewards (N,); `PrefixMap.fold` turns it
+    into the map the hook applies. The rows must come from other rollouts than the ones it will serve."""
+    hidden_size = (rows.size(-1) - len(STATS)) // 2
+    probe = ValueProbe(alpha=alpha, pca_dims=prefix_pca_blocks(hidden_size, pca_dims) or None, clip=clip)
+    return probe.fit(rows, targets)
+
+
 def fit_prefix(rows: torch.Tensor, targets: torch.Tensor, settings: dict[str, Any], hidden_size: int) -> PrefixMap:
     """The per-prefix probe fitted with `settings` on (M, F) feature rows and their rollouts' rewards, folded."""
     clip = "observed" if settings["clip"] is None else tuple(settings["clip"])
     fitted = fit_prefix_probe(rows, targets, settings["alpha"], tuple(settings["pca_dims"]), clip)
     return PrefixMap.fold(fitted, hidden_size)
+
+
+def rollout_token_values(
+    hidden: torch.Tensor,
+    prompt_length: int,
+    entropies: torch.Tensor,
+    prefix_map: PrefixMap,
+    pool_tokens: int,
+    generated: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(T,) V(x, y_<t) of every completion token of ONE unpadded rollout from the hooked layer's output (L, d),
+    L = prompt_length + T, and the (T,) entropies of the distributions that emitted the tokens. `generated` (T,) is
+    0 on tokens the policy did not write (their values are computed all the same, and must not be used)."""
+    completion = hidden.size(0) - prompt_length
+    if entropies.shape != (completion,):
+        raise ValueError(f"Got {tuple(entropies.shape)} entropies for {completion} completion tokens.")
+    spans = prefix_spans(
+        torch.ones(1, prompt_length, dtype=torch.long, device=hidden.device),
+        torch.ones(1, completion, dtype=torch.long, device=hidden.device),
+        pool_tokens,
+        1,
+        None if generated is None else generated.view(1, -1),
+        torch.Generator().manual_seed(0),  # the one sampled token is unused: leave the global generator alone
+    )
+    part = prefix_map.hidden_part(hidden.unsqueeze(0), spans)
+    return prefix_map.values(part, prefix_stats(entropies.unsqueeze(0), spans))[0]
 
 
 @torch.no_grad()

@@ -10,10 +10,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from poise_trl.baselines import append_reward_column, leave_one_out_targets
 from poise_trl.bench.common import DEMO_MODEL
 from poise_trl.features import FEATURE_BLOCKS, pca_blocks
+from poise_trl.learner import OnlineLearner
 from poise_trl.probe import ValueProbe
 
 from ..common import config_default, resolve_device
@@ -111,14 +113,34 @@ def plot_figure1(results: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
+def save_probe_set(
+    path: str | Path,
+    probes: dict[str, OnlineLearner],
+    metadata: dict[str, Any] | None = None,
+    include_buffer: bool = True,
+) -> None:
+    """Write several named `OnlineLearner`s (e.g. one per domain) to ONE safetensors file plus `path` + '.json'.
+
+    Tensor keys are `domain.<i>.probe.*` / `domain.<i>.buffer.*`; the JSON lists the names in order (names may hold
+    any character), each with its probe settings and counters. Nothing is pickled.
+    """
+    path = Path(path)
+    tensors, domains = {}, []
+    for i, (name, online) in enumerate(probes.items()):
+        tensors.update({f"domain.{i}.{k}": v for k, v in online.state_dict(include_buffer).items()})
+        domains.append({"name": name, **online.info(include_buffer)})
+    save_file(tensors, str(path))
+    info = {**(metadata or {}), "domains": domains}
+    path.with_suffix(path.suffix + ".json").write_text(json.dumps(info, indent=2, sort_keys=True))
+
+
 def export_probe(collection: Collection, features: Sequence[str], path: str | Path) -> Path:
     """Refit the release-preset probe on EVERY prompt's rollouts (all data helps a warm start) and write it as
     `POISETrainer.save_probe` does (one-probe set, `_probe_metadata()` fields, no buffer), so that
     `POISEConfig(probe_init_path=path)` with the same layer, pooling, features and marker warm-starts from it. It is
     partner-aware (the reward column appended) when `probe_partner_reward` defaults to True, as the trainer fits it."""
     from poise_trl.config import PROBE_PRESETS
-    from poise_trl.files import DEFAULT_DOMAIN, save_probe_set
-    from poise_trl.learner import OnlineLearner
+    from poise_trl.files import DEFAULT_DOMAIN
 
     meta, blocks = collection.meta, [b for b in FEATURE_BLOCKS if b in features]
     layer = meta["default_layer"]
@@ -196,9 +218,14 @@ def run_probe_bench(args: argparse.Namespace, log: Log = print) -> int:
     if args.splits > 0:
         settings = results["settings"]
         results["beyond_paper"] = run_beyond(
-            collection, settings["features"], settings["preset"], args.test_fraction, args.seed, args.splits,
+            collection,
+            settings["features"],
+            settings["preset"],
+            args.test_fraction,
+            args.seed,
+            args.splits,
             args.vr_group_size,
-        )  # fmt: skip
+        )
         log(f"      beyond-the-paper study over {args.splits} splits done")
     results["prefix"] = None
     if args.prefix:

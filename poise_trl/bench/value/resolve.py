@@ -1,6 +1,7 @@
 """A collection's inputs from the command line, for `poise-trl probe-bench` and `poise-trl bench gradient`: the
 model (a Hub id, the demo's cached warm start, a real model prepared from its package), the prompts and the reward,
-read from the arguments `bench.cli.add_collection_arguments` declares; then `collect` samples and featurizes."""
+read from the arguments `bench.cli.collection.add_collection_arguments` declares; then `collect` samples and
+featurizes."""
 
 import argparse
 import importlib
@@ -17,7 +18,7 @@ from poise_trl.bench.common import (
     config_default,
     resolve_device,
 )
-from poise_trl.demo.real import is_real_model, prepare_real_model
+from poise_trl.models.real import is_real_model, prepare_real_model
 
 from .collect import Collection, Log, Prompt, RewardFn, collect, encode_prompt, vllm_generate
 
@@ -27,7 +28,7 @@ def load_reward_fn(spec: str) -> RewardFn:
     module, _, attr = spec.partition(":")
     if not module or not attr:
         raise ValueError(
-            f"--reward-fn {spec!r}: write MODULE:FUNCTION, e.g. poise_trl.rlvr.rewards:math_answer_reward."
+            f"--reward-fn {spec!r}: write MODULE:FUNCTION, e.g. poise_trl.tasks.math_reward:math_answer_reward."
         )
     try:
         return getattr(importlib.import_module(module), attr)
@@ -38,15 +39,15 @@ def load_reward_fn(spec: str) -> RewardFn:
 def load_prompts(dataset: str, num_prompts: int, seed: int, split: str | None) -> tuple[list[Prompt], dict[str, list]]:
     """Distinct prompts (duplicates would leak across the split) and the other dataset columns, for the reward."""
     if dataset in TASKS:  # the held-out split the demo model's warm start (same seed and num_eval) never saw
-        from poise_trl.demo.tasks import make_splits
+        from poise_trl.tasks.toy import make_splits
 
         _, rows = make_splits(dataset, num_eval=num_prompts, seed=seed)
     elif dataset == ARITH_DATASET:  # distinct prompts balanced over the default families; no training split needed
-        from poise_trl.demo.arith import make_arith_splits
+        from poise_trl.tasks.arith import make_arith_splits
 
         _, rows = make_arith_splits(num_train=0, num_eval=num_prompts, seed=seed)
     else:
-        from poise_trl.rlvr.data import load_math_dataset
+        from poise_trl.tasks.math_data import load_math_dataset
 
         rows = load_math_dataset(dataset, split=split).shuffle(seed=seed)
     seen, keep = set(), []
@@ -86,7 +87,7 @@ def collect_from_args(
         model_path = str(prepare_real_model(model_path, log=log))
         dataset = dataset or ARITH_DATASET
     elif model_path == DEMO_MODEL:
-        from poise_trl.demo.model import default_cache_dir, prepare_demo_model
+        from poise_trl.models.toy import default_cache_dir, prepare_demo_model
 
         dataset = args.task or dataset or SORT_DATASET
         if dataset not in TASKS:
@@ -98,15 +99,15 @@ def collect_from_args(
     if args.reward_fn:
         reward_fn = load_reward_fn(args.reward_fn)
     elif dataset in TASKS:
-        from poise_trl.demo.tasks import task_reward as reward_fn
+        from poise_trl.tasks.toy import task_reward as reward_fn
     elif dataset == ARITH_DATASET:
-        from poise_trl.demo.arith import arith_reward as reward_fn
+        from poise_trl.tasks.arith import arith_reward as reward_fn
     else:
-        from poise_trl.rlvr.rewards import math_answer_reward as reward_fn
+        from poise_trl.tasks.math_reward import math_answer_reward as reward_fn
     max_new_tokens = args.max_new_tokens
     if max_new_tokens is None:
-        from poise_trl.demo.arith import ARITH_MAX_COMPLETION_LENGTH
-        from poise_trl.demo.tasks import MAX_COMPLETION_LENGTH
+        from poise_trl.tasks.arith import ARITH_MAX_COMPLETION_LENGTH
+        from poise_trl.tasks.toy import MAX_COMPLETION_LENGTH
 
         lengths = {**dict.fromkeys(TASKS, MAX_COMPLETION_LENGTH), ARITH_DATASET: ARITH_MAX_COMPLETION_LENGTH}
         max_new_tokens = lengths.get(dataset, 8192)
@@ -114,7 +115,7 @@ def collect_from_args(
     prompts, columns = load_prompts(dataset, args.num_prompts, args.seed, args.split)
     log(f"[2/4] sampling K={args.k} rollouts for {len(prompts)} prompts of {dataset} with {model_path}")
 
-    from poise_trl.rlvr.evaluation import resolve_backend
+    from poise_trl.models.avg_at_k import resolve_backend
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
     completions = None

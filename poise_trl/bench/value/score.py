@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from poise_trl.baselines import baseline_diagnostics, cross_rollout_baselines, leave_one_out_targets
+from poise_trl.baselines import DIAGNOSTICS, cross_rollout_baselines, diagnostic_tensors, leave_one_out_targets
 from poise_trl.features import FEATURE_BLOCKS, layer_candidates, pca_blocks
-from poise_trl.probe import ValueProbe, choose_layer, grouped_kfold_errors
+from poise_trl.layer_choice import choose_layer, grouped_kfold_errors
+from poise_trl.probe import ValueProbe
 
 from ..common import config_default
 from .collect import Collection, Log
@@ -116,9 +117,8 @@ class ValueBenchmark:
     def variance_reduction(self, values: torch.Tensor | None) -> float:
         """1 - Var(r - b)/Var(r) on held-out rollouts (see `_held_out_baselines` for b)."""
         r, b, v = self._held_out_baselines(values)
-        return float(
-            baseline_diagnostics(r.flatten(), b.flatten(), v.flatten(), self.vr_group_size)["variance_reduction"]
-        )
+        stats = diagnostic_tensors(r.flatten(), b.flatten(), v.flatten(), self.vr_group_size)
+        return float(stats[DIAGNOSTICS.index("variance_reduction")])
 
     def variance_reduction_bound(self) -> float:
         """The variance reduction of the best unbiased baseline, each held-out prompt's true value: 1 - (mean of the
@@ -135,7 +135,7 @@ class ValueBenchmark:
     def variance_reduction_ci(self, values: torch.Tensor | None) -> list[float]:
         """95% percentile interval of the variance reduction over the same resampled held-out prompts as MAE and r:
         per prompt the sums of r, r^2, A, A^2 over its valid rollouts, pooled per resample (population variances,
-        as `baseline_diagnostics`)."""
+        as `diagnostic_tensors`)."""
         r, b, _ = self._held_out_baselines(values)
         valid = torch.isfinite(r) & torch.isfinite(b)
         r, a = torch.where(valid, r, 0.0), torch.where(valid, r - b, 0.0)

@@ -1,0 +1,64 @@
+"""batch.py: which rows a step's prepared batch may use (the partner-reward column, non-finite rows) and what its
+diagnostics count (the rows that really got the bootstrap, unscorable rows, dropped features)."""
+
+import pytest
+import torch
+
+from poise_trl.estimator import POISEEstimator
+
+from .test_estimator import G, _batch, _trained
+
+
+def test_bootstrap_counts_the_rows_that_really_got_the_fallback():
+    """A trusted probe, but one row without usable features: its partner's baseline falls back, its own does not."""
+    estimator = _trained(3)
+    x, r, _, _ = _batch(20)
+    x[5] = float("nan")
+    result = estimator.advantages(x, r)
+    metrics = result.metrics()
+    assert metrics["bootstrap"] == pytest.approx(1 / 16)
+    assert metrics["feature_rows_dropped"] == 1.0 and metrics["unscorable_rows"] == 0.0
+    intercept, weight = estimator.bootstrap_lines["default"]  # row 4's only partner, row 5, has no usable features
+    torch.testing.assert_close(result.baselines[4].double(), intercept + weight * r[5].double())
+    values = estimator.probes["default"].predict(torch.cat([x, r[:, None]], 1)[:, None])
+    assert result.baselines[5] == values[4]  # row 5's own baseline still comes from its partner's probe value
+
+
+def test_unscorable_rows_are_counted_apart_from_dropped_features():
+    estimator = _trained(2)
+    x, r, _, _ = _batch(30)
+    r[:3] = float("nan")
+    metrics = estimator.advantages(x, r).metrics()
+    assert metrics["unscorable_rows"] == 3.0 and metrics["feature_rows_dropped"] == 0.0
+
+
+def test_the_partner_reward_column_stays_outside_an_integer_pca():
+    """pca_dims=4 is the PCA of the 6 feature columns; the reward (column 7) passes through it untouched."""
+    estimator = _trained(steps=2, pca_dims=4)
+    probe = estimator.probes["default"].probe
+    assert probe._pca_blocks == [(0, 6)] and probe.fitted_pca_dims == [4]
+    with pytest.raises(ValueError, match=r"covers column 6, the partner-reward column"):
+        _trained(steps=1, pca_dims=[(0, 7, 4)])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_reward_column_keeps_fp32_whatever_the_features_dtype(dtype):
+    x, r, groups, _ = _batch(0)
+    r = torch.where(r > 0, 70_000.3, 0.3)  # 0.3 reads 0.30078125 in bf16; 70,000 overflows fp16
+    estimator = POISEEstimator(G, alpha=1.0, warmup_steps=1)
+    result = estimator.advantages(x.to(dtype), r)
+    estimator.observe(x.to(dtype), r, groups)
+    buffered = estimator.probes["default"].buffer.features[:, 0, -1]
+    assert buffered.dtype == torch.float32 and set(buffered.tolist()) == set(r.float().tolist())
+    assert result.metrics()["feature_rows_dropped"] == 0.0
+
+
+def test_rows_whose_reward_overflows_the_column_are_dropped_and_counted():
+    x, r, groups, _ = _batch(0)
+    r = r.double()
+    r[0] = 1e39  # finite in float64, inf in the fp32 column
+    estimator = POISEEstimator(G, alpha=1.0, warmup_steps=1)
+    metrics = estimator.advantages(x, r).metrics()
+    estimator.observe(x, r, groups)
+    assert metrics["feature_rows_dropped"] == 1.0
+    assert torch.isfinite(estimator.probes["default"].buffer.features).all()

@@ -1,0 +1,113 @@
+"""The estimator's file (files.py): one atomic safetensors file that round-trips bit for bit, refuses another
+bootstrap on resume, keeps the previous file when a write fails, and reads poise-trl 0.1's files
+(tests/fixtures/legacy)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from poise_trl import files
+from poise_trl.buffer import ProbeBuffer
+from poise_trl.estimator import POISEEstimator
+from poise_trl.files import load_probe_file, read_state, save_probe_file
+from poise_trl.probe import ValueProbe
+
+from .test_estimator import LEGACY, G, _batch, _legacy_estimator, _trained
+from .test_probe import _data
+
+
+def test_state_round_trips_bit_for_bit_through_one_atomic_file(tmp_path):
+    settings = dict(scale_rewards="batch", domain_buffer_sizes={"code": 8}, feature_config={"domain": True})
+    estimator = _trained(6, **settings)
+    path = tmp_path / "poise.safetensors"
+    estimator.save(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["poise.safetensors"]  # one file, no temporary left
+    with safe_open(str(path), framework="pt") as f:
+        assert json.loads(f.metadata()["poise"])["format"] == "poise-estimator/1"
+
+    loaded = POISEEstimator(G, alpha=1.0, warmup_steps=1, **settings)
+    loaded.load(path)
+    saved, restored = estimator.state_dict(), loaded.state_dict()
+    assert saved["info"] == restored["info"]
+    assert saved["tensors"].keys() == restored["tensors"].keys()
+    for key, tensor in saved["tensors"].items():
+        assert torch.equal(tensor, restored["tensors"][key]), key
+    assert len(loaded.probes["code"].buffer) == 8
+    for step in range(6, 9):  # the two continue identically
+        x, r, groups, names = _batch(step, domains=True)
+        a, b = estimator.advantages(x, r, domains=names), loaded.advantages(x, r, domains=names)
+        assert torch.equal(a.advantages, b.advantages) and a.metrics() == pytest.approx(b.metrics(), nan_ok=True)
+        estimator.observe(x, r, groups, domains=names)
+        loaded.observe(x, r, groups, domains=names)
+    for name, online in estimator.probes.items():
+        for key, tensor in online.probe.state_dict().items():
+            assert torch.equal(loaded.probes[name].probe.state_dict()[key], tensor), (name, key)
+
+
+def test_an_interrupted_write_keeps_the_previous_file(tmp_path, monkeypatch):
+    estimator = _trained(2)
+    path = tmp_path / "poise.safetensors"
+    estimator.save(path)
+    before = path.read_bytes()
+
+    def crash(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(files, "save_file", crash)
+    with pytest.raises(OSError, match="disk full"):
+        _trained(3).save(path)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["poise.safetensors"]
+
+
+def test_resume_refuses_another_bootstrap_and_warm_start_accepts_it(tmp_path):
+    _trained(2, bootstrap="shrunk").save(tmp_path / "e.safetensors")
+    with pytest.raises(ValueError, match="probe_bootstrap='shrunk'.*this run sets probe_bootstrap='rloo'"):
+        POISEEstimator(G, alpha=1.0, bootstrap="rloo").load(tmp_path / "e.safetensors")
+    warm = POISEEstimator(G, alpha=1.0, bootstrap="rloo")
+    warm.load(tmp_path / "e.safetensors", warm_start=True)
+    assert warm.trusted and warm.steps == 0
+
+
+def test_a_0_1_checkpoint_resumes_exactly():
+    expected = load_file(str(LEGACY / "expected.safetensors"))
+    estimator = _legacy_estimator()
+    checkpoint = LEGACY / "checkpoint"
+    estimator.load(checkpoint / "poise_probe.safetensors", bootstrap_path=checkpoint / "poise_bootstrap.safetensors")
+    online = estimator.probes["default"]
+    assert torch.equal(online.predict(expected["inputs"]), expected["predictions"])
+    assert (estimator.steps, online.steps, len(online.buffer), len(estimator.bootstrap_pairs["default"])) == (
+        3,
+        3,
+        12,
+        12,
+    )
+    torch.testing.assert_close(estimator.bootstrap_lines["default"], expected["bootstrap_line"], rtol=1e-12, atol=0)
+    assert estimator.reward_std.state.tolist() == expected["reward_std"].tolist()
+
+
+def test_a_0_1_probe_file_warm_starts():
+    expected = load_file(str(LEGACY / "expected.safetensors"))
+    estimator = _legacy_estimator()
+    estimator.load(LEGACY / "probe.safetensors", warm_start=True)
+    online = estimator.probes["default"]
+    assert online.warm_started and online.trusted and estimator.steps == 0 and len(online.buffer) == 12
+    assert torch.equal(online.predict(expected["inputs"]), expected["predictions"])
+    state = read_state(LEGACY / "probe.safetensors")
+    assert state["info"]["feature_config"]["probe_domain_column"] is None
+
+
+def test_state_file_round_trip_predicts_identically(tmp_path):
+    x, y = _data(64, 20)
+    probe = ValueProbe(alpha=0.5, pca_dims=[(0, 10, 4)], clip=(0.0, 1.0)).fit(x, y)
+    buffer = ProbeBuffer(100)
+    buffer.add(x, y)
+    save_probe_file(tmp_path / "p.safetensors", probe, buffer, {"probe_steps": 3})
+    loaded, loaded_buffer, info = load_probe_file(tmp_path / "p.safetensors")
+    assert torch.equal(loaded.predict(x), probe.predict(x))
+    assert torch.equal(loaded_buffer.features, buffer.features) and info["probe_steps"] == 3
+    assert (tmp_path / "p.safetensors.json").exists()
