@@ -180,13 +180,16 @@ def prefix_advantages(
     `values` (N, T) must come from a probe fitted on other rollouts and read states before each token only (prefix.py):
     a baseline of the prefix alone keeps the gradient unbiased, E[grad log pi(y_t | x, y_<t) V(x, y_<t)] = 0.
     Tokens the policy did not generate (`generated` False: padding, tool results, environment feedback) and rows
-    that receive no advantage get 0; a row with a non-finite value on a generated token keeps its sequence-level
-    advantage `fallback` (N,) on every generated token, so a NaN never reaches the loss."""
+    that receive no advantage get 0. A generated token whose value is not finite gets the row's sequence-level
+    advantage `fallback` (N,), that token alone: whether V(x, y_<t) is finite is read from the prefix too, so token t's
+    baseline still never depends on y_t or later tokens (a row-wide switch would let a NaN at a later token change
+    the earlier tokens' baselines), and a NaN never reaches the loss. The (N,) rows are those every generated token of
+    which got the prefix baseline."""
     generated = generated.bool()
-    finite = torch.where(generated, torch.isfinite(values), True).all(1)
-    prefix = receives.bool() & finite
-    tokens = rewards.unsqueeze(1) - torch.where(generated, values, 0.0).to(rewards.dtype)
-    tokens = torch.where(prefix.unsqueeze(1), tokens, fallback.unsqueeze(1).to(tokens.dtype))
+    finite = torch.isfinite(values)
+    tokens = rewards.unsqueeze(1) - torch.where(finite, values, 0.0).to(rewards.dtype)
+    tokens = torch.where(finite, tokens, fallback.unsqueeze(1).to(tokens.dtype))
+    prefix = receives.bool() & torch.where(generated, finite, True).all(1)
     return torch.where(generated & receives.bool().unsqueeze(1), tokens, 0.0), prefix
 
 

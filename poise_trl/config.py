@@ -23,6 +23,26 @@ from .settings import check_settings
 
 logger = logging.getLogger(__name__)
 
+# TRL `loss_type` -> how the importance sampler's weighted step keeps the uniform objective under it. Every loss is
+# positively homogeneous in the advantages, so a row's weight may multiply them; what differs is the normaliser.
+# "constant": the loss divides by something the draw does not change (grpo/sapo: each sequence over its own tokens,
+# then the mean over the micro-batch's rows; dr_grpo: rows x max_completion_length; luspo: the mean over rows), so the
+# weighted step's expectation is the uniform one, exactly. "weighted token count": the loss divides by
+# `num_items_in_batch`, the generation batch's token count, which the trainer replaces by the importance-weighted count
+# (each row's tokens times its weight, the weights rescaled to sum to the rows; unchanged under uniform draws), so
+# numerator and denominator both estimate the uniform batch's; the ratio's finite-batch difference from the uniform
+# step is measured by exact enumeration in docs/prompt-selection.md. A loss missing here (TRL's "bnpo": the
+# micro-batch's own token count, computed inside TRL's loss) is refused.
+IMPORTANCE_LOSS_TYPES = {
+    "grpo": "constant",
+    "dr_grpo": "constant",
+    "sapo": "constant",
+    "luspo": "constant",
+    "dapo": "weighted token count",
+    "cispo": "weighted token count",
+    "vespo": "weighted token count",
+}
+
 # `POISEEstimator` argument -> the POISEConfig field that sets it: both are checked by `check_settings`.
 ESTIMATOR_FIELDS = {
     "num_generations": "num_generations",
@@ -246,10 +266,13 @@ class POISEConfig(GRPOConfig):
             "help": "None: train on the sampler's prompts (paper). Otherwise draw `prompt_selection_oversample` "
             "times more candidate prompts and predict each one's success rate p from its prompt hidden states (one "
             "no-grad prefill; a prompt-only probe on the buffer's prompt block), read as v on the observed reward "
-            "range. 'importance' (unbiased): draw with replacement with probability proportional to sqrt(v(1 - v)), "
-            "mixed with uniform at `prompt_selection_floor`, and multiply each prompt's advantages by its importance "
-            "weight 1 / (n q), so the expected gradient is the uniform one. 'value' (biased): keep the candidates of "
-            "highest v(1 - v), unweighted. Uniform until the probe is trusted (a warm start is trusted at once).",
+            "range. 'importance': draw with replacement with probability proportional to sqrt(v(1 - v)), mixed with "
+            "uniform at `prompt_selection_floor`, and multiply each prompt's advantages by its importance weight "
+            "1 / (n q), so the expected gradient is the uniform one (exactly under loss_type grpo, dr_grpo, sapo, "
+            "luspo; under dapo, cispo, vespo the token-count normaliser is weighted too, up to a finite-batch "
+            "difference; bnpo, beta != 0, the entropy bonus and top_entropy_quantile < 1 are refused). 'value' "
+            "(biased): keep the candidates of highest v(1 - v), unweighted. Uniform until the probe is trusted (a "
+            "warm start is trusted at once).",
         },
     )
     prompt_selection_oversample: float = field(
@@ -481,6 +504,8 @@ class POISEConfig(GRPOConfig):
             raise ValueError(f"prompt_selection={self.prompt_selection!r}: choose None (paper) or {rules}.")
         if self.prompt_selection is None:
             return
+        if self.prompt_selection == "importance":
+            self._check_importance_objective()
         if "prompt" not in self.probe_features:
             raise ValueError(
                 f"prompt_selection={self.prompt_selection!r} predicts from the prompt hidden states: add 'prompt' to "
@@ -493,3 +518,37 @@ class POISEConfig(GRPOConfig):
                 f"per_device_train_batch_size x steps_per_generation ({rows}) must be a multiple of num_generations "
                 f"({self.num_generations})."
             )
+
+    def _check_importance_objective(self) -> None:
+        """The importance weights multiply the advantages only: refuse the loss terms and normalisers they cannot
+        reach, which would average over the q-tilted prompts instead of the uniform ones."""
+        if self.loss_type not in IMPORTANCE_LOSS_TYPES:
+            working = ", ".join(map(repr, IMPORTANCE_LOSS_TYPES))
+            raise ValueError(
+                f"prompt_selection='importance' with loss_type={self.loss_type!r}: the importance weights keep the "
+                "uniform objective only where the loss divides by a constant or by the generation batch's token "
+                "count, which the trainer weights ('bnpo' divides by the micro-batch's, counted inside TRL's loss). "
+                f"Use one of {working} (the default 'dapo' included), or set prompt_selection=None."
+            )
+        unseen = "does not see the advantages, which carry the importance weights"
+        terms = {
+            "beta": (self.beta != 0.0, "beta=0.0", f"the KL penalty {unseen}"),
+            "entropy_coef": (self.entropy_coef != 0.0, "entropy_coef=0.0", f"the entropy bonus {unseen}"),
+            "use_adaptive_entropy": (
+                self.use_adaptive_entropy,
+                "use_adaptive_entropy=False",
+                f"the entropy bonus {unseen}",
+            ),
+            "top_entropy_quantile": (
+                self.top_entropy_quantile < 1.0,
+                "top_entropy_quantile=1.0",
+                "the top-entropy token mask takes its quantile over the drawn batch's tokens",
+            ),
+        }
+        for name, (active, fix, why) in terms.items():
+            if active:
+                raise ValueError(
+                    f"prompt_selection='importance' with {name}={getattr(self, name)!r}: {why}, so it averages over "
+                    "prompts drawn in proportion to q instead of uniform ones and the step no longer targets the "
+                    f"uniform objective. Set {fix}, or prompt_selection=None."
+                )

@@ -150,8 +150,8 @@ class PrefixBaseline:
     def advantages(
         self, batch: PrefixBatch | None, rewards: torch.Tensor, receives: torch.Tensor, sequence: torch.Tensor
     ) -> TokenAdvantages | None:
-        """The batch's token advantages r - V(x, y_<t), or None while untrusted or without a capture. Rows without
-        finite values keep the `sequence` advantage (N,) on every generated token."""
+        """The batch's token advantages r - V(x, y_<t), or None while untrusted or without a capture. A generated
+        token without a finite value keeps its row's `sequence` advantage (N,), that token alone."""
         if batch is None or not self.trusted or batch.values is None:
             return None
         tokens, used = prefix_advantages(rewards, batch.values, batch.generated, receives, sequence)

@@ -11,11 +11,14 @@ resumed run draws what the uninterrupted one drew without saving a counter.
   predicted value read on the observed reward range (`reward_variance`); at random, uniformly, until a probe is
   trusted. Every weight is 1: the kept prompts are trained on as they come, so the step's gradient is that of the
   high-variance prompts, not of the dataset.
-- "importance" (beyond the paper, unbiased): `keep` draws with replacement, candidate x with probability
+- "importance" (beyond the paper): `keep` draws with replacement, candidate x with probability
   q(x) = (1 - floor) s(x) / sum s + floor / n, s(x) = sqrt(v(1 - v)) (`importance_probabilities`), each with the weight
   1 / (n q(x)) (`importance_weights`). Multiplying a prompt's advantages by its weight makes the step's expected
-  gradient the uniform-over-candidates one: E[(1/k) sum_draws w g] = sum_x q(x) g(x) / (n q(x)) = mean_x g(x). Uniform
-  without replacement, weights 1, until a probe is trusted.
+  gradient the uniform-over-candidates one, E[(1/k) sum_draws w g] = sum_x q(x) g(x) / (n q(x)) = mean_x g(x), exactly
+  when the loss divides by a constant (TRL's grpo, dr_grpo, sapo, luspo); under a token-count normaliser (dapo, cispo,
+  vespo) the trainer weights the count too and the step is the uniform one up to a finite-batch difference that
+  vanishes as the batch grows (docs/prompt-selection.md; POISEConfig refuses bnpo and the loss terms the weights do
+  not reach). Uniform without replacement, weights 1, until a probe is trusted.
 
 Why sqrt(v(1 - v)): for draws with replacement the variance of the weighted mean is least at q(x) proportional to
 sqrt(E||g(x)||^2), and a prompt's gradient second moment is tau E[(r - b)^2 | x]. For a two-valued reward of range R
@@ -32,7 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_FLOOR = 0.5  # `bench gradient` on SmolLM2: the probe sampler needed the fewest completions at 0.5 of 0.05-1.0
+# Every weight is at most 1 / floor = 2. `bench gradient` on SmolLM2's two start pools at this floor (the committed
+# benchmarks/real-lm/gradient/start*/results.md): the probe sampler took POISE (default) from 0.97x and 0.82x of
+# GRPO G=8's completions (floor 1: no sampler) to 0.78x and 0.66x. Other floors were tried once; their files were not
+# kept, so no optimum over floors is claimed.
+DEFAULT_FLOOR = 0.5
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,9 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
 
     Overrides (all of them):
     - `_generate_and_score_completions`: choose prompts (`prompt_selection`), then after TRL scored the batch,
-      replace its advantages by the estimator's, log `poise/*`, and let the estimator learn (training only);
+      replace its advantages by the estimator's (times the drawn prompts' importance weights, and
+      `num_items_in_batch`, the token-count losses' normaliser, by the weighted count), log `poise/*`, and let the
+      estimator learn (training only);
     - `_get_per_token_logps_and_entropies`: hook the probe layer(s) during TRL's own old-log-prob pass when there is
       one, so no forward pass is added;
     - `_calculate_rewards`: keep the gathered rewards; `_generate`: keep the tool/env mask, so features use only the
@@ -91,7 +93,8 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
 
     Value-guided prompt selection keeps whole groups of each process's candidates by a rule of sampling.py ("value":
     the highest predicted reward variance, biased; "importance": drawn with replacement in proportion to the predicted
-    reward spread, with importance weights on the advantages, unbiased), at random until the probe is trusted;
+    reward spread, with importance weights on the advantages and on the token-count normaliser, targeting the uniform
+    objective; `POISEConfig` refuses the loss terms the weights cannot reach), at random until the probe is trusted;
     generation (vLLM included), rewards, shuffling and TRL's batch sizes downstream are unchanged.
     """
 
@@ -307,6 +310,9 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
             features, rewards, num_generations, domains, has_completion, weights=weights, prefix=prefix
         )
         rows = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
+        # dapo, cispo and vespo divide by TRL's token count: count each row's tokens as its advantages are weighted
+        if weights is not None:
+            output["num_items_in_batch"] = self._weighted_token_count(output, weights)
         output["advantages"] = result.advantages[rows]
         if result.token_advantages is not None:  # (B, T): TRL's loss takes them as they are
             output["advantages"] = result.token_advantages[rows, : output["completion_ids"].size(1)]
@@ -337,6 +343,20 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
             if not math.isnan(value):  # undefined (NaN) is left out: TRL would log None, which trackers drop
                 self._metrics[mode][f"poise/{name}"].append(value)
         return output
+
+    def _weighted_token_count(self, output: dict[str, Any], weights: torch.Tensor) -> torch.Tensor:
+        """TRL's `num_items_in_batch` (the generation batch's loss tokens, gathered) with every row's tokens counted
+        as its advantages are weighted, by `weights` (gathered, (N,)) rescaled to sum to N: the token-count losses'
+        normaliser as an estimate of a uniform batch's count, like their numerator. The rescaling (a self-normalised,
+        Hajek, estimate) cancels the weights' own fluctuation; both counts tend to the uniform one as the batch grows,
+        and exact enumeration puts the self-normalised one nearer the uniform step at every batch size measured
+        (docs/prompt-selection.md). Equal to TRL's count when every weight is 1."""
+        mask = output["completion_mask"]
+        if output.get("tool_mask") is not None:
+            mask = mask * output["tool_mask"]
+        tokens = self.accelerator.gather(mask.sum(1)).to(weights.dtype)
+        weights = weights.to(tokens.device)
+        return ((tokens * weights).sum() * weights.numel() / weights.sum()).float()
 
     def _gather_prefix(self, local: PrefixBatch) -> PrefixBatch:
         """The per-prefix capture of every process, token tensors padded to the widest completion."""

@@ -139,6 +139,48 @@ def test_baseline_of_token_t_reads_nothing_from_token_t_on(tiny):
         assert (after[:, t + 1] - before[:, t + 1]).abs().max() > 1e-4  # the test can see a leak of token t
 
 
+@pytest.mark.parametrize("t", [0, 2, 5])
+def test_no_column_of_token_t_reads_the_completions_length_or_what_follows(tiny, t):
+    """Replace y_t on by completions of other lengths, ended by EOS (at t itself, or several tokens later): every
+    STATS column, every feature row and the value of tokens 0..t stay as they were. (The fixed-length test above
+    cannot see a statistic of the completion's length.)"""
+    model, layer = tiny
+    eos = build_tiny_tokenizer().eos_token_id
+    prompts, completions = _example()
+    ids = _batch(model, prompts, completions)
+    prefix_map, _ = _fitted_map(model, layer, ids)
+    _, before, spans, entropies = _pass(model, layer, ids, prefix_map)
+    every = torch.arange(spans.generated.size(1)).expand(len(prompts), -1)
+
+    def rows(ids, spans, entropies):
+        with torch.no_grad():
+            hidden = model(
+                torch.cat([ids[0], ids[2]], 1),
+                attention_mask=torch.cat([ids[1], ids[3]], 1),
+                output_hidden_states=True,
+            ).hidden_states[1]
+        tokens = torch.arange(t + 1).expand(len(prompts), -1)
+        return feature_rows(hidden_rows(hidden, spans, tokens), prefix_stats(entropies, spans), tokens)
+
+    stats, full = prefix_stats(entropies, spans), rows(ids, spans, entropies)
+    endings = ([eos], [(c % 30) + 5 for c in range(7 + t)] + [eos])  # shorter (EOS at t), longer
+    for ending in endings:
+        changed = [y[:t] + ending for y in completions]
+        lengths = [len(y) for y in changed]
+        assert lengths != [len(y) for y in completions]
+        new_ids = _batch(model, prompts, changed)
+        _, after, new_spans, new_entropies = _pass(model, layer, new_ids, prefix_map)
+        new_stats = prefix_stats(new_entropies, new_spans)
+        for column, name in enumerate(STATS):
+            torch.testing.assert_close(
+                new_stats[:, : t + 1, column], stats[:, : t + 1, column], rtol=0, atol=1e-5, msg=f"STATS {name!r}"
+            )
+        torch.testing.assert_close(rows(new_ids, new_spans, new_entropies), full, rtol=0, atol=1e-5)
+        # float32 rounding moves with the padded width: a leak of the length moves a value by far more
+        torch.testing.assert_close(after[:, : t + 1], before[:, : t + 1], rtol=0, atol=3e-5)
+    assert every.size(1) == max(len(y) for y in completions)
+
+
 def test_sampled_tokens_cover_the_generated_ones_evenly():
     """One sampled token per equal share of a row's generated tokens; none on padding or tool output."""
     completion_mask = torch.tensor([[1] * 8, [1] * 3 + [0] * 5, [0] * 8])
@@ -179,9 +221,58 @@ def test_prefix_advantages_mask_and_fall_back():
     receives = torch.tensor([True, True, True, False])
     fallback = torch.tensor([0.3, -0.4, 0.25, 0.0])
     tokens, prefix = prefix_advantages(rewards, values, generated, receives, fallback)
-    expected = torch.tensor([[0.5, 0.1, 0.0], [-0.2, 0.0, -0.6], [0.25, 0.25, 0.25], [0.0, 0.0, 0.0]])
+    # row 2: the token whose value is NaN alone falls back to the sequence advantage; the others keep r - V
+    expected = torch.tensor([[0.5, 0.1, 0.0], [-0.2, 0.0, -0.6], [0.5, 0.25, 0.5], [0.0, 0.0, 0.0]])
     torch.testing.assert_close(tokens, expected)
     assert prefix.tolist() == [True, True, False, False]
+    # token t's advantage depends on y_<t only: a non-finite value at a later token leaves the earlier ones alone
+    later = values.clone()
+    later[0, 1] = float("inf")
+    moved, _ = prefix_advantages(rewards, later, generated, receives, fallback)
+    assert moved[0, 0] == tokens[0, 0] and moved[0, 1] == fallback[0] and torch.equal(moved[1:], tokens[1:])
+
+
+def test_token_baseline_keeps_the_exact_policy_gradient_when_eos_ends_completions_early():
+    """The same exact expectation over completions of every length: token 3 is EOS, so a completion ends at its first
+    EOS or after 3 tokens (40 completions of 1-3 tokens, their probabilities summing to 1), and the reward depends on
+    the length. A baseline that reads the completion's length (decided by y_t and later tokens) biases the gradient:
+    adding the length to any `STATS` column makes this test fail."""
+    from itertools import product
+
+    from .tiny_archs import causal_lm
+
+    model = causal_lm("qwen3", vocab_size=4, hidden_size=16).double()
+    layer = find_decoder_layers(model)[0]
+    prompt, eos, most = [2, 1], 3, 3
+    completions = [[eos]] + [[a, eos] for a in range(3)] + [[a, b, c] for a, b in product(range(3), repeat=2)
+                                                            for c in range(4)]  # fmt: skip
+    ids = _batch(model, [prompt] * len(completions), completions)
+    mask = ids[3].double()
+    rows, _, spans, _ = _pass(model, layer, ids, samples=most)
+    reward = torch.tensor([0.4 * len(y) + float(y[0] == 0) for y in completions], dtype=torch.float64)
+    flat = rows[spans.sampled]
+    targets = reward.unsqueeze(1).expand(-1, most)[spans.sampled]
+    probe = _fit_probe(flat, targets + 0.1 * torch.randn(len(flat)), alpha=1.0, clip=None)
+    _, values, *_ = _pass(model, layer, ids, PrefixMap.fold(probe, 16))
+
+    sequences = torch.cat([ids[0], ids[2]], dim=1)
+    logits = model(sequences).logits[:, len(prompt) - 1 : -1]
+    token_logps = logits.log_softmax(-1).gather(-1, ids[2].unsqueeze(-1)).squeeze(-1) * mask
+    probability = token_logps.sum(1).exp()
+    assert torch.isclose(probability.sum(), torch.tensor(1.0, dtype=torch.float64))
+    parameters = list(model.parameters())
+
+    def gradient(objective: torch.Tensor) -> torch.Tensor:
+        return torch.cat([g.flatten() for g in torch.autograd.grad(objective, parameters, retain_graph=True)])
+
+    exact = gradient((probability * reward).sum())
+    weights = probability.detach().unsqueeze(1)
+    baseline = torch.where(mask.bool(), values.double(), 0.0).detach()
+    estimate = gradient((weights * (reward.unsqueeze(1) - baseline) * token_logps).sum())
+    assert values.std() > 0.1 and (estimate - exact).norm() / exact.norm() < 1e-6
+    leaked = torch.where(mask.bool(), torch.cat([values[:, 1:], values[:, -1:]], dim=1).double(), 0.0).detach()
+    leak = gradient((weights * (reward.unsqueeze(1) - leaked) * token_logps).sum())
+    assert (leak - exact).norm() / exact.norm() > 1e-2  # the test can see a value that read y_t
 
 
 def test_token_baseline_keeps_the_exact_policy_gradient():

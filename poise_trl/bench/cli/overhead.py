@@ -17,6 +17,10 @@ held at once: with `--model` on one GPU, pick a model for which all fit.
   - `--prefix`: a third trainer, POISE with probe_granularity="prefix" (a value V(x, y_<t) for every generated
     token from the same hooked layer in the same pass), takes its turn in every row; its time and peak memory are
     reported against GRPO and against POISE (default), with the count of timed steps that served token advantages.
+  - `--importance`: a trainer more, POISE with prompt_selection="importance" (twice the candidate prompts, one
+    no-grad prefill of their prompt tokens, the prompt-only refit, the draw), takes its turn in every row; its time
+    against GRPO and against POISE (default), and the seconds its `_select_prompts` took per cycle (the sampler's own
+    cost, prefill and refit included) and their share of its cycle.
 
 Memory, measured first (before the timing builds its trainers). Each contender runs every row in a fresh process,
 one trainer at a time after one warm-up cycle: the peak is `torch.cuda.max_memory_allocated` on a GPU and the peak
@@ -111,6 +115,12 @@ def add_overhead_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help='also POISE with probe_granularity="prefix" (a value for every token), taking turns with '
         "POISE and GRPO in every row; its time and peak memory against both",
+    )
+    parser.add_argument(
+        "--importance",
+        action="store_true",
+        help='also POISE with prompt_selection="importance", taking turns with the others in every row; its time '
+        "against GRPO and POISE, and the sampler's own seconds per cycle",
     )
     parser.set_defaults(func=_run_overhead)
     return parser

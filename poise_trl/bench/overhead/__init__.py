@@ -27,7 +27,7 @@ from ..common import (
 )
 from .memory import measure_memory
 from .probe_fit import probe_fit_benchmark
-from .timing import PREFIX, Row, model_and_prompts, time_row
+from .timing import IMPORTANCE, PREFIX, Row, model_and_prompts, time_row
 
 __all__ = ["format_report", "headline", "probe_fit_benchmark", "run_overhead"]
 
@@ -79,6 +79,8 @@ def format_report(timing: list[dict], memory: list[dict], probe: list[dict], set
     tables = format_table(headers, rows)
     if settings.get("prefix"):
         tables += "\n\n" + prefix_table(timing, memory_by_name)
+    if settings.get("importance"):
+        tables += "\n\n" + importance_table(timing, memory_by_name)
     return tables + "\n" + headline(timing, memory, probe, settings)
 
 
@@ -112,6 +114,35 @@ def prefix_table(timing: list[dict], memory_by_name: dict[str, dict]) -> str:
     return format_table(headers, rows)
 
 
+def importance_table(timing: list[dict], memory_by_name: dict[str, dict]) -> str:
+    """POISE with the importance sampler beside GRPO and POISE (default), from the same alternated cycles, with the
+    sampler's own seconds per cycle (`_select_prompts`: prefill, prompt-only refit, draw)."""
+    headers = [
+        "setting",
+        "importance s/cycle",
+        "time ratio to GRPO",
+        "time ratio to POISE",
+        "sampler s/cycle",
+        "sampler share of cycle",
+        "peak MiB importance",
+    ]
+    rows = []
+    for t in timing:
+        m = memory_by_name.get(t["name"], {})
+        rows.append(
+            [
+                f"{t['name']} (importance)",
+                fmt_summary(t[f"{IMPORTANCE}_cycle_seconds"]),
+                fmt_summary(t["importance_time_ratio"]),
+                fmt_summary(t["importance_poise_time_ratio"]),
+                fmt_summary(t["importance_selection_seconds"], 2),
+                fmt_summary(t["importance_selection_share"], 2),
+                f"{m[IMPORTANCE]['training_peak_mib']:.0f}" if IMPORTANCE in m else "–",
+            ]
+        )
+    return format_table(headers, rows)
+
+
 def headline(timing: list[dict], memory: list[dict], probe: list[dict], settings: dict[str, Any]) -> str:
     parts = [f"{t['name']} ×{fmt(t['time_ratio']['median'])}" for t in timing]
     line = f"Summary: POISE/GRPO step time at G={settings['group_size']}: " + ", ".join(parts)
@@ -123,6 +154,11 @@ def headline(timing: list[dict], memory: list[dict], probe: list[dict], settings
         line += "; per-prefix/GRPO: " + ", ".join(parts)
         parts = [f"{t['name']} ×{fmt(t['prefix_poise_time_ratio']['median'])}" for t in timing]
         line += "; per-prefix/POISE: " + ", ".join(parts)
+    if settings.get("importance"):
+        parts = [f"{t['name']} ×{fmt(t['importance_poise_time_ratio']['median'])}" for t in timing]
+        line += "; importance/POISE: " + ", ".join(parts)
+        parts = [f"{t['name']} {fmt(t['importance_selection_share']['median'])}" for t in timing]
+        line += "; sampler share of its cycle: " + ", ".join(parts)
     for p in probe:
         if p["preset"] == "paper":
             line += (
@@ -179,6 +215,7 @@ def run_overhead(args: argparse.Namespace) -> int:
             "probe_fit_hidden",
             "probe_fit_repeats",
             "prefix",
+            "importance",
         )
     }
     settings.update(
@@ -203,6 +240,11 @@ def run_overhead(args: argparse.Namespace) -> int:
             line += (
                 f"; per-prefix to GRPO {fmt_summary(timing[-1]['prefix_time_ratio'])}, to POISE "
                 f"{fmt_summary(timing[-1]['prefix_poise_time_ratio'])}"
+            )
+        if args.importance:
+            line += (
+                f"; importance to POISE {fmt_summary(timing[-1]['importance_poise_time_ratio'])}, sampler "
+                f"{fmt_summary(timing[-1]['importance_selection_seconds'])} s/cycle"
             )
         print(line, flush=True)
         if timing[-1]["extra_passes_observed"] != row.extra_passes:

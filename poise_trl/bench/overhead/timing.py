@@ -28,11 +28,14 @@ from poise_trl.trainer import POISETrainer
 from ..common import ARITH_DATASET, summarize, trainer_device_args
 
 PREFIX = "poise_prefix"  # POISE with probe_granularity="prefix", timed beside POISE and GRPO with --prefix
+IMPORTANCE = "poise_importance"  # POISE with prompt_selection="importance", timed beside them with --importance
 
 
 def contenders(settings: dict[str, Any]) -> tuple[str, ...]:
-    """The trainers a row times: POISE and GRPO, and POISE per-prefix with `--prefix`."""
-    return ("poise", "grpo", PREFIX) if settings.get("prefix") else ("poise", "grpo")
+    """The trainers a row times: POISE and GRPO, POISE per-prefix with `--prefix`, POISE with the importance sampler
+    with `--importance`."""
+    extra = (PREFIX,) * bool(settings.get("prefix")) + (IMPORTANCE,) * bool(settings.get("importance"))
+    return ("poise", "grpo", *extra)
 
 
 def any_text_reward(completions: list, **kwargs: Any) -> list[float]:
@@ -85,7 +88,8 @@ def _config(algorithm: str, row: Row, settings: dict[str, Any], max_steps: int, 
     # Trusted after one observed step, so the timed cycles pay for serving the probe (the per-prefix map inside the
     # hook included), not only for fitting it.
     granularity = "prefix" if algorithm == PREFIX else "sequence"
-    return POISEConfig(**common, probe_warmup_steps=1, probe_granularity=granularity)
+    selection = "importance" if algorithm == IMPORTANCE else None
+    return POISEConfig(**common, probe_warmup_steps=1, probe_granularity=granularity, prompt_selection=selection)
 
 
 def model_and_prompts(settings: dict[str, Any]) -> tuple[str, Dataset]:
@@ -115,7 +119,25 @@ def build_trainer(algorithm: str, row: Row, settings: dict[str, Any], cycles: in
     trainer.remove_callback(PrinterCallback)
     if algorithm != "grpo":
         trainer.add_callback(SteadyStateProbe(trainer, row.steps_per_cycle))
+    if algorithm == IMPORTANCE:
+        time_selection(trainer)
     return trainer
+
+
+def time_selection(trainer: POISETrainer) -> None:
+    """Record the seconds of every call of the trainer's `_select_prompts` (the prefill, the prompt-only refit and the
+    draw: the sampler's own cost) in `trainer.selection_seconds`."""
+    select, trainer.selection_seconds = trainer._select_prompts, []
+
+    def timed(inputs):
+        _synchronize()
+        start = time.perf_counter()
+        kept = select(inputs)
+        _synchronize()
+        trainer.selection_seconds.append(time.perf_counter() - start)
+        return kept
+
+    trainer._select_prompts = timed
 
 
 def fill_probe_buffer(trainer: POISETrainer) -> None:
@@ -267,6 +289,14 @@ def time_row(row: Row, settings: dict[str, Any], model: str, prompts: Dataset) -
         )
     result.update({f"{name}_cycle_seconds": summarize(seconds[name]) for name in trainers})
     result["time_ratio"] = _paired(seconds["poise"], seconds["grpo"])
+    if IMPORTANCE in trainers:
+        selection = trainers[IMPORTANCE].selection_seconds[skip:]  # one call per cycle (one generation)
+        result.update(
+            importance_time_ratio=_paired(seconds[IMPORTANCE], seconds["grpo"]),
+            importance_poise_time_ratio=_paired(seconds[IMPORTANCE], seconds["poise"]),
+            importance_selection_seconds=summarize(selection),
+            importance_selection_share=summarize(s / c for s, c in zip(selection, seconds[IMPORTANCE], strict=True)),
+        )
     result["extra_passes_observed"] = max(result["poise_feature_passes_per_cycle"], default=None)
     if PREFIX in trainers:
         timed = [h["poise/prefix/trusted"] for h in _timed(trainers[PREFIX], "poise/prefix/trusted", warmup_steps)]
