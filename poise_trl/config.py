@@ -17,9 +17,8 @@ from .features import (
     pca_blocks,
     resolve_layer_index,
 )
-from .sampling import DEFAULT_FLOOR, check_floor
 from .sampling import RULES as SAMPLING_RULES
-from .settings import check_settings
+from .settings import DEFAULT_FLOOR, check_floor, check_settings
 
 logger = logging.getLogger(__name__)
 

@@ -35,11 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Every weight is at most 1 / floor = 2. `bench gradient` on SmolLM2's two start pools at this floor (the committed
-# benchmarks/real-lm/gradient/start*/results.md): the probe sampler took POISE (default) from 0.97x and 0.82x of
-# GRPO G=8's completions (floor 1: no sampler) to 0.78x and 0.66x. Other floors were tried once; their files were not
-# kept, so no optimum over floors is claimed.
-DEFAULT_FLOOR = 0.5
+from .settings import DEFAULT_FLOOR, check_floor
 
 
 @dataclass(frozen=True)
@@ -79,14 +75,6 @@ def uniform(candidates: int, keep: int, generator: torch.Generator) -> list[int]
 def top_k(scores: Sequence[float], keep: int) -> list[int]:
     """The indices of the `keep` highest scores (ties: the earlier candidate), in candidate order."""
     return sorted(sorted(range(len(scores)), key=lambda i: -scores[i])[:keep])
-
-
-def check_floor(floor: float) -> None:
-    if not (isinstance(floor, int | float) and 0 < floor <= 1):
-        raise ValueError(
-            f"prompt_selection_floor={floor!r} must be in (0, 1]: the share of uniform probability every candidate "
-            "keeps, so that each has a positive probability and a weight of at most 1 / floor (1: uniform)."
-        )
 
 
 def importance_probabilities(values: torch.Tensor, low: float, high: float, floor: float) -> torch.Tensor:

@@ -3,6 +3,21 @@
 
 from typing import Any
 
+# Every weight is at most 1 / floor = 2. `bench gradient` on SmolLM2's two start pools at this floor (the committed
+# benchmarks/real-lm/gradient/start*/results.md): the probe sampler took POISE (default) from 0.97x and 0.82x of
+# GRPO G=8's completions (floor 1: no sampler) to 0.78x and 0.66x. Other floors were tried once; their files were not
+# kept, so no optimum over floors is claimed.
+DEFAULT_FLOOR = 0.5  # prompt_selection_floor (sampling.py); here, light to import for the CLIs
+
+
+def check_floor(floor: float) -> None:
+    """The importance sampler's floor rule, shared by the config and `bench gradient`."""
+    if not (isinstance(floor, int | float) and 0 < floor <= 1):
+        raise ValueError(
+            f"prompt_selection_floor={floor!r} must be in (0, 1]: the share of uniform probability every candidate "
+            "keeps, so that each has a positive probability and a weight of at most 1 / floor (1: uniform)."
+        )
+
 
 def check_settings(settings: dict[str, Any], names: dict[str, str] | None = None) -> None:
     """The rules every POISE estimator obeys, in one place: `POISEEstimator` checks its arguments with them and

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from poise_trl.estimator import POISEEstimator
-from poise_trl.sampling import DEFAULT_FLOOR, check_floor
+from poise_trl.settings import DEFAULT_FLOOR, check_floor
 
 from .common import CONTENDERS, format_table, resolve_device, write_json
 from .exact import (

@@ -22,7 +22,7 @@ The pool, its features and Gram matrices are cached (--cache-dir/gradient), so a
 import argparse
 from typing import Any
 
-from poise_trl.sampling import DEFAULT_FLOOR
+from poise_trl.settings import DEFAULT_FLOOR
 
 from ..common import GRADIENT_CONTENDERS, GRADIENT_PREFIX_ROWS
 from .collection import add_collection_arguments
