@@ -101,6 +101,6 @@ def demo_cache(tmp_path_factory) -> Path:
 def real_model_path(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct from its PyPI package, converted once per session (about 20 s on 2 cores) into a temporary
     cache; `make test` installs the package."""
-    from poise_trl.demo.real import prepare_real_model
+    from poise_trl.models.real import prepare_real_model
 
     return prepare_real_model("smollm2-135m", tmp_path_factory.mktemp("real"))
