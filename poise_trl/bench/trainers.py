@@ -1,13 +1,17 @@
-"""The trainers `poise-trl bench efficiency` races: TRL's and POISE's, with compute accounting, and DAPO-DS.
+"""The trainers `poise-trl bench efficiency` races: TRL's and POISE's, with compute accounting, DAPO-DS, and the
+peers a TRL user would pick instead: TRL's A*-PO and C-GRPO (the `trl-cgrpo` package).
 
-Each is its library trainer plus two mixins that count what a run spends and trains on; DAPO's dynamic sampling is
-a benchmark-only `GRPOTrainer` subclass, not a library feature.
+Each is its library trainer, unmodified, plus mixins that count what a run spends and trains on; DAPO's dynamic
+sampling is a benchmark-only `GRPOTrainer` subclass, not a library feature.
 """
 
 import dataclasses
+import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from poise_trl.config import POISEConfig
@@ -15,8 +19,42 @@ from poise_trl.trainer import POISETrainer
 
 from .common import COUNTERS, Contender
 
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # A*-PO lives in trl.experimental: its import warns
+from trl.experimental.a2po import A2POConfig, A2POTrainer  # noqa: E402
 
-class _Accounting:
+try:  # C-GRPO is a PyPI package pinning trl<1.15; installed with --no-deps, it runs under TRL 1.16 (README)
+    from trl_cgrpo import CGRPOConfig, CGRPOTrainer
+except ImportError:
+    CGRPOConfig = CGRPOTrainer = None
+
+CGRPO_INSTALL = "pip install --no-deps trl-cgrpo==0.2.0"
+
+
+class _Counted:
+    """Holds `bench_counts`, what every benchmark trainer fills, and adds one generation call's spend to it."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.bench_counts = dict.fromkeys(COUNTERS, 0)
+
+    def _count_generation(self, completions: int, tokens: int, prefill: int) -> None:
+        counts = self.bench_counts
+        counts["completions_generated"] += completions
+        counts["tokens_generated"] += tokens
+        counts["prefill_tokens"] += prefill
+
+
+class _PassAccounting(_Counted):
+    """Rows per teacher-forced pass of a `GRPOTrainer` (the training pass, TRL's old-log-prob pass, POISE's own
+    feature pass)."""
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):
+        if self.model.training:
+            self.bench_counts["forward_rows"] += int(input_ids.size(0))
+        return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
+
+
+class _Accounting(_PassAccounting):
     """Counts compute as it is spent: completions and tokens per generation call, rows per teacher-forced pass.
 
     `forward_rows` is the number of sequences sent through the policy in teacher-forced passes (the training pass,
@@ -26,23 +64,16 @@ class _Accounting:
     selection spends (`poise/selection/prefill_tokens`, added from the log afterwards).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.bench_counts = dict.fromkeys(COUNTERS, 0)
-
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         if self.model.training:
-            counts = self.bench_counts
-            counts["completions_generated"] += int(self.accelerator.gather(output["completion_mask"]).size(0))
-            counts["tokens_generated"] += int(self.accelerator.gather(output["completion_mask"].sum()).sum())
-            counts["prefill_tokens"] += int(self.accelerator.gather(output["prompt_mask"].sum()).sum())
+            gather = self.accelerator.gather
+            self._count_generation(
+                int(gather(output["completion_mask"]).size(0)),
+                int(gather(output["completion_mask"].sum()).sum()),
+                int(gather(output["prompt_mask"].sum()).sum()),
+            )
         return output
-
-    def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):
-        if self.model.training:
-            self.bench_counts["forward_rows"] += int(input_ids.size(0))
-        return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
 
 
 class _TrainedAccounting:
@@ -64,8 +95,9 @@ class _TrainedAccounting:
         rows = (advantages.abs() < 1e-8).view(advantages.size(0), -1).all(1)  # a row teaches nothing
         zero = rows.view(-1, group).all(1)
         self._metrics[mode]["frac_zero_advantage_prompts"].append(zero.float().mean().item())
-        if mode == "train":
-            self.bench_counts["completions_trained"] += advantages.size(0)
+        if mode == "train":  # C-GRPO's padding rows (completion mask all 0) are not trained on
+            trained = self.accelerator.gather(output["completion_mask"].any(1))
+            self.bench_counts["completions_trained"] += int(trained.sum())
         return output
 
 
@@ -206,17 +238,113 @@ class _BenchDAPOCarryTrainer(_BenchDAPOTrainer):
     dapo_carry = True
 
 
+class _BenchA2POTrainer(_Counted, A2POTrainer):
+    """A*-PO with its spend counted: Stage 1's `num_value_samples` reference completions per training prompt (drawn
+    before the first step, so a run's curve starts that many completions in), then one completion per prompt a step,
+    and the two teacher-forced passes (reference and policy) of each training row."""
+
+    def _estimate_optimal_values(self):
+        generate = self.ref_model.generate
+
+        def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+            sequences = generate(*args, **kwargs)
+            prompt = kwargs["attention_mask"]
+            repeats = sequences.size(0) // prompt.size(0)  # num_return_sequences
+            tokens = _tokens_to_eos(sequences[:, prompt.size(1) :], self.eos_token_ids)
+            self._count_generation(sequences.size(0), tokens, int(prompt.sum()) * repeats)
+            return sequences
+
+        self.ref_model.generate = counted  # an instance attribute shadows the method while Stage 1 runs
+        try:
+            super()._estimate_optimal_values()
+        finally:
+            del self.ref_model.generate
+        if len(self.train_dataset) == 0:
+            raise SystemExit(
+                "A*-PO dropped every training prompt: all of each one's reference samples failed "
+                "(filter_all_incorrect). The starting model solves nothing here: warm it up longer (--warmup-steps)"
+            )
+
+    def _prepare_inputs(self, inputs):
+        prepared = super()._prepare_inputs(inputs)
+        if self.model.training:
+            mask, completion = prepared["attention_mask"], prepared["logits_to_keep"]
+            rows = mask.size(0)
+            self._count_generation(rows, int(mask[:, -completion:].sum()), int(mask[:, :-completion].sum()))
+            self.bench_counts["completions_trained"] += rows
+        return prepared
+
+    def _get_sequence_logps(self, model, input_ids, *args, **kwargs):
+        if self.model.training:
+            self.bench_counts["forward_rows"] += int(input_ids.size(0))
+        return super()._get_sequence_logps(model, input_ids, *args, **kwargs)
+
+
+def _tokens_to_eos(completions: torch.Tensor, eos_token_ids: list[int]) -> int:
+    """Tokens generated per row up to and including its first EOS (all of a row without one), summed."""
+    is_eos = torch.isin(completions, torch.tensor(eos_token_ids, device=completions.device))
+    before_first_eos = is_eos.int().cumsum(1) - is_eos.int() == 0
+    return int(before_first_eos.sum())
+
+
 TRAINERS: dict[str, tuple[type, type]] = {
     "poise": (_BenchPOISETrainer, POISEConfig),
     "grpo": (_BenchGRPOTrainer, GRPOConfig),
     "rloo": (_BenchRLOOTrainer, RLOOConfig),
     "dapo_ds": (_BenchDAPOTrainer, GRPOConfig),
     "dapo_ds_carry": (_BenchDAPOCarryTrainer, GRPOConfig),
+    "a2po": (_BenchA2POTrainer, A2POConfig),
 }
+if CGRPOTrainer is not None:
+
+    class _BenchCGRPOTrainer(_TrainedAccounting, _PassAccounting, CGRPOTrainer):
+        """C-GRPO with its spend counted where it generates: every budget increment and every calibration goes
+        through `_base_generate`, so each completion is counted once; the one-token rows that pad a stopped prompt
+        up to the group width are never generated and not counted (nor, masked out, trained on)."""
+
+        def _base_generate(self, prompt_ids, *args, **kwargs):
+            completion_ids, logprobs = super()._base_generate(prompt_ids, *args, **kwargs)
+            if self.model.training:
+                tokens = sum(len(ids) for ids in completion_ids)  # TRL cuts each completion after its first EOS
+                self._count_generation(len(completion_ids), tokens, sum(len(ids) for ids in prompt_ids))
+            return completion_ids, logprobs
+
+    TRAINERS["cgrpo"] = (_BenchCGRPOTrainer, CGRPOConfig)
+
+# A*-PO's training prompts: Stage 1 draws `num_value_samples` completions for each before the first step, so on a
+# budget of completions the prompt count sets the split between the offline and the online stage. Half the budget
+# offline (budget / (2 x num_value_samples) prompts: 200 at the study's 3,200 with A*-PO's default 8) leaves 50
+# online steps of 32, each prompt visited 8 times: the paper's shape (V* estimated once, then several epochs).
+A2PO_OFFLINE_SHARE = 0.5
+
+
+def trainer_inputs(
+    trainer: str, config: Any, budget: int, train: Dataset, extract_answer: Callable[[str], str | None] | None
+) -> dict[str, Any]:
+    """The data a contender's trainer is built with: the training split for the group methods; A*-PO's prompt subset
+    (A2PO_OFFLINE_SHARE); C-GRPO's training prompts, its `num_calibration_samples` calibration prompts (the tail of
+    the training split, held out of its training prompts) and the task's own answer parsing as its
+    `answer_extractor`."""
+    if trainer == "a2po":
+        prompts = max(1, int(A2PO_OFFLINE_SHARE * budget) // config.num_value_samples)
+        return {"train_dataset": train.select(range(min(prompts, len(train))))}
+    if trainer == "cgrpo":
+        if extract_answer is None:
+            raise SystemExit("C-GRPO needs the task's answer parsing (its answer_extractor): this task has none")
+        split = len(train) - config.num_calibration_samples
+        return {
+            "train_dataset": train.select(range(split)),
+            "calibration_dataset": train.select(range(split, len(train))),
+            "answer_extractor": extract_answer,
+        }
+    return {"train_dataset": train}
 
 
 def unavailable_reason(contender: Contender) -> str | None:
-    """Why a contender cannot run with this library version (a config field it needs is missing), else None."""
+    """Why a contender cannot run here (its package is not installed, or a config field it needs is missing in this
+    library version), else None."""
+    if contender.trainer == "cgrpo" and "cgrpo" not in TRAINERS:
+        return f"trl-cgrpo is not installed ({CGRPO_INSTALL})"
     fields = {f.name for f in dataclasses.fields(TRAINERS[contender.trainer][1])}
     missing = sorted(set(contender.overrides) - fields)
     if missing:

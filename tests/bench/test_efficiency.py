@@ -86,6 +86,12 @@ def test_contender_configs(tmp_path):
             config = _config(CONTENDERS[name], task, args, 0, tmp_path, 1e-5)
             assert all(getattr(config, k) == v for k, v in CONTENDERS[name].overrides.items())
     assert micro_batching(32, 4)["gradient_accumulation_steps"] == 4 * 2
+    a2po = _config(CONTENDERS["a2po"], task, args, 0, tmp_path, 1e-5)  # one completion per prompt, no group
+    assert a2po.per_device_train_batch_size == 8 and a2po.max_steps == 20 and not hasattr(a2po, "loss_type")
+    if unavailable_reason(CONTENDERS["cgrpo"]) is None:
+        cgrpo = _config(CONTENDERS["cgrpo"], task, args, 0, tmp_path, 1e-5)
+        assert cgrpo.budget_grid == [2, 4, 8] and cgrpo.num_generations == 8 and cgrpo.loss_type == "dapo"
+        assert cgrpo.max_steps == 10  # one prompt a step stopped at 2 completions each time reaches the budget of 20
 
 
 class _ScriptedRounds:
@@ -329,7 +335,8 @@ def test_per_prefix_contender_trains_and_is_paired_with_poise_default(tmp_path):
 @pytest.mark.parametrize("token_level", [False, True])
 def test_trained_accounting_counts_rollouts_and_silent_prompts_with_token_advantages(token_level):
     """With probe_granularity="prefix" the advantages are (B, T): a completion is one row, not T, and a prompt
-    teaches nothing only when every token of every completion has advantage 0."""
+    teaches nothing only when every token of every completion has advantage 0. A row whose completion mask is all 0
+    (C-GRPO's padding) is not trained on."""
     from collections import defaultdict
     from types import SimpleNamespace
 
@@ -337,7 +344,9 @@ def test_trained_accounting_counts_rollouts_and_silent_prompts_with_token_advant
 
     class Scored:
         def _generate_and_score_completions(self, inputs):
-            return {"advantages": inputs}
+            mask = torch.ones(inputs.size(0), 3, dtype=torch.int)
+            mask[-1] = 0  # a row C-GRPO padded its stopped prompt with: masked out, never trained on
+            return {"advantages": inputs, "completion_mask": mask}
 
     class Trainer(_TrainedAccounting, Scored):
         accelerator = Accelerator(cpu=True)
@@ -354,7 +363,7 @@ def test_trained_accounting_counts_rollouts_and_silent_prompts_with_token_advant
         advantages[4, -1] = 0.2
     trainer = Trainer()
     trainer._generate_and_score_completions(advantages)
-    assert trainer.bench_counts["completions_trained"] == 6
+    assert trainer.bench_counts["completions_trained"] == 5
     assert trainer._metrics["train"]["frac_zero_advantage_prompts"] == [pytest.approx(1 / 3)]
 
 
@@ -370,3 +379,38 @@ def test_tuning_one_contender_keeps_the_other_contenders_tuned_rates(tmp_path, m
     written = json.loads((tmp_path / "tuning_sort.json").read_text())
     assert written["grpo8"] == earlier["grpo8"]
     assert written["poise_importance"] == {"learning_rate": 2.5e-5, "source": "tuned"}
+
+
+def test_peer_contenders_charge_every_completion(tmp_path):
+    """A*-PO's Stage-1 value samples are charged before its first step (the curve holds the starting score until
+    they are spent) and C-GRPO's calibration rollouts with its budget increments; neither counts what it does not
+    generate (C-GRPO's padding rows)."""
+    from poise_trl.bench.trainers import TRAINERS
+
+    if "cgrpo" not in TRAINERS:
+        pytest.fail("trl-cgrpo is not installed: `make install` installs it (pip install --no-deps trl-cgrpo==0.2.0)")
+    out = tmp_path / "study"
+    argv = ["bench", "efficiency", "--seeds", "0", "--budget", "48", "--eval-every", "16", "--completions-per-step"]
+    argv += ["8", "--eval-k", "2", "--num-eval", "8", "--warmup-steps", "60", "--jobs", "1", "--output-dir", str(out)]
+    argv += ["--contenders", "a2po", "cgrpo", "--cache-dir", str(tmp_path / "models")]
+    args = parse_bench(argv)
+    assert args.func(args) == 0
+    (a2po,) = (json.loads(f.read_text()) for f in out.glob("runs/sort/a2po/*.json"))
+    offline = a2po["eval_completions"][1]  # the first evaluation after Stage 1: its value samples
+    assert offline == 3 * 8  # budget 48 x A2PO_OFFLINE_SHARE / num_value_samples = 3 prompts, 8 samples each
+    assert a2po["eval_completions"][0] == 0 and a2po["avg_at_k"][0] == a2po["avg_at_k"][1]
+    assert a2po["completions_generated"] == offline + a2po["completions_trained"] >= 48
+    assert a2po["forward_rows"] == 2 * a2po["completions_trained"]  # the reference and the policy pass
+    (cgrpo,) = (json.loads(f.read_text()) for f in out.glob("runs/sort/cgrpo/*.json"))
+    calibration = sum(v or 0 for v in cgrpo["per_step"]["cgrpo/calibration_rollouts"])
+    assert calibration == 32 * 8  # one calibration: 32 held-out prompts x max(budget_grid)
+    real = sum(k for k in cgrpo["per_step"]["cgrpo/mean_k"])  # one prompt a step: its completions generated
+    assert cgrpo["completions_generated"] == calibration + real and cgrpo["completions_trained"] == real
+
+
+def test_a_peer_that_is_not_installed_is_reported_with_its_install_command(monkeypatch):
+    from poise_trl.bench import trainers
+
+    monkeypatch.delitem(trainers.TRAINERS, "cgrpo", raising=False)
+    assert "pip install --no-deps trl-cgrpo==0.2.0" in unavailable_reason(CONTENDERS["cgrpo"])
+    assert unavailable_reason(CONTENDERS["a2po"]) is None
