@@ -1,4 +1,4 @@
-"""Sample efficiency of POISE vs GRPO, DAPO dynamic sampling and RLOO, per generated rollout.
+"""Sample efficiency of POISE vs GRPO, DAPO dynamic sampling, RLOO, A*-PO and C-GRPO, per generated rollout.
 
 Every contender trains on the same B completions per optimizer step (paper §2.3: at a fixed budget, fewer rollouts
 per prompt means more distinct prompts and a lower-variance gradient):
@@ -17,6 +17,12 @@ per prompt means more distinct prompts and a lower-variance gradient):
     POISE +partner / +shrunk / +selection   POISE (paper) plus one beyond-the-paper option each: the partner-aware
                                    probe, the shrunk bootstrap, value-guided prompt selection
     POISE per-prefix B/2 prompts   POISE (default) with probe_granularity="prefix": A_t = r - V(x, y_<t) per token
+    A*-PO            B prompts     trl.experimental.a2po.A2POTrainer, unmodified: V*(x) from 8 reference samples
+                                   per training prompt before the first step (charged: budget / 16 prompts, half the
+                                   budget offline), then one completion per prompt
+    C-GRPO G=2-8     B/8 prompts   trl_cgrpo.CGRPOTrainer (PyPI trl-cgrpo 0.2.0, installed --no-deps), unmodified:
+                                   each prompt sampled 2, 4, 8 until its conformal answer set is one answer;
+                                   calibration on 32 held-out training prompts every 50 steps (charged)
 
 Shared by all: the model and its warm start (per seed), the data-order seed, clip range (0.2/0.28), max completion
 length, temperature 1, no KL, one generation per optimizer step, the completions budget (`--budget`: every run stops
@@ -32,7 +38,8 @@ completion, plus value-guided selection's own prefill), rows through teacher-for
 
 Statistics (scipy), with the x-axis in completions GENERATED: the AUC, the mean held-out avg@k over the first
 `--budget` completions (linear interpolation between evaluations); per headline comparison (POISE default and paper
-against GRPO-8, GRPO-8 no-scale, DAPO-DS, DAPO-DS-carry, RLOO-2), paired by seed, the wins, the difference of AUC
+against GRPO-8, GRPO-8 no-scale, DAPO-DS, DAPO-DS-carry, RLOO-2; the beyond-the-paper rows and the peers also
+against POISE default), paired by seed, the wins, the difference of AUC
 above the start and the ratio of completions generated until avg@k gains 75% of GRPO-8's median gain (never
 reached counts against its contender), with BCa bootstrap CIs and Wilcoxon signed-rank p-values, Holm-corrected
 across all headline tests.
@@ -123,7 +130,7 @@ def _run_summarize(args: argparse.Namespace) -> int:
 def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "efficiency",
-        help="POISE vs GRPO G=8, DAPO dynamic sampling, RLOO k=2 and GRPO G=2 per completion generated",
+        help="POISE vs GRPO G=8, DAPO dynamic sampling, RLOO k=2, GRPO G=2, A*-PO and C-GRPO per completion generated",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
