@@ -33,14 +33,15 @@ def _principal_axes(block: torch.Tensor, k: int) -> torch.Tensor:
     return v[:, :k].T
 
 
-def _solve_spd(gram: torch.Tensor, alpha: float, rhs: torch.Tensor) -> torch.Tensor:
-    """(gram + alpha I)^-1 rhs for a Gram matrix by Cholesky (the matrix is positive definite for alpha > 0).
+def _solve_spd(gram: torch.Tensor, alpha: float | torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """(gram + diag(alpha))^-1 rhs for a Gram matrix by Cholesky (positive definite for alpha > 0); alpha a number or
+    one per row (the logistic head leaves its intercept's 0), rhs (P,) or (P, K).
 
     The factorisation's status is never read on the host (that would stall the device every refit): should rounding
     make it fail, the solution is NaN, so the probe predicts NaN and its rows fall back to the bootstrap baseline."""
     gram.diagonal().add_(alpha)  # in place: the Gram matrix is a temporary of the caller
     factor, info = torch.linalg.cholesky_ex(gram)
-    solution = torch.cholesky_solve(rhs.unsqueeze(1), factor).squeeze(1)
+    solution = torch.cholesky_solve(rhs.reshape(rhs.size(0), -1), factor).reshape(rhs.shape)
     return torch.where(info == 0, solution, torch.full_like(solution, float("nan")))
 
 
