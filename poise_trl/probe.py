@@ -45,6 +45,21 @@ def _solve_spd(gram: torch.Tensor, alpha: float | torch.Tensor, rhs: torch.Tenso
     return torch.where(info == 0, solution, torch.full_like(solution, float("nan")))
 
 
+def clip_range(clip: tuple[float, float] | str | None, y64: torch.Tensor) -> torch.Tensor:
+    """[low, high] float64 on the targets' device: the observed target range ("observed"), the given pair, or
+    (-inf, inf) for None."""
+    if clip == "observed":
+        return torch.stack([y64.min(), y64.max()])
+    low, high = clip or (-torch.inf, torch.inf)
+    return torch.tensor([float(low), float(high)], dtype=torch.float64, device=y64.device)
+
+
+def clipped_output(raw: torch.Tensor, clip: torch.Tensor, return_unclipped: bool) -> Any:
+    """What a head's `predict` returns: the float32 values clipped to `clip`, and with `return_unclipped` the raw."""
+    clipped = raw.clamp(min=clip[0], max=clip[1]).float()
+    return (clipped, raw.float()) if return_unclipped else clipped
+
+
 class ScaledHead:
     """The front end every value head shares: StandardScaler -> optional per-block PCA, fitted in float64 on the
     inputs' device, then the clip to the reward range. A head subclasses it with its own `_solve` (fit on the design
@@ -139,11 +154,7 @@ class ScaledHead:
             raise ValueError("fit got non-finite features or targets; drop those rows first.")
         y64 = y.to(torch.float64)
         design = self._fit_design(x.to(torch.float64))
-        if self.clip == "observed":
-            self._state["clip"] = torch.stack([y64.min(), y64.max()])
-        else:
-            low, high = self.clip or (-torch.inf, torch.inf)
-            self._state["clip"] = torch.tensor([float(low), float(high)], dtype=torch.float64, device=x.device)
+        self._state["clip"] = clip_range(self.clip, y64)
         self._solve(design, y64)
         return self
 
@@ -160,10 +171,7 @@ class ScaledHead:
         if not self.is_fitted:
             raise RuntimeError(f"{type(self).__name__}.predict called before fit.")
         self._state = {k: v.to(x.device) for k, v in self._state.items()}
-        raw = self._raw(self._design(x))
-        clip = self._state["clip"]
-        clipped = raw.clamp(min=clip[0], max=clip[1]).float()
-        return (clipped, raw.float()) if return_unclipped else clipped
+        return clipped_output(self._raw(self._design(x)), self._state["clip"], return_unclipped)
 
     @property
     def fitted_pca_dims(self) -> list[int]:
