@@ -239,10 +239,10 @@ class POISEConfig(GRPOConfig):
         metadata={
             "help": "The value head fitted on the probe's features, for the baseline and the prompt values "
             "`prompt_selection` reads: 'ridge' (paper), 'logistic' (sigmoid link trained to cross-entropy, "
-            "scikit-learn's LogisticRegression(C=1/probe_alpha)), 'mlp' (one hidden layer of 64, as holi-lab/POISE's) "
-            "or 'ensemble' (the mean of ridge and logistic). Every head uses probe_alpha as its L2 penalty and the same "
-            "scaler and PCA. Which one is best is not measured yet; the per-prefix value (probe_granularity='prefix') "
-            "needs 'ridge'.",
+            "scikit-learn's LogisticRegression(C=1/probe_alpha)), 'mlp' (one hidden layer of 64, as "
+            "holi-lab/POISE's) or 'ensemble' (the mean of ridge and logistic). Every head uses probe_alpha as its L2 "
+            "penalty and the same scaler and PCA. Which one is best is not measured yet; the per-prefix value "
+            "(probe_granularity='prefix') needs 'ridge'.",
         },
     )
     probe_buffer_size: int = field(

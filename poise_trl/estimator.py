@@ -44,9 +44,9 @@ from .batch import AdvantageResult, PreparedBatch, prepare_batch, scale_advantag
 from .buffer import ProbeBuffer
 from .files import EstimatorFile
 from .granularity import GRANULARITIES, PrefixBatch
+from .heads import HEADS, ValueHead
 from .layer_choice import select_layer
 from .learner import OnlineLearner
-from .heads import HEADS, ValueHead
 from .prompt_value import fit_prompt_values, target_range
 from .settings import check_settings
 
@@ -175,7 +175,7 @@ class POISEEstimator(EstimatorFile):
 
     def describe_probe(self, probe: ValueHead) -> str:
         """A probe's refit settings as the caller names them (error messages)."""
-        return json.dumps(probe.config()) if self.describe is None else self.describe(probe)
+        return f"head {probe.name!r} {json.dumps(probe.config())}" if self.describe is None else self.describe(probe)
 
     def prepare(
         self,

@@ -1,6 +1,8 @@
 """The value probe g_f: StandardScaler -> optional per-block PCA -> closed-form ridge, in torch.
 
-`ScaledHead` is the front end (scaler, PCA, clip) every value head shares; `ValueProbe` adds the ridge solve. It runs on whatever device its inputs live on (the GPU in real use) and solves in float64: DESIGN §4 measured a
+`ScaledHead` is the front end (scaler, PCA, clip) every value head shares; `ValueProbe` adds the ridge solve.
+
+It runs on whatever device its inputs live on (the GPU in real use) and solves in float64: DESIGN §4 measured a
 float32 primal solve with alpha=0.01 to be numerically wrong when there are more features than examples.
 """
 

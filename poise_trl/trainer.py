@@ -28,8 +28,8 @@ from .config import POISEConfig
 from .estimator import POISEEstimator
 from .features import feature_spans, find_decoder_layers
 from .files import DEFAULT_DOMAIN
-from .prefix import PrefixBatch
 from .heads import ValueHead
+from .prefix import PrefixBatch
 from .resume import (
     ESTIMATOR_FILE,
     ResumableSampler,

@@ -54,9 +54,14 @@ def test_children_given_as_heads_keep_their_settings_through_the_config():
 
 @pytest.mark.parametrize(
     ("setting", "message"),
-    [({"children": ()}, "at least one child"), ({"children": ("ridge", "forest")}, r"Unknown child heads \['forest'\]"),
-     ({"combine": "vote"}, r"combine='vote': choose one of \['mean', 'stack'\]"), ({"folds": 1}, "folds=1 must be"),
-     ({"stack_alpha": 0.0}, "alpha=0.0 must be > 0"), ({"clip": "seen"}, "clip='seen'")],
+    [
+        ({"children": ()}, "at least one child"),
+        ({"children": ("ridge", "forest")}, r"Unknown child heads \['forest'\]"),
+        ({"combine": "vote"}, r"combine='vote': choose one of \['mean', 'stack'\]"),
+        ({"folds": 1}, "folds=1 must be"),
+        ({"stack_alpha": 0.0}, "alpha=0.0 must be > 0"),
+        ({"clip": "seen"}, "clip='seen'"),
+    ],
 )
 def test_bad_settings_are_refused(setting, message):
     with pytest.raises(ValueError, match=message):

@@ -26,8 +26,15 @@ def test_learns_what_sklearn_mlp_regressor_learns_on_held_out_rows():
     ours = r2_score(y_test, MLPProbe(alpha=1.0, clip=None).fit(x, y).predict(x_test).double())
     scaler = StandardScaler().fit(x.numpy())
     reference = MLPRegressor(
-        hidden_layer_sizes=(64,), alpha=1.0, batch_size=800, learning_rate_init=1e-3, max_iter=1000, tol=0.0,
-        n_iter_no_change=10**9, shuffle=False, random_state=0,
+        hidden_layer_sizes=(64,),
+        alpha=1.0,
+        batch_size=800,
+        learning_rate_init=1e-3,
+        max_iter=1000,
+        tol=0.0,
+        n_iter_no_change=10**9,
+        shuffle=False,
+        random_state=0,
     ).fit(scaler.transform(x.numpy()), y.numpy())
     theirs = r2_score(y_test, reference.predict(scaler.transform(x_test.numpy())))
     linear = r2_score(y_test, ValueProbe(alpha=1.0, clip=None).fit(x, y).predict(x_test).double())
@@ -37,7 +44,9 @@ def test_learns_what_sklearn_mlp_regressor_learns_on_held_out_rows():
 def test_fits_are_deterministic_and_the_seed_is_a_setting():
     x, y = _curve(100)
     first, second = MLPProbe(iterations=50).fit(x, y), MLPProbe(iterations=50).fit(x, y)
-    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values(), strict=True)
+    )
     assert not torch.equal(first.predict(x), MLPProbe(iterations=50, seed=1).fit(x, y).predict(x))
     assert MLPProbe.from_config(MLPProbe(hidden=8, seed=3).config()).config() == MLPProbe(hidden=8, seed=3).config()
 
@@ -51,8 +60,12 @@ def test_fits_on_inference_tensors_under_inference_mode():
 
 @pytest.mark.parametrize(
     ("setting", "message"),
-    [({"hidden": 0}, "hidden=0 must be an int >= 1"), ({"iterations": 2.5}, "iterations=2.5 must be an int"),
-     ({"learning_rate": 0.0}, "learning_rate=0.0 must be > 0"), ({"alpha": -1.0}, "alpha=-1.0 must be > 0")],
+    [
+        ({"hidden": 0}, "hidden=0 must be an int >= 1"),
+        ({"iterations": 2.5}, "iterations=2.5 must be an int"),
+        ({"learning_rate": 0.0}, "learning_rate=0.0 must be > 0"),
+        ({"alpha": -1.0}, "alpha=-1.0 must be > 0"),
+    ],
 )
 def test_bad_settings_are_refused(setting, message):
     with pytest.raises(ValueError, match=message):
