@@ -217,9 +217,8 @@ class ScaledHead:
 
 
 class ValueProbe(ScaledHead):
-    """A sklearn-like ridge probe on torch tensors (settings: `ScaledHead`).
-
-    With `pca_dims=None, clip=None` it reproduces `make_pipeline(StandardScaler(), Ridge(alpha))`.
+    """A sklearn-like ridge probe on torch tensors: `ScaledHead`'s front end and settings (alpha, pca_dims, clip), then
+    closed-form ridge. With `pca_dims=None, clip=None` it reproduces `make_pipeline(StandardScaler(), Ridge(alpha))`.
     """
 
     name = "ridge"  # its key in heads.HEADS
