@@ -29,6 +29,7 @@ def card_section(args: "POISEConfig", layer: int, layers: list[int], diagnostics
         f"- Probe preset: {args.probe_preset} (probe_alpha={args.probe_alpha}, probe_pca_dims="
         f"{args.probe_pca_dims}, probe_clip_range={args.probe_clip_range}, probe_buffer_size="
         f"{args.probe_buffer_size}, probe_warmup_steps={args.probe_warmup_steps})",
+        f"- Value head (probe_head): {args.probe_head}; granularity (probe_granularity): {args.probe_granularity}",
         f"- Probe layer: {'default' if args.probe_layer is None else args.probe_layer} (in use: {layer}; "
         f"candidates: {layers})",
         f"- Features: {list(args.probe_features)}, pooled over the last {args.probe_pool_tokens} tokens",

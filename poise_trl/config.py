@@ -49,6 +49,7 @@ ESTIMATOR_FIELDS = {
     "bootstrap": "probe_bootstrap",
     "alpha": "probe_alpha",
     "clip": "probe_clip_range",
+    "head": "probe_head",
     "buffer_size": "probe_buffer_size",
     "domain_buffer_sizes": "probe_domain_buffer_sizes",
     "max_domains": "probe_max_domains",
@@ -92,14 +93,16 @@ def conversion_message(config: GRPOConfig, converted: GRPOConfig, changed: list[
 
 
 def _probe_settings(blocks: list[str], hidden_size: int, probe: Any) -> str:
-    """A `ValueProbe`'s refit settings in POISEConfig's terms, for the estimator's error messages."""
+    """A value head's refit settings in POISEConfig's terms, for the estimator's error messages (an ensemble's from
+    its first child: POISEConfig builds every child from the same settings)."""
+    head, probe = probe.name, getattr(probe, "children", [probe])[0]
     pca = probe.pca_dims
     if isinstance(pca, list | tuple):
         slices = block_slices(blocks, hidden_size)
         ks = {int(start): int(k) for start, _, k in pca}
         pca = [ks.get(slices[name][0], 0) if name in slices else 0 for name in HIDDEN_BLOCKS]
     clip = None if probe.clip == "observed" else list(probe.clip) if probe.clip is not None else "no clipping"
-    return f"probe_alpha={probe.alpha}, probe_pca_dims={pca}, probe_clip_range={clip}"
+    return f"probe_head={head!r}, probe_alpha={probe.alpha}, probe_pca_dims={pca}, probe_clip_range={clip}"
 
 
 def changed_defaults() -> dict[str, tuple[Any, Any]]:
@@ -229,6 +232,17 @@ class POISEConfig(GRPOConfig):
             "`probe_warmup_steps`), every generated token t gets A_t = r - V(x, y_<t), a value of the prefix from the "
             "states before t (unbiased: it never reads token t or later), learned from 4 sampled tokens per rollout; "
             "the sequence-level baseline serves until then. Needs a fixed `probe_layer`.",
+        },
+    )
+    probe_head: str = field(
+        default="ridge",
+        metadata={
+            "help": "The value head fitted on the probe's features, for the baseline and the prompt values "
+            "`prompt_selection` reads: 'ridge' (paper), 'logistic' (sigmoid link trained to cross-entropy, "
+            "scikit-learn's LogisticRegression(C=1/probe_alpha)), 'mlp' (one hidden layer of 64, as "
+            "holi-lab/POISE's) or 'ensemble' (the mean of ridge and logistic). Every head uses probe_alpha as its L2 "
+            "penalty and the same scaler and PCA. Which one is best is not measured yet; the per-prefix value "
+            "(probe_granularity='prefix') needs 'ridge'.",
         },
     )
     probe_buffer_size: int = field(
@@ -408,6 +422,7 @@ class POISEConfig(GRPOConfig):
             alpha=self.probe_alpha,
             pca_dims=pca,
             clip=None if self.probe_clip_range is None else tuple(self.probe_clip_range),
+            head=self.probe_head,
             buffer_size=self.probe_buffer_size,
             domain_buffer_sizes=self.probe_domain_buffer_sizes,
             max_domains=self.probe_max_domains,

@@ -44,9 +44,9 @@ from .batch import AdvantageResult, PreparedBatch, prepare_batch, scale_advantag
 from .buffer import ProbeBuffer
 from .files import EstimatorFile
 from .granularity import GRANULARITIES, PrefixBatch
+from .heads import HEADS, ValueHead
 from .layer_choice import select_layer
 from .learner import OnlineLearner
-from .probe import ValueProbe
 from .prompt_value import fit_prompt_values, target_range
 from .settings import check_settings
 
@@ -63,8 +63,11 @@ class POISEEstimator(EstimatorFile):
 
     Args:
         num_generations: G, rollouts per prompt (>= 2).
-        alpha, pca_dims, clip: the ridge probe's settings (`ValueProbe`); clip None means the observed reward range.
-            The partner-reward column (`partner_reward`) is never part of a PCA block, whatever `pca_dims` says.
+        alpha, pca_dims, clip: the value head's settings (`probe.ScaledHead`); clip None means the observed reward
+            range. The partner-reward column (`partner_reward`) is never part of a PCA block, whatever `pca_dims`
+            says.
+        head: the value head of the sequence value and of the sampler's prompt values, a key of `heads.HEADS`
+            ("ridge", the paper's; "logistic", "mlp", "ensemble"). The per-prefix value is always ridge's.
         buffer_size: rows in each domain's sliding buffer; `domain_buffer_sizes` overrides it per domain.
         max_domains: distinct domains a run may have; each holds its own probe and buffer (the buffer grows with its
             rows, up to buffer_size x candidate layers x (width + 1) float32 on the features' device).
@@ -92,6 +95,7 @@ class POISEEstimator(EstimatorFile):
         alpha: float = 100.0,
         pca_dims: int | Sequence[tuple[int, int, int]] | None = None,
         clip: tuple[float, float] | None = None,
+        head: str = "ridge",
         buffer_size: int = 4096,
         domain_buffer_sizes: dict[str, int] | None = None,
         max_domains: int = 64,
@@ -108,7 +112,7 @@ class POISEEstimator(EstimatorFile):
         prompt_pca_dims: int = 0,
         feature_config: dict[str, Any] | None = None,
         broadcast: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        describe: Callable[[ValueProbe], str] | None = None,
+        describe: Callable[[ValueHead], str] | None = None,
         granularity: str = "sequence",
         prefix_pca_dims: tuple[int, int] = (0, 0),
     ):
@@ -117,6 +121,7 @@ class POISEEstimator(EstimatorFile):
         self.alpha = alpha
         self.pca_dims = pca_dims
         self.clip = clip
+        self.head = head
         self.buffer_size = buffer_size
         self.domain_buffer_sizes = domain_buffer_sizes
         self.max_domains = max_domains
@@ -153,13 +158,13 @@ class POISEEstimator(EstimatorFile):
         return self.layers[self.layer_index]
 
     @property
-    def probe_template(self) -> ValueProbe:
-        """An unfitted probe with this estimator's refit settings: an integer `pca_dims` of a partner-aware probe is
+    def probe_template(self) -> ValueHead:
+        """An unfitted head with this estimator's refit settings: an integer `pca_dims` of a partner-aware probe is
         the PCA of every feature column, the partner's reward staying outside."""
         pca = self.pca_dims
         if self.partner_reward and isinstance(pca, int) and pca > 0:
             pca = [(0, -1, pca)]
-        return ValueProbe(alpha=self.alpha, pca_dims=pca, clip="observed" if self.clip is None else self.clip)
+        return HEADS[self.head](alpha=self.alpha, pca_dims=pca, clip="observed" if self.clip is None else self.clip)
 
     def capacity(self, domain: str) -> int:
         return (self.domain_buffer_sizes or {}).get(domain, self.buffer_size)
@@ -168,9 +173,9 @@ class POISEEstimator(EstimatorFile):
         """A domain's learner of the sequence value, unfitted, with this estimator's settings."""
         return OnlineLearner(self.probe_template, self.capacity(domain), self.warmup_steps)
 
-    def describe_probe(self, probe: ValueProbe) -> str:
+    def describe_probe(self, probe: ValueHead) -> str:
         """A probe's refit settings as the caller names them (error messages)."""
-        return json.dumps(probe.config()) if self.describe is None else self.describe(probe)
+        return f"head {probe.name!r} {json.dumps(probe.config())}" if self.describe is None else self.describe(probe)
 
     def prepare(
         self,
@@ -183,7 +188,7 @@ class POISEEstimator(EstimatorFile):
         """The batch as `advantages`, `predict` and `observe` use it (arguments as `advantages` takes them)."""
         if rewards.shape != features.shape[:1]:
             raise ValueError(f"Got {rewards.shape[0]} rewards for {features.shape[0]} feature rows.")
-        blocks, width = self.probe_template.pca_dims, features.size(-1)
+        blocks, width = self.pca_dims, features.size(-1)
         if (
             self.partner_reward
             and not isinstance(blocks, int | None)
@@ -424,7 +429,7 @@ class POISEEstimator(EstimatorFile):
             return None
         start, stop = self.prompt_columns
         pca = [(0, stop - start, self.prompt_pca_dims)] if self.prompt_pca_dims else None
-        head = ValueProbe(alpha=self.alpha, pca_dims=pca, clip="observed")
+        head = HEADS[self.head](alpha=self.alpha, pca_dims=pca, clip="observed")
         learners = list(self.probes.values())
         return fit_prompt_values(
             learners, self.prompt_columns, self.layer_index, head, 2 * self.num_generations, prompt_features

@@ -145,6 +145,12 @@ class EstimatorFile:
             name = domain["name"]
             online = self.new_probe(name)  # this run's settings and capacity (the newest rows survive)
             saved = head_from_config(domain["probe"], domain.get("head", ValueProbe.name))
+            if warm_start and saved.name != online.probe.name:  # the learner refits the head it predicts with
+                raise ValueError(
+                    f"The probe in {source} (domain {name!r}) is a {saved.name!r} head, but this run's head is "
+                    f"{online.probe.name!r}: a warm start predicts with the loaded fit until its first refit, which "
+                    f"uses the same head. Warm-start with the head the file was saved with, or start without it."
+                )
             if not warm_start and (saved.name, saved.config()) != (online.probe.name, online.probe.config()):
                 raise ValueError(
                     f"The probe in {source} (domain {name!r}) refits with {self.describe_probe(saved)}, but this run "

@@ -3,13 +3,18 @@
 
 The online learner (learner.py) takes a head and does not care which: it clones the unfitted head's settings,
 fits on its buffer, predicts, and round-trips the fit through `state_dict`. A new head is one class with this
-interface and one entry in `HEADS`; `head_from_config` rebuilds a saved head from its name and `config()`.
+interface and one entry in `HEADS`; `head_from_config` rebuilds a saved head from its name and `config()`. The
+heads other than the ensemble share `probe.ScaledHead`'s front end (scaler, per-block PCA, clip) and differ in what
+they fit on it.
 """
 
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from .ensemble import EnsembleProbe
+from .logistic import LogisticProbe
+from .mlp import MLPProbe
 from .probe import ValueProbe
 
 
@@ -42,7 +47,9 @@ class ValueHead(Protocol):
         """Replace every fitted tensor by `function(tensor)` in place (a broadcast from rank 0)."""
 
 
-HEADS: dict[str, type] = {ValueProbe.name: ValueProbe}
+HEADS: dict[str, type] = {head.name: head for head in (ValueProbe, LogisticProbe, MLPProbe, EnsembleProbe)}
+"""Every head is built as `HEADS[name](alpha=, pca_dims=, clip=)` with a run's probe settings: ridge (probe.py),
+sigmoid-BCE (logistic.py), one hidden layer (mlp.py), and an ensemble of heads (ensemble.py)."""
 
 
 def head_from_config(config: dict[str, Any], name: str = ValueProbe.name) -> ValueHead:

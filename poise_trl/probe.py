@@ -1,5 +1,7 @@
 """The value probe g_f: StandardScaler -> optional per-block PCA -> closed-form ridge, in torch.
 
+`ScaledHead` is the front end (scaler, PCA, clip) every value head shares; `ValueProbe` adds the ridge solve.
+
 It runs on whatever device its inputs live on (the GPU in real use) and solves in float64: DESIGN §4 measured a
 float32 primal solve with alpha=0.01 to be numerically wrong when there are more features than examples.
 """
@@ -33,31 +35,48 @@ def _principal_axes(block: torch.Tensor, k: int) -> torch.Tensor:
     return v[:, :k].T
 
 
-def _solve_spd(gram: torch.Tensor, alpha: float, rhs: torch.Tensor) -> torch.Tensor:
-    """(gram + alpha I)^-1 rhs for a Gram matrix by Cholesky (the matrix is positive definite for alpha > 0).
+def _solve_spd(gram: torch.Tensor, alpha: float | torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """(gram + diag(alpha))^-1 rhs for a Gram matrix by Cholesky (positive definite for alpha > 0); alpha a number or
+    one per row (the logistic head leaves its intercept's 0), rhs (P,) or (P, K).
 
     The factorisation's status is never read on the host (that would stall the device every refit): should rounding
     make it fail, the solution is NaN, so the probe predicts NaN and its rows fall back to the bootstrap baseline."""
     gram.diagonal().add_(alpha)  # in place: the Gram matrix is a temporary of the caller
     factor, info = torch.linalg.cholesky_ex(gram)
-    solution = torch.cholesky_solve(rhs.unsqueeze(1), factor).squeeze(1)
+    solution = torch.cholesky_solve(rhs.reshape(rhs.size(0), -1), factor).reshape(rhs.shape)
     return torch.where(info == 0, solution, torch.full_like(solution, float("nan")))
 
 
-class ValueProbe:
-    """A sklearn-like ridge probe on torch tensors.
+def clip_range(clip: tuple[float, float] | str | None, y64: torch.Tensor) -> torch.Tensor:
+    """[low, high] float64 on the targets' device: the observed target range ("observed"), the given pair, or
+    (-inf, inf) for None."""
+    if clip == "observed":
+        return torch.stack([y64.min(), y64.max()])
+    low, high = clip or (-torch.inf, torch.inf)
+    return torch.tensor([float(low), float(high)], dtype=torch.float64, device=y64.device)
 
-    With `pca_dims=None, clip=None` it reproduces `make_pipeline(StandardScaler(), Ridge(alpha))`.
+
+def clipped_output(raw: torch.Tensor, clip: torch.Tensor, return_unclipped: bool) -> Any:
+    """What a head's `predict` returns: the float32 values clipped to `clip`, and with `return_unclipped` the raw."""
+    clipped = raw.clamp(min=clip[0], max=clip[1]).float()
+    return (clipped, raw.float()) if return_unclipped else clipped
+
+
+class ScaledHead:
+    """The front end every value head shares: StandardScaler -> optional per-block PCA, fitted in float64 on the
+    inputs' device, then the clip to the reward range. A head subclasses it with its own `_solve` (fit on the design
+    matrix) and `_raw` (unclipped values of a design matrix), so the heads differ only in what they fit.
 
     Args:
-        alpha: ridge penalty.
+        alpha: L2 penalty (> 0), the weight of (alpha / 2) ||w||^2 beside the negative log-likelihood of the head's
+            loss (half the squared error for ridge and the MLP, the cross-entropy for the logistic head).
         pca_dims: None (no PCA), an int (PCA of all columns), or (start, stop, k) blocks: columns [start, stop)
             (negative: counted from the end) are replaced by their top-k principal components; others pass through.
             k is capped by the number of rows and columns available at fit time (`fitted_pca_dims` records it).
         clip: None, a (low, high) pair, or "observed" to clip to the range of targets seen in `fit`.
     """
 
-    name = "ridge"  # its key in heads.HEADS
+    name = ""  # its key in heads.HEADS
 
     def __init__(
         self,
@@ -65,7 +84,7 @@ class ValueProbe:
         pca_dims: int | Sequence[PCABlock] | None = None,
         clip: tuple[float, float] | str | None = "observed",
     ):
-        if alpha <= 0:
+        if not alpha > 0:
             raise ValueError(f"alpha={alpha} must be > 0.")
         if isinstance(clip, str) and clip != "observed":
             raise ValueError(f"clip={clip!r}: use None, (low, high) or 'observed'.")
@@ -107,16 +126,8 @@ class ValueProbe:
         parts.append(z[:, cursor:])
         return torch.cat(parts, dim=1)
 
-    def fit(self, x: torch.Tensor, y: torch.Tensor, check_finite: bool = True) -> "ValueProbe":
-        """Fit on (N, D) features and (N,) targets; rows must be finite. `check_finite=False` skips the check, which
-        reads a flag on the host, for callers that filtered the rows already (the estimator's buffer)."""
-        if x.ndim != 2 or y.shape != (x.size(0),):
-            raise ValueError(f"fit expects X (N, D) and y (N,), got {tuple(x.shape)} and {tuple(y.shape)}.")
-        if x.size(0) < 2:
-            raise ValueError(f"fit needs at least 2 examples, got {x.size(0)}.")
-        if check_finite and not (torch.isfinite(x).all() and torch.isfinite(y).all()):
-            raise ValueError("fit got non-finite features or targets; drop those rows first.")
-        x64, y64 = x.to(torch.float64), y.to(torch.float64)
+    def _fit_design(self, x64: torch.Tensor) -> torch.Tensor:
+        """Fit the scaler and the PCA blocks on (N, D) float64 rows (resetting the state); the rows' design."""
         n, d = x64.shape
         mean = x64.mean(0)
         scale = x64.std(0, unbiased=False)
@@ -132,50 +143,37 @@ class ValueProbe:
             block = z[:, start:stop]
             block = block - block.mean(0)
             self._state[f"pca_components_{i}"] = _principal_axes(block, min(k, n, stop - start))
-        design = self._design(x64)
-        design_mean = design.mean(0)
-        centered = design - design_mean
-        target_mean = y64.mean()
-        yc = y64 - target_mean
-        if centered.size(1) <= n:  # primal: (F'F + aI) w = F'y
-            coef = _solve_spd(centered.T @ centered, self.alpha, centered.T @ yc)
-        else:  # dual: w = F'(FF' + aI)^-1 y, the cheaper solve when D > N
-            coef = centered.T @ _solve_spd(centered @ centered.T, self.alpha, yc)
-        self._state["coef"] = coef
-        self._state["intercept"] = (target_mean - design_mean @ coef).reshape(1)
-        if self.clip == "observed":
-            self._state["clip"] = torch.stack([y64.min(), y64.max()])
-        else:
-            low, high = self.clip or (-torch.inf, torch.inf)
-            self._state["clip"] = torch.tensor([float(low), float(high)], dtype=torch.float64, device=x.device)
+        return self._design(x64)
+
+    def fit(self, x: torch.Tensor, y: torch.Tensor, check_finite: bool = True) -> "ScaledHead":
+        """Fit on (N, D) features and (N,) targets; rows must be finite. `check_finite=False` skips the check, which
+        reads a flag on the host, for callers that filtered the rows already (the estimator's buffer)."""
+        if x.ndim != 2 or y.shape != (x.size(0),):
+            raise ValueError(f"fit expects X (N, D) and y (N,), got {tuple(x.shape)} and {tuple(y.shape)}.")
+        if x.size(0) < 2:
+            raise ValueError(f"fit needs at least 2 examples, got {x.size(0)}.")
+        if check_finite and not (torch.isfinite(x).all() and torch.isfinite(y).all()):
+            raise ValueError("fit got non-finite features or targets; drop those rows first.")
+        y64 = y.to(torch.float64)
+        design = self._fit_design(x.to(torch.float64))
+        self._state["clip"] = clip_range(self.clip, y64)
+        self._solve(design, y64)
         return self
 
-    def predict(self, x: torch.Tensor, return_unclipped: bool = False) -> torch.Tensor:
+    def _solve(self, design: torch.Tensor, y64: torch.Tensor) -> None:
+        """Fit the head's own parameters on the (N, P) float64 design matrix (the clip range is set already)."""
+        raise NotImplementedError
+
+    def _raw(self, design: torch.Tensor) -> torch.Tensor:
+        """(N,) float64 unclipped values of a design matrix."""
+        raise NotImplementedError
+
+    def predict(self, x: torch.Tensor, return_unclipped: bool = False) -> Any:
         """(N,) float32 predictions, clipped to the reward range; `return_unclipped` also returns the raw values."""
         if not self.is_fitted:
-            raise RuntimeError("ValueProbe.predict called before fit.")
-        state = {k: v.to(x.device) for k, v in self._state.items()}
-        self._state = state
-        raw = self._design(x) @ state["coef"] + state["intercept"]
-        clipped = raw.clamp(min=state["clip"][0], max=state["clip"][1]).float()
-        return (clipped, raw.float()) if return_unclipped else clipped
-
-    def affine(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weight (D,), bias 0-d), float64: scaler, PCA and ridge folded into one map, predict(x) = clip(x @ weight +
-        bias). Linear in x, so the value of a mean of states is the mean of their projections (prefix.py)."""
-        if not self.is_fitted:
-            raise RuntimeError("ValueProbe.affine called before fit.")
-        s = self._state
-        weight, j, cursor = torch.empty_like(s["mean"]), 0, 0
-        for i, (start, stop) in enumerate(self._pca_blocks):
-            components = s[f"pca_components_{i}"]  # (k, stop - start): design column j + m is z_block @ row m
-            weight[cursor:start] = s["coef"][j : j + start - cursor]
-            j += start - cursor
-            weight[start:stop] = components.T @ s["coef"][j : j + components.size(0)]
-            j, cursor = j + components.size(0), stop
-        weight[cursor:] = s["coef"][j:]
-        weight = weight / s["scale"]
-        return weight, s["intercept"][0] - weight @ s["mean"]
+            raise RuntimeError(f"{type(self).__name__}.predict called before fit.")
+        self._state = {k: v.to(x.device) for k, v in self._state.items()}
+        return clipped_output(self._raw(self._design(x)), self._state["clip"], return_unclipped)
 
     @property
     def fitted_pca_dims(self) -> list[int]:
@@ -194,15 +192,15 @@ class ValueProbe:
         }
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "ValueProbe":
+    def from_config(cls, config: dict[str, Any]) -> "ScaledHead":
         """Inverse of `config()` (JSON lists back to tuples)."""
         pca, clip = config["pca_dims"], config["clip"]
         pca = pca if pca is None or isinstance(pca, int) else [tuple(block) for block in pca]
-        return cls(alpha=config["alpha"], pca_dims=pca, clip=tuple(clip) if isinstance(clip, list) else clip)
+        return cls(**{**config, "pca_dims": pca, "clip": tuple(clip) if isinstance(clip, list) else clip})
 
-    def clone(self) -> "ValueProbe":
-        """An unfitted probe with the same settings."""
-        return ValueProbe(alpha=self.alpha, pca_dims=self.pca_dims, clip=self.clip)
+    def clone(self) -> "ScaledHead":
+        """An unfitted head with the same settings."""
+        return type(self).from_config(self.config())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().contiguous() for k, v in self._state.items()}
@@ -216,3 +214,44 @@ class ValueProbe:
         self._state = {k: v.to(torch.float64) if v.is_floating_point() else v for k, v in state.items()}
         starts, stops = state.get("pca_start", torch.zeros(0)).tolist(), state.get("pca_stop", torch.zeros(0)).tolist()
         self._pca_blocks = [(int(a), int(b)) for a, b in zip(starts, stops, strict=True)]
+
+
+class ValueProbe(ScaledHead):
+    """A sklearn-like ridge probe on torch tensors: `ScaledHead`'s front end and settings (alpha, pca_dims, clip), then
+    closed-form ridge. With `pca_dims=None, clip=None` it reproduces `make_pipeline(StandardScaler(), Ridge(alpha))`.
+    """
+
+    name = "ridge"  # its key in heads.HEADS
+
+    def _solve(self, design: torch.Tensor, y64: torch.Tensor) -> None:
+        n = design.size(0)
+        design_mean = design.mean(0)
+        centered = design - design_mean
+        target_mean = y64.mean()
+        yc = y64 - target_mean
+        if centered.size(1) <= n:  # primal: (F'F + aI) w = F'y
+            coef = _solve_spd(centered.T @ centered, self.alpha, centered.T @ yc)
+        else:  # dual: w = F'(FF' + aI)^-1 y, the cheaper solve when D > N
+            coef = centered.T @ _solve_spd(centered @ centered.T, self.alpha, yc)
+        self._state["coef"] = coef
+        self._state["intercept"] = (target_mean - design_mean @ coef).reshape(1)
+
+    def _raw(self, design: torch.Tensor) -> torch.Tensor:
+        return design @ self._state["coef"] + self._state["intercept"]
+
+    def affine(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight (D,), bias 0-d), float64: scaler, PCA and ridge folded into one map, predict(x) = clip(x @ weight +
+        bias). Linear in x, so the value of a mean of states is the mean of their projections (prefix.py)."""
+        if not self.is_fitted:
+            raise RuntimeError("ValueProbe.affine called before fit.")
+        s = self._state
+        weight, j, cursor = torch.empty_like(s["mean"]), 0, 0
+        for i, (start, stop) in enumerate(self._pca_blocks):
+            components = s[f"pca_components_{i}"]  # (k, stop - start): design column j + m is z_block @ row m
+            weight[cursor:start] = s["coef"][j : j + start - cursor]
+            j += start - cursor
+            weight[start:stop] = components.T @ s["coef"][j : j + components.size(0)]
+            j, cursor = j + components.size(0), stop
+        weight[cursor:] = s["coef"][j:]
+        weight = weight / s["scale"]
+        return weight, s["intercept"][0] - weight @ s["mean"]

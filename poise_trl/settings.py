@@ -68,6 +68,18 @@ def check_settings(settings: dict[str, Any], names: dict[str, str] | None = None
     layers = settings.get("layers", [0])
     if not layers or not 0 <= settings.get("layer_index", 0) < len(layers):
         raise bad("layer_index", f"is not a slice of the {len(layers)} hooked layers {list(layers)}.")
+    if "head" in settings:
+        from .heads import HEADS  # torch: imported only where a head is checked, so the CLIs stay light
+
+        if settings["head"] not in HEADS:
+            raise bad("head", f"is not a value head: choose one of {sorted(HEADS)}.")
+        if settings.get("granularity") == "prefix" and settings["head"] != "ridge":
+            raise ValueError(
+                f"{name('head', 'head')}={settings['head']!r} with {name('granularity', 'granularity')}='prefix': "
+                "the per-prefix value is applied inside the forward hook as one affine map of the hidden states "
+                "(ValueProbe.affine), which only the linear 'ridge' head has. Use the head 'ridge' for the per-prefix "
+                "value, or the granularity 'sequence' for another head."
+            )
     if "granularity" in settings and settings["granularity"] not in ("sequence", "prefix"):
         raise bad("granularity", "is not a baseline granularity: choose 'sequence' (paper) or 'prefix' (per token).")
     if settings.get("granularity") == "prefix" and len(layers) > 1:

@@ -28,8 +28,8 @@ from .config import POISEConfig
 from .estimator import POISEEstimator
 from .features import feature_spans, find_decoder_layers
 from .files import DEFAULT_DOMAIN
+from .heads import ValueHead
 from .prefix import PrefixBatch
-from .probe import ValueProbe
 from .resume import (
     ESTIMATOR_FILE,
     ResumableSampler,
@@ -190,8 +190,8 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         return self.estimator.probes.setdefault(DEFAULT_DOMAIN, self.estimator.new_probe(DEFAULT_DOMAIN))
 
     @property
-    def value_probe(self) -> ValueProbe:
-        """The probe of a single-domain run."""
+    def value_probe(self) -> ValueHead:
+        """The probe (value head, `probe_head`) of a single-domain run."""
         return self._single_probe().probe
 
     @property

@@ -16,6 +16,7 @@ def test_the_model_card_says_how_poise_was_configured(tiny_model_path, tmp_path)
         "## POISE",
         "Rollouts per prompt (G): 2",
         "Probe preset: paper (probe_alpha=0.01, probe_pca_dims=[0, 0]",
+        "Value head (probe_head): ridge; granularity (probe_granularity): sequence",
         "Probe layer: default (in use: 2; candidates: [2])",
         "Partner-aware probe (probe_partner_reward): False",
         "Bootstrap (probe_bootstrap): shrunk",

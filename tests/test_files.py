@@ -14,6 +14,7 @@ from poise_trl import files
 from poise_trl.buffer import ProbeBuffer
 from poise_trl.estimator import POISEEstimator
 from poise_trl.files import load_probe_file, read_state, save_probe_file
+from poise_trl.heads import HEADS
 from poise_trl.probe import ValueProbe
 
 from .test_estimator import LEGACY, G, _batch, _legacy_estimator, _trained
@@ -111,3 +112,35 @@ def test_state_file_round_trip_predicts_identically(tmp_path):
     assert torch.equal(loaded.predict(x), probe.predict(x))
     assert torch.equal(loaded_buffer.features, buffer.features) and info["probe_steps"] == 3
     assert (tmp_path / "p.safetensors.json").exists()
+
+
+@pytest.mark.parametrize("head", sorted(HEADS))
+def test_every_head_resumes_exactly_from_the_file(tmp_path, head):
+    """The sequence value and the sampler's prompt values continue bit for bit after a save and load."""
+    settings = dict(head=head, prompt_columns=(0, 4))
+    estimator = _trained(3, **settings)
+    estimator.save(tmp_path / "e.safetensors")
+    loaded = POISEEstimator(G, alpha=1.0, warmup_steps=1, **settings)
+    loaded.load(tmp_path / "e.safetensors")
+    assert loaded.state_dict()["info"]["domains"][0]["head"] == head
+    assert type(loaded.probes["default"].probe) is HEADS[head]
+    for step in range(3, 5):
+        x, r, groups, _ = _batch(step)
+        a, b = estimator.advantages(x, r), loaded.advantages(x, r)
+        assert torch.equal(a.advantages, b.advantages)
+        assert torch.equal(estimator.prompt_values(x[:, :4]), loaded.prompt_values(x[:, :4]))
+        estimator.observe(x, r, groups)
+        loaded.observe(x, r, groups)
+
+
+def test_a_file_without_head_names_holds_ridge_and_another_head_is_refused(tmp_path):
+    state = _trained(2).state_dict()
+    for domain in state["info"]["domains"]:
+        del domain["head"]  # as written before heads had names
+    old = POISEEstimator(G, alpha=1.0, warmup_steps=1)
+    old.load_state_dict(state)
+    assert type(old.probes["default"].probe) is ValueProbe and old.probes["default"].trusted
+    with pytest.raises(ValueError, match="refits with head 'ridge' .*, but this run sets head 'logistic'"):
+        POISEEstimator(G, alpha=1.0, head="logistic").load_state_dict(state)
+    with pytest.raises(ValueError, match="is a 'ridge' head, but this run's head is 'mlp'"):
+        POISEEstimator(G, alpha=1.0, head="mlp").load_state_dict(state, warm_start=True)

@@ -1,31 +1,90 @@
-"""The value-head table: every entry satisfies the head interface, and a saved head is rebuilt by name."""
+"""The value-head table: every entry satisfies the head interface, is built from a run's probe settings, survives
+settled buffers, round-trips exactly through its state and a learner's, and a saved head is rebuilt by name."""
 
 import pytest
 import torch
 
+from poise_trl.ensemble import EnsembleProbe
 from poise_trl.heads import HEADS, ValueHead, head_from_config
+from poise_trl.learner import OnlineLearner
+from poise_trl.logistic import LogisticProbe
+from poise_trl.mlp import MLPProbe
 from poise_trl.probe import ValueProbe
+
+SETTINGS = {"alpha": 3.0, "pca_dims": [(0, 4, 2)], "clip": "observed"}  # what the estimator builds every head with
+
+
+def _rows(n: int = 40, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    return x, (x[:, 0] + torch.randn(n, generator=g) > 0).float()
 
 
 def test_every_head_in_the_table_has_the_interface_and_its_name():
-    assert HEADS == {"ridge": ValueProbe}
+    assert HEADS == {"ridge": ValueProbe, "logistic": LogisticProbe, "mlp": MLPProbe, "ensemble": EnsembleProbe}
     for name, head in HEADS.items():
-        assert head.name == name and isinstance(head(), ValueHead)
+        assert head.name == name and isinstance(head(), ValueHead) and isinstance(head(**SETTINGS), ValueHead)
 
 
 @pytest.mark.parametrize("name", sorted(HEADS))
 def test_a_head_is_rebuilt_from_its_name_and_config_and_predicts_as_saved(name):
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(40, 6, generator=g), torch.rand(40, generator=g)
-    head = HEADS[name]().fit(x, y)
+    x, y = _rows()
+    head = HEADS[name](**SETTINGS).fit(x, y)
     rebuilt = head_from_config(head.config(), name)
     assert not rebuilt.is_fitted and rebuilt.config() == head.config()
     rebuilt.load_state_dict(head.state_dict())
     assert torch.equal(rebuilt.predict(x), head.predict(x))
+    assert all(isinstance(v, torch.Tensor) for v in head.state_dict().values())
     assert not head.clone().is_fitted and head.clone().config() == head.config()
+
+
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_map_state_replaces_every_fitted_tensor(name):
+    """The broadcast from rank 0: every tensor passes through the function, and the head predicts from the result."""
+    x, y = _rows()
+    head, other = HEADS[name](**SETTINGS).fit(x, y), HEADS[name](**SETTINGS).fit(*_rows(seed=1))
+    source = iter([other.state_dict()[key] for key in sorted(other.state_dict())] if name != "ensemble" else [])
+    if name == "ensemble":  # part by part: children, then its own clip range
+        parts = [child.state_dict() for child in other.children]
+        source = iter([part[key] for part in parts for key in sorted(part)] + [other.state_dict()["clip"]])
+    head.map_state(lambda tensor: next(source))
+    assert torch.equal(head.predict(x), other.predict(x))
+
+
+@pytest.mark.parametrize("name", sorted(HEADS))
+@pytest.mark.parametrize("value", [0.0, 1.0])
+def test_a_settled_buffer_gives_finite_values_at_its_reward(name, value):
+    """Every prompt failed (or solved): no divergence, no NaN, and the clipped value is exactly the reward."""
+    x, _ = _rows()
+    head = HEADS[name](**SETTINGS).fit(x, torch.full((40,), value))
+    clipped, raw = head.predict(torch.cat([x, 10 * x]), return_unclipped=True)
+    assert raw.isfinite().all() and torch.equal(clipped, torch.full((80,), value))
+
+
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_a_learner_persists_its_head_exactly(name):
+    """OnlineLearner's state and info hold the head's name and settings: a learner rebuilt from them resumes exactly,
+    and its next refit is the uninterrupted learner's."""
+    learner = OnlineLearner(HEADS[name](**SETTINGS), capacity=64, warmup_steps=1)
+    for seed in range(2):
+        x, y = _rows(16, seed)
+        learner.add(x.unsqueeze(1), y)
+    learner.fit()
+    state, info = learner.state_dict(), learner.info()
+    assert info["head"] == name
+    resumed = OnlineLearner(head_from_config(info["probe"], info["head"]), capacity=64, warmup_steps=1)
+    resumed.load_state(state, info)
+    x, y = _rows(16, 5)
+    assert resumed.trusted and torch.equal(resumed.predict(x.unsqueeze(1)), learner.predict(x.unsqueeze(1)))
+    for online in (learner, resumed):
+        online.add(x.unsqueeze(1), y)
+        online.fit()
+    assert torch.equal(resumed.predict(x.unsqueeze(1)), learner.predict(x.unsqueeze(1)))
 
 
 def test_files_without_a_head_name_hold_ridge_and_unknown_names_are_refused():
     assert isinstance(head_from_config(ValueProbe(alpha=3.0).config()), ValueProbe)
-    with pytest.raises(ValueError, match=r"Unknown value head 'forest': choose one of \['ridge'\]"):
+    with pytest.raises(
+        ValueError, match=r"Unknown value head 'forest': choose one of \['ensemble', 'logistic', 'mlp', 'ridge'\]"
+    ):
         head_from_config({}, "forest")

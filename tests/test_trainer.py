@@ -1,6 +1,7 @@
 """POISETrainer end to end on the tiny model: advantages, forward passes, PEFT, eval, checkpoints, model card."""
 
 import copy
+import math
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from poise_trl import POISEConfig, POISETrainer
 from poise_trl.files import read_state
+from poise_trl.logistic import LogisticProbe
 from poise_trl.trainer import ESTIMATOR_FILE
 
 from .conftest import CPU_ARGS, digit_reward, poise_args
@@ -313,6 +315,17 @@ def small_model_path(tmp_path_factory):
     return save_causal_lm(tmp_path_factory.mktemp("small") / "qwen3")
 
 
+def test_a_logistic_head_gives_the_baselines_and_is_saved_by_name(small_model_path, tmp_path):
+    args = poise_args(tmp_path, max_steps=3, probe_head="logistic", probe_partner_reward=True)
+    trainer = POISETrainer(str(small_model_path), digit_reward, args=args, train_dataset=_dataset())
+    trainer.train()
+    assert type(trainer.value_probe) is LogisticProbe and trainer.value_probe.is_fitted
+    logged = [h for h in trainer.state.log_history if "poise/bootstrap" in h]
+    assert logged[-1]["poise/bootstrap"] == 0.0 and math.isfinite(logged[-1]["poise/mae"])
+    trainer.save_probe(tmp_path / "probe.safetensors")
+    assert read_state(tmp_path / "probe.safetensors")["info"]["domains"][0]["head"] == "logistic"
+
+
 def test_resume_refuses_changed_probe_settings_and_warm_start_refits_with_the_run_s(small_model_path, tmp_path):
     """A loaded probe never replaces the run's alpha, PCA dims or clip range: on resume a mismatch is an error that
     names both; on warm start the loaded fit predicts as saved and every later refit uses the run's settings. The
@@ -328,8 +341,10 @@ def test_resume_refuses_changed_probe_settings_and_warm_start_refits_with_the_ru
         args = poise_args(tmp_path, **{**saved, "max_steps": 3, **changed})
         return SpyTrainer(str(small_model_path), digit_reward, args=args, train_dataset=_dataset())
 
-    with pytest.raises(ValueError, match=r"refits with probe_alpha=0.5, .* but this run sets probe_alpha=2.0"):
+    with pytest.raises(ValueError, match=r"refits with probe_head='ridge', probe_alpha=0.5, .* but this run sets "):
         resume(probe_alpha=2.0).train(resume_from_checkpoint=str(checkpoint))
+    with pytest.raises(ValueError, match=r"this run sets probe_head='logistic', probe_alpha=0.5"):
+        resume(probe_head="logistic").estimator.load(checkpoint / ESTIMATOR_FILE)
     with pytest.raises(ValueError, match=r"probe_pca_dims=\[0, 0\], .* this run sets .*probe_pca_dims=\[4, 0\]"):
         resume(probe_pca_dims=[4, 0]).estimator.load(checkpoint / ESTIMATOR_FILE)  # what resuming calls
     with pytest.raises(ValueError, match=r"probe_clip_range=None, .* this run sets .*probe_clip_range=\[0.0, 0.5\]"):

@@ -12,14 +12,16 @@ Each rule's per-completion variance and bias against the true gradient of the pr
 expectations over the pool (`exact`: U-statistics, no batches drawn, no reference, no centring), with percentile
 bootstrap intervals over the prompts. POISE's probe is the one it would run online: fitted on a separate pool of
 `--probe-prompts` prompts x 2 rollouts (the online buffer's shape), or, when the snapshot is a POISE run's output
-holding its saved estimator, that estimator. The samples, features and Gram matrices are cached on disk, so a rerun
-is the analysis alone.
+holding its saved estimator, that estimator. With `--probe-heads`, POISE (default) again with each other value head
+(`POISEConfig.probe_head`) fitted on the same separate pool, alone and with its own probe sampler. The samples,
+features and Gram matrices are cached on disk, so a rerun (another head, another floor) is the analysis alone.
 """
 
 import argparse
 import hashlib
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -153,15 +155,22 @@ def load_pool(args: argparse.Namespace, log: Log = print) -> tuple[Collection, C
 
 
 # --------------------------------------------------------------------------------------------- POISE's probes
-def fitted_probe(rule: str, collection: Collection, probe: Collection, keep: np.ndarray) -> tuple[Any, list[str]]:
+def head_row(head: str) -> str:
+    """The row of POISE (default) with value head `head` (`--probe-heads`)."""
+    return f"poise_head_{head}"
+
+
+def fitted_probe(
+    rule: str, collection: Collection, probe: Collection, keep: np.ndarray, head: str | None = None
+) -> tuple[Any, list[str]]:
     """`rule`'s estimator after observing the probe pool's prompts `keep` in pairs, over its warm-up steps plus a
-    few, as it would online; and the feature blocks its probe reads."""
+    few, as it would online (with `head`, that value head instead of the rule's own); and the feature blocks its
+    probe reads."""
     from poise_trl import POISEConfig
 
     layer, pool = int(collection.meta["default_layer"]), int(collection.meta["default_pool"])
-    config = POISEConfig(
-        output_dir="unused", report_to="none", use_cpu=True, **CONTENDERS[rule].overrides, **CONTENDERS[rule].pins
-    )
+    settings = {**CONTENDERS[rule].overrides, **CONTENDERS[rule].pins, **({"probe_head": head} if head else {})}
+    config = POISEConfig(output_dir="unused", report_to="none", use_cpu=True, **settings)
     settings = config.estimator_settings(int(collection.meta["num_layers"]), int(collection.meta["hidden_size"]))
     settings.update(layers=[layer], layer_index=0)
     estimator = POISEEstimator(PROBE_K, **settings)
@@ -173,32 +182,44 @@ def fitted_probe(rule: str, collection: Collection, probe: Collection, keep: np.
 
 
 def online_values(
-    collection: Collection, probe: Collection, keep: np.ndarray, floor: float = DEFAULT_FLOOR, log: Log = print
-) -> tuple[dict[str, np.ndarray], dict[str, str], np.ndarray]:
-    """Each measured rollout's probe value for POISE (paper) and POISE (default), where the probe came from (the
-    snapshot's own saved estimator for POISE (default), when the model folder holds the file
-    `POISETrainer.save_probe` writes, else `fitted_probe` on the separate pool), and POISE (default)'s probe sampler
-    over the pool's prompts (`gradient_samplers.probe_sampler`, at `floor`)."""
+    collection: Collection,
+    probe: Collection,
+    keep: np.ndarray,
+    floor: float = DEFAULT_FLOOR,
+    log: Log = print,
+    heads: Sequence[str] = (),
+) -> tuple[dict[str, np.ndarray], dict[str, str], dict[str, np.ndarray]]:
+    """Each measured rollout's probe value for POISE (paper), POISE (default) and POISE (default) with each of
+    `heads` (rows `head_row(head)`), where each probe came from (the snapshot's own saved estimator for POISE
+    (default), when the model folder holds the file `POISETrainer.save_probe` writes, else `fitted_probe` on the
+    separate pool; the head rows always the latter), and the probe sampler of POISE (default) and of each head row
+    over the pool's prompts ({row: q}, `gradient_samplers.probe_sampler`, at `floor`)."""
     from poise_trl.trainer import ESTIMATOR_FILE
 
     layer, pool = int(collection.meta["default_layer"]), int(collection.meta["default_pool"])
     saved = Path(collection.meta["model_path"]) / ESTIMATOR_FILE
-    values, sources = {}, {}
-    for rule in ("poise_paper", "poise"):
-        estimator, blocks = fitted_probe(rule, collection, probe, keep)
-        sources[rule] = f"fitted on a separate pool of {len(keep)} prompts x {PROBE_K} rollouts"
-        if rule == "poise" and saved.exists():
+    values, sources, samplers = {}, {}, {}
+    fits = [("poise_paper", "poise_paper", None), ("poise", "poise", None)]
+    fits += [(head_row(head), "poise", head) for head in heads]
+    for row, rule, head in fits:
+        estimator, blocks = fitted_probe(rule, collection, probe, keep, head)
+        sources[row] = f"fitted on a separate pool of {len(keep)} prompts x {PROBE_K} rollouts"
+        if row == "poise" and saved.exists():
             estimator.load(saved)
-            sources[rule] = f"the run's saved estimator ({ESTIMATOR_FILE})"
+            sources[row] = f"the run's saved estimator ({ESTIMATOR_FILE})"
         if not estimator.trusted:
-            raise RuntimeError(f"{rule}: the probe is not trusted; give more --probe-prompts")
+            raise RuntimeError(f"{label(row)}: the probe is not trusted; give more --probe-prompts")
         features = collection.columns(blocks, layer, pool)
         out = estimator.predict(features, collection.rewards.nan_to_num(0.0)).double().numpy()
         if not np.isfinite(out).all():
-            raise RuntimeError(f"{rule}: the probe gave non-finite values for {int((~np.isfinite(out)).sum())} rows")
-        values[rule] = out
-        log(f"      {CONTENDERS[rule].label}: probe {sources[rule]}")
-    return values, sources, probe_sampler(estimator, collection, layer, pool, floor)
+            raise RuntimeError(
+                f"{label(row)}: the probe gave non-finite values for {int((~np.isfinite(out)).sum())} rows"
+            )
+        values[row] = out
+        if row != "poise_paper":
+            samplers[row] = probe_sampler(estimator, collection, layer, pool, floor)
+        log(f"      {label(row)}: probe {sources[row]}")
+    return values, sources, samplers
 
 
 # --------------------------------------------------------------------------------------------------- measuring
@@ -209,8 +230,8 @@ def rule_moments(
     sampler and (with `probe`) the probe sampler."""
     out: dict[str, RuleMoments] = {}
     for rule in rules:
-        group = CONTENDERS[rule].group_size
         if rule in ("grpo8", "grpo8_noscale", "dapo_ds_carry"):
+            group = CONTENDERS[rule].group_size
             out[rule] = group_moments(
                 rewards, group, rule != "grpo8_noscale", informative_only=rule == "dapo_ds_carry"
             )
@@ -230,13 +251,16 @@ def measure(
     rules: list[str],
     bootstrap: int,
     seed: int,
-    prompt_sampler: np.ndarray | None = None,
+    prompt_samplers: dict[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """Per subspace and rule: per-completion variance and scale-matched variance in units of the within-prompt
     noise W, bias² relative to ||g||², the scale-matched variance's share against GRPO-8 and RLOO-2; and ||g||²/W
     and Bv/W. Point estimates with 95% percentile intervals over `bootstrap` resamples of the prompts (the same
-    resamples for every rule). `prompt_sampler` (P,) is the probe sampler's q over the prompts (None: no probe-sampler
-    rows)."""
+    resamples for every rule). `prompt_samplers` {row: (P,) q} are the probe samplers over the prompts: POISE
+    (default)'s (`"poise"`: its and GRPO G=8's probe-sampler rows) and each head row's (None: no probe-sampler
+    rows). The head rows (`head_row`) are POISE (default) with `values[row]` as its values."""
+    prompt_samplers = dict(prompt_samplers or {})
+    prompt_sampler = prompt_samplers.pop("poise", None)
     num_prompts, k = rewards.shape
     if not (rewards.max(1) > rewards.min(1)).any():
         raise ValueError(
@@ -249,6 +273,10 @@ def measure(
     samplers = oracle_samplers(rewards, values.get("poise"), rules)
     probed = sampled_rows(rules, oracle=False, probe=prompt_sampler is not None)
     samplers.update({row: prompt_sampler for row in probed})
+    for row, q in prompt_samplers.items():  # the head rows, alone and with their own probe sampler
+        moments[row] = pair_moments(rewards, values[row].reshape(rewards.shape))
+        moments[f"{row}_probe_sampler"] = moments[row]
+        samplers[f"{row}_probe_sampler"] = q
     _, noise, signal = oracle_moments(rewards)
     out: dict[str, Any] = {}
     for subspace, matrix in grams.items():
@@ -292,6 +320,9 @@ def ranking_agreement(results: dict[str, Any]) -> float:
 
 # ---------------------------------------------------------------------------------------------------- report
 def label(rule: str) -> str:
+    if rule.startswith("poise_head_"):
+        head, sampled = rule.removeprefix("poise_head_").removesuffix("_probe_sampler"), rule.endswith("_sampler")
+        return f"POISE (default) [{head}]" + (" + probe sampler" if sampled else "") + " G=2"
     return EXTRA_ROWS.get(rule) or PREFIX_LABELS.get(rule) or CONTENDERS[rule].label
 
 
@@ -423,22 +454,27 @@ def run_gradient(args: argparse.Namespace, log: Log = print) -> int:
             "and the oracle baseline's 3)"
         )
     check_floor(args.prompt_selection_floor)  # before the pool is sampled, not after
+    from poise_trl.heads import HEADS
+
+    if unknown := sorted(set(args.probe_heads) - set(HEADS)):
+        raise SystemExit(f"--probe-heads {' '.join(unknown)}: not a value head; choose among {', '.join(HEADS)}")
     if args.probe_prompts < 1:
         raise SystemExit(f"--probe-prompts {args.probe_prompts}: the probe needs a pool of its own")
     collection, probe, pool, folder = load_pool(args, log)
     seconds = dict(pool["seconds"])
     t = time.perf_counter()
     keep = separate_prompts(collection, probe, args.probe_prompts)
-    values, sources, prompt_sampler = online_values(collection, probe, keep, args.prompt_selection_floor, log)
+    heads = [head for head in args.probe_heads if head != "ridge"]  # ridge is POISE (default)'s own row
+    values, sources, samplers = online_values(collection, probe, keep, args.prompt_selection_floor, log, heads)
     seconds["probes"] = time.perf_counter() - t
     log(f"[4/4] exact moments of {len(args.contenders)} rules, {args.bootstrap} bootstrap resamples")
     t = time.perf_counter()
     rewards = collection.rewards.nan_to_num(0.0).double().view(-1, collection.k).numpy()
-    measured = measure(rewards, values, pool["grams"], contenders, args.bootstrap, args.seed, prompt_sampler)
+    measured = measure(rewards, values, pool["grams"], contenders, args.bootstrap, args.seed, samplers)
     seconds["measure"] = time.perf_counter() - t
     comparators = rule_moments(rewards, values, [c for c in PREFIX_COMPARATORS if c in contenders], probe=False)
     prefix = run_prefix(
-        args, collection, probe, keep, folder, rewards, values, comparators, measured, prompt_sampler, log
+        args, collection, probe, keep, folder, rewards, values, comparators, measured, samplers["poise"], log
     )
     seconds.update(prefix.pop("seconds", {}))
     seconds["total"] = time.perf_counter() - start
@@ -457,7 +493,15 @@ def run_gradient(args: argparse.Namespace, log: Log = print) -> int:
         "probes": sources,
         "settings": {
             key: getattr(args, key)
-            for key in ("bootstrap", "lora_rank", "seed", "contenders", "probe_prompts", "prompt_selection_floor")
+            for key in (
+                "bootstrap",
+                "lora_rank",
+                "seed",
+                "contenders",
+                "probe_prompts",
+                "prompt_selection_floor",
+                "probe_heads",
+            )
         },
         "dimensions": pool["dimensions"],
         "subspaces": measured,

@@ -133,6 +133,20 @@ def test_efficiency_smoke_with_a_model_and_dataset(tmp_path, tiny_model_path, ca
     assert [run["completions_trained"] for run in runs] == [8, 8]  # two micro-batches of 4, one step
 
 
+def test_probe_fit_times_each_head_against_ridge_and_reports_a_row_for_it():
+    from poise_trl.bench.overhead import format_report, probe_fit_benchmark
+
+    results = probe_fit_benchmark(1, hidden=80, rows=96, heads=["logistic", "ensemble"])
+    for preset in results:
+        assert list(preset["heads"]) == ["logistic", "ensemble"]
+        for head in preset["heads"].values():
+            assert head["cpu_ratio_to_ridge"] == pytest.approx(head["torch_cpu_seconds"] / preset["torch_cpu_seconds"])
+    report = format_report([], [], results, {"group_size": 2}).splitlines()
+    assert sum(line.startswith("| logistic head fit (") for line in report) == 2
+    with pytest.raises(ValueError, match=r"Unknown value heads \['forest'\]"):
+        probe_fit_benchmark(1, hidden=80, rows=96, heads=["forest"])
+
+
 @pytest.mark.slow
 def test_overhead_smoke(tmp_path, capsys):
     """Timing and the probe fit; peak memory (fresh worker processes per contender) is checked in the --prefix smoke,
@@ -159,6 +173,7 @@ def test_overhead_smoke(tmp_path, capsys):
         assert set(row["time_ratio"]) == {"median", "min", "max", "n"}
     assert result["memory"] == []  # measured in the --prefix smoke below: its workers are these contenders' too
     assert [p["preset"] for p in result["probe_fit"]] == ["paper", "release"]
+    assert list(result["probe_fit"][0]["heads"]) == ["logistic", "mlp", "ensemble"]  # every head but ridge
     assert "per-prefix" not in printed[-1] and "poise_prefix_seconds" not in result["timing"][0]
     paper = result["probe_fit"][0]
     assert paper["shape"] == [96, 163]

@@ -173,6 +173,8 @@ def test_command_end_to_end_on_the_tiny_model(tiny_model_path, tmp_path):
         "20",
         "--probe-prompts",
         "24",
+        "--probe-heads",
+        "logistic",
         "--cache-dir",
         str(tmp_path / "cache"),
     ]
@@ -185,10 +187,21 @@ def test_command_end_to_end_on_the_tiny_model(tiny_model_path, tmp_path):
         table = results["subspaces"][subspace]["table"]
         rows = {"grpo8", "grpo8_noscale", "dapo_ds_carry", "rloo2", "poise_paper", "poise", "oracle"}
         samplers = {"poise_sampler", "grpo8_sampler", "poise_probe_sampler", "grpo8_probe_sampler"}
-        assert set(table) == rows | samplers
-        for rule in ("rloo2", "poise", "oracle", "poise_sampler", "poise_probe_sampler"):
+        heads = {"poise_head_logistic", "poise_head_logistic_probe_sampler"}  # --probe-heads logistic
+        assert set(table) == rows | samplers | heads
+        logistic = "poise_head_logistic"
+        for rule in (
+            "rloo2",
+            "poise",
+            "oracle",
+            "poise_sampler",
+            "poise_probe_sampler",
+            logistic,
+            f"{logistic}_probe_sampler",
+        ):
             assert abs(table[rule]["bias2"]["value"]) < 1e-9  # a sampler's 1 / (n q) weights keep the mean
-        for rule in ("poise", "grpo8"):  # the probe's q is not uniform, so the sampled row's variance moves
+        assert table[logistic]["variance"]["value"] != pytest.approx(table["poise"]["variance"]["value"])
+        for rule in ("poise", "grpo8", logistic):  # the probe's q is not uniform, so the sampled row's variance moves
             sampled, plain = (table[r]["variance"]["value"] for r in (f"{rule}_probe_sampler", rule))
             assert sampled != pytest.approx(plain)
         assert table["grpo8"]["share_grpo8"]["value"] == pytest.approx(1.0)
@@ -197,6 +210,8 @@ def test_command_end_to_end_on_the_tiny_model(tiny_model_path, tmp_path):
         assert noscale["share_grpo8_noscale"]["value"] == pytest.approx(1.0)
         assert noscale["matched_variance"]["value"] == pytest.approx(noscale["variance"]["value"] * (8 / 7) ** 2)
     assert "POISE (default) + probe sampler G=2" in (out / "results.md").read_text()
+    assert "POISE (default) [logistic] + probe sampler G=2" in (out / "results.md").read_text()
+    assert results["probes"][logistic].startswith("fitted on a separate pool of 24 prompts x 2")
     assert (out / "gradient.png").stat().st_size > 0
     first = (out / "results.md").read_text()
     assert "Share of GRPO G=8" in first and "Bv/W" in first
@@ -211,7 +226,8 @@ def test_command_end_to_end_on_the_tiny_model(tiny_model_path, tmp_path):
     saved.save(tmp_path / ESTIMATOR_FILE)
     fresh, _, fresh_q = online_values(pool, probe, keep)
     pool.meta["model_path"] = str(tmp_path)
-    values, sources, q = online_values(pool, probe, keep)
+    values, sources, samplers = online_values(pool, probe, keep)
+    q, fresh_q = samplers["poise"], fresh_q["poise"]
     assert sources["poise"] == f"the run's saved estimator ({ESTIMATOR_FILE})"
     assert sources["poise_paper"].startswith("fitted on a separate pool")
     features = pool.columns(blocks, int(pool.meta["default_layer"]), int(pool.meta["default_pool"]))

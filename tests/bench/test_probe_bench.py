@@ -225,6 +225,12 @@ def test_command_end_to_end_refit_without_generation_and_export_warm_starts_the_
     chosen = next(row for row in sweep if row["layer"] == auto["layer"])
     assert auto["pearson_r"] == chosen["pearson_r"]  # scored exactly as the fixed layer it picked
     assert [row["pool"] for row in sections["Pooling window"]] == [2, 3]
+    # the trainer's other value heads by default, on the ridge row's front end, before the sklearn MLPs
+    arch = [row["name"] for row in sections["Probe architecture"]]
+    heads = [f"probe_head={h} (release preset)" for h in ("logistic", "mlp", "ensemble")]
+    assert arch == ["Linear ridge (release preset)", *heads, "MLP 1x8"]
+    for row in sections["Probe architecture"][1:4]:
+        assert 0 <= row["mae"] <= 1 and -1 <= row["pearson_r"] <= 1 and row["mae_ci"][0] <= row["mae_ci"][1]
     critic = sections["Probe vs critic"][2]
     assert all(0 <= v <= 1 for v in critic["per_prompt_prediction"])
     for row in sections["Probe vs critic"][:2] + sections["Feature ablation"]:
@@ -347,3 +353,12 @@ def test_pair_fitted_probe_learns_from_partner_rewards_as_the_online_buffer_does
     train = len(bench.train_prompts)
     assert seen[0].tolist() == [0.0, 1.0] * train  # rollout 0's partner is 1 (reward 0), and the reverse
     assert seen[1].tolist() == [0.0, 1.0, 1.0, 1.0] * train  # pairs (0, 1) and (2, 3)
+
+
+def test_probe_heads_default_to_every_other_head_and_refuse_unknown_names():
+    from poise_trl.bench.value.report import probe_heads
+
+    assert probe_heads(None) == ["logistic", "mlp", "ensemble"] and probe_heads([]) == []
+    assert probe_heads(["ridge", "mlp"]) == ["mlp"]  # ridge is the preset row already
+    with pytest.raises(SystemExit, match="choose among ridge, logistic, mlp, ensemble"):
+        probe_heads(["sigmoid"])

@@ -29,7 +29,8 @@ the OS, so the resident set tracks live tensors), each above the memory held whe
 
 Probe fit. The value probe on 4096 x (2*2560 + 3) features, the Qwen3-4B size, against scikit-learn's
 StandardScaler (+ per-block PCA) + Ridge on the same data with the same thread count, for the paper and release
-presets, predictions compared; also on the GPU when there is one.
+presets, predictions compared; also on the GPU when there is one. Each other value head (`probe_head`: logistic,
+mlp, ensemble; `--probe-fit-heads`) is timed beside ridge with each preset's alpha and PCA, as a ratio to ridge's fit.
 """
 
 import argparse
@@ -80,6 +81,12 @@ def add_overhead_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--probe-fit-rows", type=int, default=PROBE_FIT_ROWS, help="probe-fit examples (buffer size)")
     parser.add_argument("--probe-fit-hidden", type=int, default=QWEN3_4B_HIDDEN, help="d: features are 2d + 3")
+    parser.add_argument(
+        "--probe-fit-heads",
+        nargs="*",
+        default=None,
+        help="value heads (probe_head) timed against ridge's fit with each preset (default: all; none: no rows)",
+    )
     parser.add_argument("--learning-rate", type=float, default=1e-5, help="both trainers")
     parser.add_argument("--seed", type=int, default=0, help="model init, sampling and data order")
     parser.add_argument(

@@ -54,6 +54,14 @@ def add_probe_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     add("--bootstrap", type=int, default=1000, help="bootstrap resamples of held-out prompts for the CIs")
     add("--vr-group-size", type=int, default=2, help="G for the variance-reduction column (POISE uses 2)")
     add("--mlps", default=DEFAULT_MLPS, help="MLP probes, DEPTHxWIDTH comma-separated ('' for none)")
+    add(
+        "--probe-heads",
+        nargs="*",
+        default=None,
+        metavar="HEAD",
+        help="the trainer's other value heads (POISEConfig.probe_head) scored beside ridge at --preset, on the "
+        "same front end (default: every one, logistic, mlp and ensemble; none when given alone)",
+    )
     add("--no-critic", action="store_true", help="skip the critic baseline")
     add("--critic-epochs", type=int, default=10, help="max epochs (early stopping on 10%% of train prompts)")
     add(

@@ -76,6 +76,21 @@ def format_report(timing: list[dict], memory: list[dict], probe: list[dict], set
                 "–",
             ]
         )
+        for name, head in p.get("heads", {}).items():
+            gpu = f", GPU {head['torch_gpu_seconds']:.3f} s" if "torch_gpu_seconds" in head else ""
+            ridge_gpu = f", GPU {p['torch_gpu_seconds']:.3f} s" if "torch_gpu_seconds" in p else ""
+            rows.append(
+                [
+                    f"{name} head fit ({p['preset']})",
+                    f"{head['torch_cpu_seconds']:.2f} (torch CPU{gpu})",
+                    f"{p['torch_cpu_seconds']:.2f} (ridge{ridge_gpu})",
+                    fmt(head["cpu_ratio_to_ridge"]) + (f" (GPU {fmt(head['gpu_ratio_to_ridge'])})" if gpu else ""),
+                    "–",
+                    "–",
+                    "–",
+                    "–",
+                ]
+            )
     tables = format_table(headers, rows)
     if settings.get("prefix"):
         tables += "\n\n" + prefix_table(timing, memory_by_name)
@@ -214,6 +229,7 @@ def run_overhead(args: argparse.Namespace) -> int:
             "probe_fit_rows",
             "probe_fit_hidden",
             "probe_fit_repeats",
+            "probe_fit_heads",
             "prefix",
             "importance",
         )
@@ -254,7 +270,9 @@ def run_overhead(args: argparse.Namespace) -> int:
     probe = (
         []
         if args.skip_probe_fit
-        else probe_fit_benchmark(args.probe_fit_repeats, args.probe_fit_hidden, args.probe_fit_rows)
+        else probe_fit_benchmark(
+            args.probe_fit_repeats, args.probe_fit_hidden, args.probe_fit_rows, args.probe_fit_heads
+        )
     )
     report = format_report(timing, memory, probe, settings)
     path = write_json(

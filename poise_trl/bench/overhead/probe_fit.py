@@ -1,4 +1,5 @@
-"""`bench overhead`'s probe-fit timing: `ValueProbe` against scikit-learn on hidden-state-like data of one shape."""
+"""`bench overhead`'s probe-fit timing: `ValueProbe` against scikit-learn on hidden-state-like data of one shape, and
+every other value head's fit (`probe_head`) against ridge's on the same data."""
 
 import time
 from collections.abc import Callable
@@ -8,6 +9,7 @@ from typing import Any
 import torch
 
 from poise_trl.features import block_sizes, pca_blocks
+from poise_trl.heads import HEADS
 from poise_trl.probe import ValueProbe
 
 from ..common import PROBE_FIT_ROWS, QWEN3_4B_HIDDEN, summarize
@@ -44,8 +46,27 @@ def _median_seconds(fn: Callable[[], Any], repeats: int, sync: bool = False) -> 
     return summarize(times)["median"]
 
 
-def probe_fit_benchmark(repeats: int, hidden: int = QWEN3_4B_HIDDEN, rows: int = PROBE_FIT_ROWS) -> list[dict]:
-    """ValueProbe vs scikit-learn on the same (rows, 2*hidden + 3) data, same thread count, for both presets."""
+def _fit_seconds(
+    name: str, alpha: float, pca: list, x: torch.Tensor, y: torch.Tensor, repeats: int, gpu: bool
+) -> float:
+    """Median seconds of one fit of head `name` with a preset's settings (on the GPU: after one warm-up fit)."""
+    head = HEADS[name](alpha=alpha, pca_dims=pca or None, clip=None)
+    if gpu:
+        x, y = x.cuda(), y.cuda()
+        head.fit(x, y)  # warm-up: CUDA context, cuSOLVER handles
+    return _median_seconds(partial(head.fit, x, y), repeats, sync=gpu)
+
+
+def probe_fit_benchmark(
+    repeats: int, hidden: int = QWEN3_4B_HIDDEN, rows: int = PROBE_FIT_ROWS, heads: list[str] | None = None
+) -> list[dict]:
+    """ValueProbe vs scikit-learn on the same (rows, 2*hidden + 3) data, same thread count, for both presets; and each
+    head of `heads` (None: every head but ridge) against ridge, with the preset's alpha and PCA, as
+    `{name: {"torch_cpu_seconds", "cpu_ratio_to_ridge"[, "torch_gpu_seconds", "gpu_ratio_to_ridge"]}}`."""
+    heads = [name for name in HEADS if name != ValueProbe.name] if heads is None else heads
+    unknown = sorted(set(heads) - set(HEADS))
+    if unknown:
+        raise ValueError(f"Unknown value heads {unknown}: choose from {sorted(HEADS)}.")
     import numpy as np
     from sklearn.compose import ColumnTransformer
     from sklearn.decomposition import PCA
@@ -88,8 +109,14 @@ def probe_fit_benchmark(repeats: int, hidden: int = QWEN3_4B_HIDDEN, rows: int =
             "prediction_std": float(theirs.std()),
         }
         if torch.cuda.is_available():
-            gpu_probe, x_gpu, y_gpu = ValueProbe(alpha=alpha, pca_dims=pca or None, clip=None), x.cuda(), y.cuda()
-            gpu_probe.fit(x_gpu, y_gpu)  # warm-up: CUDA context, cuSOLVER handles
-            result["torch_gpu_seconds"] = _median_seconds(partial(gpu_probe.fit, x_gpu, y_gpu), repeats, sync=True)
+            result["torch_gpu_seconds"] = _fit_seconds(ValueProbe.name, alpha, pca, x, y, repeats, gpu=True)
+        result["heads"] = {}
+        for name in heads:
+            row = {"torch_cpu_seconds": _fit_seconds(name, alpha, pca, x, y, repeats, gpu=False)}
+            row["cpu_ratio_to_ridge"] = row["torch_cpu_seconds"] / torch_seconds
+            if torch.cuda.is_available():
+                row["torch_gpu_seconds"] = _fit_seconds(name, alpha, pca, x, y, repeats, gpu=True)
+                row["gpu_ratio_to_ridge"] = row["torch_gpu_seconds"] / result["torch_gpu_seconds"]
+            result["heads"][name] = row
         results.append(result)
     return results

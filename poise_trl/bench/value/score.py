@@ -16,6 +16,7 @@ import torch
 
 from poise_trl.baselines import DIAGNOSTICS, cross_rollout_baselines, diagnostic_tensors, leave_one_out_targets
 from poise_trl.features import FEATURE_BLOCKS, layer_candidates, pca_blocks
+from poise_trl.heads import HEADS, ValueHead
 from poise_trl.layer_choice import choose_layer, grouped_kfold_errors
 from poise_trl.probe import ValueProbe
 
@@ -165,14 +166,15 @@ class ValueBenchmark:
         return row
 
     # ---------------------------------------------------------------------------------------------- estimators
-    def preset_probe(self, blocks: Sequence[str], preset: str) -> ValueProbe:
-        """An unfitted `ValueProbe` built as the trainer builds it from a preset (clip='observed')."""
+    def preset_probe(self, blocks: Sequence[str], preset: str, head: str = ValueProbe.name) -> ValueHead:
+        """An unfitted value head (`probe_head`, ridge by default) built as the trainer builds it from a preset
+        (clip='observed')."""
         from poise_trl.config import PROBE_PRESETS
 
         alpha, dims = PROBE_PRESETS[preset]
-        return ValueProbe(alpha=alpha, pca_dims=pca_blocks(blocks, self.collection.meta["hidden_size"], dims))
+        return HEADS[head](alpha=alpha, pca_dims=pca_blocks(blocks, self.collection.meta["hidden_size"], dims))
 
-    def probe(self, x: torch.Tensor, probe: ValueProbe) -> torch.Tensor:
+    def probe(self, x: torch.Tensor, probe: ValueHead) -> torch.Tensor:
         """Fit `probe` on the train rows' leave-one-out targets and predict the held-out rows."""
         probe.fit(x[self.fit_rows], self.targets[self.fit_rows])
         return probe.predict(x[self.test_rows])
@@ -271,11 +273,13 @@ def run_benchmark(
     mlps: Sequence[tuple[int, int]] = (),
     critic: dict[str, Any] | None = None,
     log: Log = print,
+    heads: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Fit and score every estimator; returns the JSON-able results (sections of rows, settings, timings).
 
     `preset` is the probe used by the ablation, sweep and architecture sections; `critic` holds the keyword
-    arguments of `ValueBenchmark.critic` (model path, device, epochs, lr, batch size), or None to skip it.
+    arguments of `ValueBenchmark.critic` (model path, device, epochs, lr, batch size), or None to skip it; `heads`
+    are the trainer's other value heads (`probe_head`), scored in the architecture section at `preset`.
     """
     from poise_trl.config import PROBE_PRESETS
 
@@ -354,6 +358,9 @@ def run_benchmark(
 
     x = bench.x(blocks)
     arch = [bench.score(f"Linear ridge ({preset} preset)", *_timed(lambda: bench.probe_preset(blocks, preset)))]
+    for head in heads:  # the same scaler and PCA front end as the ridge row, another head on it
+        values, s = _timed(lambda h=head: bench.probe(x, bench.preset_probe(blocks, preset, h)))
+        arch.append(bench.score(f"probe_head={head} ({preset} preset)", values, s, head=head))
     for depth, width in mlps:
         values, s = _timed(lambda d=depth, w=width: bench.mlp(x, d, w))
         arch.append(bench.score(f"MLP {depth}x{width}", values, s, depth=depth, width=width))
@@ -380,6 +387,7 @@ def run_benchmark(
             "n_bootstrap": n_bootstrap,
             "vr_group_size": vr_group_size,
             "mlps": [list(m) for m in mlps],
+            "heads": list(heads),
             "critic": None if critic is None else {k: str(v) for k, v in critic.items() if k != "model_name_or_path"},
         },
         "critic_history": critic_history,
