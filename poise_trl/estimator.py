@@ -223,7 +223,7 @@ class POISEEstimator(EstimatorFile):
             )
         domain_rows = split_domains(domains, rewards.numel(), rewards.device, self.probes, self.max_domains)
         g = num_generations or self.num_generations
-        history = self.history_columns(prompt_ids, rewards.numel())
+        history = self.history_columns(prompt_ids, rewards.numel(), rewards.device)
         return prepare_batch(
             features,
             rewards,
@@ -236,8 +236,11 @@ class POISEEstimator(EstimatorFile):
             prompt_ids,
         )
 
-    def history_columns(self, prompt_ids: torch.Tensor | None, rows: int) -> torch.Tensor | None:
-        """(rows, 3) history columns of each row's prompt from earlier steps only (None without `history`)."""
+    def history_columns(
+        self, prompt_ids: torch.Tensor | None, rows: int, device: torch.device | str | None = None
+    ) -> torch.Tensor | None:
+        """(rows, 3) history columns of each row's prompt from earlier steps only (None without `history`), looked
+        up on `device`, where the table lives (the rewards' device: ids elsewhere would move it back and forth)."""
         if self.prompt_history is None:
             return None
         if prompt_ids is None or prompt_ids.shape != (rows,):
@@ -246,7 +249,7 @@ class POISEEstimator(EstimatorFile):
                 f"history=True (probe_history) looks each row's prompt up by its id: pass prompt_ids, ({rows},) "
                 f"int64 ids that are the same for a prompt at every step (e.g. buffer.prompt_group_ids), got {got}."
             )
-        return self.prompt_history.columns(prompt_ids)
+        return self.prompt_history.columns(prompt_ids.to(device))
 
     # -------------------------------------------------------------------------------------------------- estimate
     def _probe_values(self, batch: PreparedBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -486,9 +489,9 @@ class POISEEstimator(EstimatorFile):
         pca = [(0, stop - start, self.prompt_pca_dims)] if self.prompt_pca_dims else None  # the history stays out
         head = HEADS[self.head](alpha=self.alpha, pca_dims=pca, clip="observed")
         learners = list(self.probes.values())
-        history = self.history_columns(prompt_ids, prompt_features.size(0))
+        history = self.history_columns(prompt_ids, prompt_features.size(0), prompt_features.device)
         if history is not None:
-            prompt_features = torch.cat([prompt_features, history.to(prompt_features)], dim=1)
+            prompt_features = torch.cat([prompt_features, history.to(prompt_features.dtype)], dim=1)
         return fit_prompt_values(
             learners,
             self.prompt_columns,
