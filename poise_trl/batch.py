@@ -20,7 +20,7 @@ class PreparedBatch:
     """The per-batch tensors both `advantages` and `observe` need, on the rewards' device; rows in consecutive groups
     of `num_generations`."""
 
-    features: torch.Tensor  # (N, C, D), with the rollout's reward as a last column when the probe is partner-aware
+    features: torch.Tensor  # (N, C, D): φ, then the rollout's reward (partner-aware) and its prompt's history columns
     rewards: torch.Tensor  # (N,), NaN where unscorable
     has_completion: torch.Tensor  # (N,) bool
     has_features: torch.Tensor  # (N,) a completion and finite features (the reward column included)
@@ -30,6 +30,7 @@ class PreparedBatch:
     domain_rows: dict[str, torch.Tensor]  # domain name -> (N,) bool; one, the default, when rows carry no domain
     num_generations: int
     named_domains: bool  # the caller named each row's domain (per-domain diagnostics are logged)
+    prompt_ids: torch.Tensor | None = None  # (N,) each row's prompt id, which the prompt history is keyed by
 
     @property
     def rows(self) -> int:
@@ -67,9 +68,13 @@ def prepare_batch(
     partner_reward: bool,
     domain_rows: dict[str, torch.Tensor],
     named_domains: bool,
+    history: torch.Tensor | None = None,
+    prompt_ids: torch.Tensor | None = None,
 ) -> PreparedBatch:
-    """Bring a batch to the rewards' device, append the reward column (partner-aware probe) and decide which rows are
-    usable. A non-finite value anywhere in a row (a feature, or a reward too large for the column's dtype) drops it."""
+    """Bring a batch to the rewards' device, append the reward column (partner-aware probe) and the (N, H) `history`
+    columns of each row's prompt (its earlier steps' rewards, the same for every rollout of a prompt), and decide
+    which rows are usable. A non-finite value anywhere in a row (a feature, or a reward too large for the column's
+    dtype) drops it."""
     if features.ndim == 2:
         features = features.unsqueeze(1)
     device = rewards.device
@@ -81,6 +86,10 @@ def prepare_batch(
     scorable = torch.isfinite(rewards)
     if partner_reward:
         features = append_reward_column(features, torch.where(scorable, rewards, torch.zeros_like(rewards)))
+    if history is not None:
+        dtype = torch.promote_types(features.dtype, torch.float32)
+        columns = history.to(device, dtype).unsqueeze(1).expand(-1, features.size(1), -1)
+        features = torch.cat([features.to(dtype), columns], dim=-1)
     has_features = has_completion & torch.isfinite(features).flatten(1).all(1)
     return PreparedBatch(
         features=features,
@@ -93,6 +102,7 @@ def prepare_batch(
         domain_rows=domain_rows,
         num_generations=num_generations,
         named_domains=named_domains,
+        prompt_ids=None if prompt_ids is None else prompt_ids.to(device),
     )
 
 

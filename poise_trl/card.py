@@ -19,6 +19,9 @@ def card_section(args: "POISEConfig", layer: int, layers: list[int], diagnostics
     if args.prompt_selection is not None:
         floor = f", floor {args.prompt_selection_floor}" if args.prompt_selection == "importance" else ""
         selection += f" (oversample {args.prompt_selection_oversample}{floor})"
+    history = "off"
+    if args.probe_history:
+        history = f"on ({args.probe_history_size} prompts, decay {args.probe_history_decay})"
     lines = [
         "## POISE",
         "",
@@ -34,6 +37,7 @@ def card_section(args: "POISEConfig", layer: int, layers: list[int], diagnostics
         f"candidates: {layers})",
         f"- Features: {list(args.probe_features)}, pooled over the last {args.probe_pool_tokens} tokens",
         f"- Partner-aware probe (probe_partner_reward): {args.probe_partner_reward}",
+        f"- Prompt history (probe_history): {history}",
         f"- Bootstrap (probe_bootstrap): {args.probe_bootstrap}",
         f"- Prompt selection: {selection}",
         f"- Last logged probe diagnostics (step {step}): variance reduction {shown('variance_reduction')}, "

@@ -58,6 +58,9 @@ ESTIMATOR_FIELDS = {
     "layer_switch_margin": "probe_layer_switch_margin",
     "layer_folds": "probe_layer_folds",
     "granularity": "probe_granularity",
+    "history": "probe_history",
+    "history_size": "probe_history_size",
+    "history_decay": "probe_history_decay",
 }
 
 PROBE_PRESETS: dict[str, tuple[float, list[int]]] = {
@@ -265,6 +268,32 @@ class POISEConfig(GRPOConfig):
             "the paper's g(φ_j).",
         },
     )
+    probe_history: bool = field(
+        default=False,
+        metadata={
+            "help": "Each prompt's own history (beyond the paper, as SPO tracks past rewards): the probe's input for "
+            "a rollout also holds [seen, log(1 + count), mean reward] of its prompt's rollouts at earlier steps "
+            "(0 where unseen), outside any PCA block, and so does the prompt-only value `prompt_selection` reads "
+            "before generating. Earlier steps' rewards do not depend on this step's rollouts, so the baseline stays "
+            "unbiased; the step's own rewards enter the history only after its advantages. Not measured yet, hence "
+            "off by default. Needs probe_granularity='sequence'.",
+        },
+    )
+    probe_history_size: int = field(
+        default=65536,
+        metadata={
+            "help": "With probe_history: prompts the history remembers (about 40 bytes each on the accelerator); "
+            "beyond it, the least recently seen prompts leave first.",
+        },
+    )
+    probe_history_decay: float = field(
+        default=1.0,
+        metadata={
+            "help": "With probe_history: in (0, 1], the weight of a reward one training step older in a prompt's "
+            "mean reward (1: the plain mean of every earlier reward; below 1 it follows a changing policy). The count "
+            "column counts every reward.",
+        },
+    )
     probe_bootstrap: str = field(
         default="shrunk",
         metadata={
@@ -449,6 +478,9 @@ class POISEConfig(GRPOConfig):
                 "probe_domain_column": self.probe_domain_column,
             },
             describe=partial(_probe_settings, list(self.probe_features), hidden_size),
+            history=self.probe_history,
+            history_size=self.probe_history_size,
+            history_decay=self.probe_history_decay,
             granularity=self.probe_granularity,
             prefix_pca_dims=tuple(self.probe_pca_dims),  # [prompt k, prefix k], capped at the width
         )

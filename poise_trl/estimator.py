@@ -6,6 +6,7 @@ The contract (the one TRL's `POISETrainer`, verl, OpenRLHF or a hand-written loo
     result = estimator.advantages(features, rewards)       # features (N, D) or (N, C, D), rewards (N,)
     loss = policy_loss(..., result.advantages)             # A_i = r_i - b_i, b_i from rollout i's partners only
     estimator.observe(group_ids=group_ids, result=result)  # the ONLY learning method: buffers, refit, bootstrap
+    # with history=True: advantages(features, rewards, prompt_ids=ids) and prompt_values(states, prompt_ids=ids)
     print(result.metrics())                                # diagnostics (paper App. C), fetched with observe's
     estimator.save("poise.safetensors")                    # one file, no pickle, written atomically
 
@@ -20,6 +21,9 @@ The contract (the one TRL's `POISETrainer`, verl, OpenRLHF or a hand-written loo
   (`observe(features, rewards, group_ids)`) it prepares the batch itself.
 - `prompt_values` predicts a prompt's success rate from its prompt block; which prompts to draw from it is
   sampling.py's.
+- With `history`, each row's input also holds its prompt's history (history.py: seen, log(1 + count), mean reward of
+  the prompt's rollouts at earlier steps), looked up by the `prompt_ids` the caller hands `advantages` (and
+  `prompt_values`), and updated by `observe` once the step's advantages were taken.
 - `state_dict`/`load_state_dict` round-trip bit for bit; `save`/`load` also read the two-file layout of poise-trl 0.1
   (`poise_probe.safetensors` + `.json`, `poise_bootstrap.safetensors`).
 
@@ -28,8 +32,8 @@ grouped as G consecutive rollouts of one prompt. `domains` (one name per row) gi
 
 What it is made of, each in a module of its own: the value head (heads.py, probe.py), the online learner that buffers,
 trusts and persists a head (learner.py; one per domain, and one more for the per-prefix value), the granularity's
-token baseline (granularity.py), the layer choice (layer_choice.py), the sampler's prompt values (prompt_value.py) and
-the file format (files.py).
+token baseline (granularity.py), the layer choice (layer_choice.py), the sampler's prompt values (prompt_value.py),
+the prompts' history (history.py) and the file format (files.py).
 """
 
 import json
@@ -45,6 +49,7 @@ from .buffer import ProbeBuffer
 from .files import EstimatorFile
 from .granularity import GRANULARITIES, PrefixBatch
 from .heads import HEADS, ValueHead
+from .history import HISTORY_COLUMNS, PromptHistory
 from .layer_choice import select_layer
 from .learner import OnlineLearner
 from .prompt_value import fit_prompt_values, target_range
@@ -64,8 +69,8 @@ class POISEEstimator(EstimatorFile):
     Args:
         num_generations: G, rollouts per prompt (>= 2).
         alpha, pca_dims, clip: the value head's settings (`probe.ScaledHead`); clip None means the observed reward
-            range. The partner-reward column (`partner_reward`) is never part of a PCA block, whatever `pca_dims`
-            says.
+            range. The partner-reward column (`partner_reward`) and the history columns (`history`) are never part
+            of a PCA block, whatever `pca_dims` says.
         head: the value head of the sequence value and of the sampler's prompt values, a key of `heads.HEADS`
             ("ridge", the paper's; "logistic", "mlp", "ensemble"). The per-prefix value is always ridge's.
         buffer_size: rows in each domain's sliding buffer; `domain_buffer_sizes` overrides it per domain.
@@ -82,6 +87,10 @@ class POISEEstimator(EstimatorFile):
         feature_config: how the caller extracts features; a saved state loads only into the same configuration.
         broadcast: makes every process agree (e.g. accelerate's `broadcast` from rank 0); None in one process.
         describe: text for a probe's refit settings in error messages (the trainer passes POISEConfig's terms).
+        history: append each prompt's history (history.py; beyond the paper) to its rows' inputs, after the
+            partner-reward column: the rollouts of a prompt at earlier steps, so the baseline stays unbiased.
+            `history_size` prompts are remembered (the least recently seen leave first); `history_decay` weighs a
+            step-older reward in the mean. Sequence granularity only.
         granularity: "sequence" (paper) or "prefix": a key of `granularity.GRANULARITIES`, resolved once into
             `token_baseline`. "prefix" learns a per-prefix value of one fixed layer (PCA `prefix_pca_dims`,
             [prompt k, prefix k]) and, once trusted, gives token advantages r - V(x, y_<t) from the `PrefixBatch`es
@@ -113,6 +122,9 @@ class POISEEstimator(EstimatorFile):
         feature_config: dict[str, Any] | None = None,
         broadcast: Callable[[torch.Tensor], torch.Tensor] | None = None,
         describe: Callable[[ValueHead], str] | None = None,
+        history: bool = False,
+        history_size: int = 65536,
+        history_decay: float = 1.0,
         granularity: str = "sequence",
         prefix_pca_dims: tuple[int, int] = (0, 0),
     ):
@@ -139,6 +151,9 @@ class POISEEstimator(EstimatorFile):
         self.feature_config = feature_config
         self.broadcast = broadcast
         self.describe = describe
+        self.history = history
+        self.history_size = history_size
+        self.history_decay = history_decay
         self.granularity = granularity
         self.prefix_pca_dims = prefix_pca_dims
         # What the estimator learns.
@@ -147,6 +162,7 @@ class POISEEstimator(EstimatorFile):
         self.bootstrap_lines: dict[str, torch.Tensor] = {}  # per domain: [a, w] fitted on those pairs
         self.reward_std = RunningStd()
         self.steps = 0  # observed (training) steps
+        self.prompt_history = PromptHistory(history_size, history_decay) if history else None
         self.token_baseline = GRANULARITIES[granularity](
             alpha=alpha, pca_dims=prefix_pca_dims, clip=clip, buffer_size=buffer_size, warmup_steps=warmup_steps
         )
@@ -158,12 +174,17 @@ class POISEEstimator(EstimatorFile):
         return self.layers[self.layer_index]
 
     @property
+    def extra_columns(self) -> int:
+        """Columns appended to the features: the partner's reward, then the prompt's history."""
+        return int(self.partner_reward) + len(HISTORY_COLUMNS) * int(self.history)
+
+    @property
     def probe_template(self) -> ValueHead:
-        """An unfitted head with this estimator's refit settings: an integer `pca_dims` of a partner-aware probe is
-        the PCA of every feature column, the partner's reward staying outside."""
+        """An unfitted head with this estimator's refit settings: an integer `pca_dims` is the PCA of every feature
+        column, the appended columns (partner's reward, history) staying outside."""
         pca = self.pca_dims
-        if self.partner_reward and isinstance(pca, int) and pca > 0:
-            pca = [(0, -1, pca)]
+        if self.extra_columns and isinstance(pca, int) and pca > 0:
+            pca = [(0, -self.extra_columns, pca)]
         return HEADS[self.head](alpha=self.alpha, pca_dims=pca, clip="observed" if self.clip is None else self.clip)
 
     def capacity(self, domain: str) -> int:
@@ -184,25 +205,51 @@ class POISEEstimator(EstimatorFile):
         num_generations: int | None = None,
         domains: Sequence[str] | None = None,
         has_completion: torch.Tensor | None = None,
+        prompt_ids: torch.Tensor | None = None,
     ) -> PreparedBatch:
         """The batch as `advantages`, `predict` and `observe` use it (arguments as `advantages` takes them)."""
         if rewards.shape != features.shape[:1]:
             raise ValueError(f"Got {rewards.shape[0]} rewards for {features.shape[0]} feature rows.")
         blocks, width = self.pca_dims, features.size(-1)
         if (
-            self.partner_reward
+            self.extra_columns
             and not isinstance(blocks, int | None)
             and any(k > 0 and int(b) > width for _, b, k in blocks)
         ):
+            appended = "the partner-reward column" if self.partner_reward else "the first history column"
             raise ValueError(
-                f"pca_dims={blocks} covers column {width}, the partner-reward column: PCA blocks must lie within "
-                f"the {width} feature columns."
+                f"pca_dims={blocks} covers column {width}, {appended}: PCA blocks must lie within the {width} "
+                "feature columns."
             )
         domain_rows = split_domains(domains, rewards.numel(), rewards.device, self.probes, self.max_domains)
         g = num_generations or self.num_generations
+        history = self.history_columns(prompt_ids, rewards.numel(), rewards.device)
         return prepare_batch(
-            features, rewards, has_completion, g, self.partner_reward, domain_rows, domains is not None
+            features,
+            rewards,
+            has_completion,
+            g,
+            self.partner_reward,
+            domain_rows,
+            domains is not None,
+            history,
+            prompt_ids,
         )
+
+    def history_columns(
+        self, prompt_ids: torch.Tensor | None, rows: int, device: torch.device | str | None = None
+    ) -> torch.Tensor | None:
+        """(rows, 3) history columns of each row's prompt from earlier steps only (None without `history`), looked
+        up on `device`, where the table lives (the rewards' device: ids elsewhere would move it back and forth)."""
+        if self.prompt_history is None:
+            return None
+        if prompt_ids is None or prompt_ids.shape != (rows,):
+            got = None if prompt_ids is None else tuple(prompt_ids.shape)
+            raise ValueError(
+                f"history=True (probe_history) looks each row's prompt up by its id: pass prompt_ids, ({rows},) "
+                f"int64 ids that are the same for a prompt at every step (e.g. buffer.prompt_group_ids), got {got}."
+            )
+        return self.prompt_history.columns(prompt_ids.to(device))
 
     # -------------------------------------------------------------------------------------------------- estimate
     def _probe_values(self, batch: PreparedBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,11 +270,12 @@ class POISEEstimator(EstimatorFile):
         rewards: torch.Tensor,
         domains: Sequence[str] | None = None,
         has_completion: torch.Tensor | None = None,
+        prompt_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Each row's probe value g(φ_j) (h(φ_j, r_j) when partner-aware, hence the rewards), from what earlier
         `observe` calls taught: NaN where a row has no usable features or its domain no fitted probe. Changes
         nothing; the baseline of rollout i is the mean of its partners' values (`advantages`)."""
-        return self._probe_values(self.prepare(features, rewards, None, domains, has_completion))[0]
+        return self._probe_values(self.prepare(features, rewards, None, domains, has_completion, prompt_ids))[0]
 
     def _fallback(self, batch: PreparedBatch) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """The bootstrap baseline of each row (None: RLOO, `poise_advantages`' own) and the lines it used."""
@@ -250,6 +298,7 @@ class POISEEstimator(EstimatorFile):
         has_completion: torch.Tensor | None = None,
         weights: torch.Tensor | None = None,
         prefix: PrefixBatch | None = None,
+        prompt_ids: torch.Tensor | None = None,
     ) -> AdvantageResult:
         """A_i = r_i - b_i for one global batch of consecutive groups, from earlier steps' probes only. Changes
         nothing: hand the result to `observe` to learn from the batch without preparing it again.
@@ -258,10 +307,12 @@ class POISEEstimator(EstimatorFile):
         constructor's by default); domains: one name per row; has_completion: (N,) False for rows whose completion
         is empty or masked; weights: (N,) positive importance weights of the rows' prompts (sampling.py), which
         multiply the advantages after any scaling. Rows without a finite reward or completion get advantage 0.
-        prefix: the per-prefix capture (granularity "prefix"); once trusted, the result holds `token_advantages`."""
+        prefix: the per-prefix capture (granularity "prefix"); once trusted, the result holds `token_advantages`.
+        prompt_ids: (N,) int64, each row's prompt id, stable across steps (needed with `history`: the rows' inputs
+        take their prompt's history from earlier steps)."""
         if weights is not None and (weights.shape != rewards.shape or not (weights.isfinite() & (weights > 0)).all()):
             raise ValueError(f"weights must be ({rewards.numel()},) finite and positive, got {weights.tolist()}.")
-        batch = self.prepare(features, rewards, num_generations, domains, has_completion)
+        batch = self.prepare(features, rewards, num_generations, domains, has_completion, prompt_ids)
         g, rewards, scorable, usable = batch.num_generations, batch.rewards, batch.scorable, batch.usable
         values, unclipped = self._probe_values(batch)
         trusted = torch.zeros_like(scorable)
@@ -337,8 +388,10 @@ class POISEEstimator(EstimatorFile):
         the layer choice when due. Give the batch as `advantages` took it, or `result`, what `advantages` returned
         for it: its prepared batch is reused and its diagnostics come to the host in this call's one transfer.
         `group_ids` (N,) name each row's prompt for K-fold layer selection (default: each group of G rows is a prompt
-        of its own). Returns `probe_fit_seconds`, the buffer sizes after learning (`buffer_size`, and per domain
-        with `domains`) and, when the layer was re-chosen, `layer_mae/<layer>`."""
+        of its own) and, given the batch without `result`, key the prompt history. With `history` the step's rewards
+        then enter their prompts' history, for later steps. Returns `probe_fit_seconds`, the buffer sizes after
+        learning (`buffer_size`, and per domain with `domains`) and, when the layer was re-chosen, `layer_mae/<layer>`.
+        """
         start = time.perf_counter()
         if result is not None:
             batch = result.batch
@@ -347,7 +400,7 @@ class POISEEstimator(EstimatorFile):
         elif features is None or rewards is None:
             raise ValueError("observe needs the batch (features and rewards) or `result`, what advantages returned.")
         else:
-            batch = self.prepare(features, rewards, num_generations, domains, has_completion)
+            batch = self.prepare(features, rewards, num_generations, domains, has_completion, group_ids)
         targets, scorable = batch.targets, batch.scorable
         examples = batch.usable & scorable & torch.isfinite(targets)
         if group_ids is None:  # every group of G consecutive rows is its own prompt, distinct across steps
@@ -363,6 +416,8 @@ class POISEEstimator(EstimatorFile):
         prefix = result.prefix if prefix is None and result is not None else prefix
         self.token_baseline.observe(prefix, batch.rewards, scorable & batch.has_completion)
         self.reward_std.update(batch.rewards)
+        if self.prompt_history is not None:  # after this step's baselines: its rewards serve later steps only
+            self.prompt_history.update(batch.prompt_ids, batch.rewards)
         self.steps += 1
         # The step's one device->host transfer: the buffers' fill levels and the handed result's diagnostics.
         rings = [online.buffer for online in self.probes.values()] + list(self.bootstrap_pairs.values())
@@ -421,18 +476,30 @@ class POISEEstimator(EstimatorFile):
         """Whether any domain's probe is trusted (past its bootstrap, or warm-started)."""
         return any(online.trusted for online in self.probes.values())
 
-    def prompt_values(self, prompt_features: torch.Tensor) -> torch.Tensor | None:
+    def prompt_values(
+        self, prompt_features: torch.Tensor, prompt_ids: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """Predicted success value of each candidate prompt from its (M, width) prompt-block features (current
-        layer), by a prompt-only probe on the buffers (prompt_value.py); None until a probe is trusted and at least
-        two groups are buffered. What to draw from these values is `sampling.py`'s business."""
+        layer) and, with `history`, its prompt's history (by its (M,) `prompt_ids`; only steps already observed, so
+        before this step's generation), by a prompt-only probe on the buffers (prompt_value.py); None until a probe
+        is trusted and at least two groups are buffered. What to draw from these values is `sampling.py`'s business."""
         if self.prompt_columns is None or not self.trusted:
             return None
         start, stop = self.prompt_columns
-        pca = [(0, stop - start, self.prompt_pca_dims)] if self.prompt_pca_dims else None
+        pca = [(0, stop - start, self.prompt_pca_dims)] if self.prompt_pca_dims else None  # the history stays out
         head = HEADS[self.head](alpha=self.alpha, pca_dims=pca, clip="observed")
         learners = list(self.probes.values())
+        history = self.history_columns(prompt_ids, prompt_features.size(0), prompt_features.device)
+        if history is not None:
+            prompt_features = torch.cat([prompt_features, history.to(prompt_features.dtype)], dim=1)
         return fit_prompt_values(
-            learners, self.prompt_columns, self.layer_index, head, 2 * self.num_generations, prompt_features
+            learners,
+            self.prompt_columns,
+            self.layer_index,
+            head,
+            2 * self.num_generations,
+            prompt_features,
+            0 if history is None else history.size(1),
         )
 
     def target_range(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -94,7 +94,7 @@ class EstimatorFile:
     """The estimator's persistence (a mixin of `POISEEstimator`, which holds the attributes it reads): its state as
     tensors and JSON, and the one safetensors file. Tensors are keyed `domain.<i>.*` (each domain's learner),
     `bootstrap.<i>.*` (its shrunk-bootstrap pairs) and `<granularity>.*` (a token baseline's learner); the JSON names
-    them in order, so names may hold any character."""
+    them in order, so names may hold any character; `history.*` is the prompt history's table (history.py)."""
 
     def state_dict(self, include_buffer: bool = True) -> dict[str, Any]:
         """{"tensors": CPU tensors, "info": JSON-able dict}: everything `load_state_dict` needs, no pickle."""
@@ -120,6 +120,9 @@ class EstimatorFile:
         if tokens.info() is not None:
             tensors.update({f"{tokens.name}.{k}": v for k, v in tokens.state_dict(include_buffer).items()})
             info[tokens.name] = tokens.info()
+        if self.prompt_history is not None:
+            tensors.update({f"history.{k}": v for k, v in self.prompt_history.state_dict().items()})
+            info["history"] = self.prompt_history.info()
         return {"tensors": tensors, "info": info}
 
     def load_state_dict(
@@ -130,9 +133,10 @@ class EstimatorFile:
         device: torch.device | str | None = None,
     ) -> None:
         """Restore `state_dict()` exactly; with `warm_start`, only the probes, trusted at once and with fresh step
-        counters (a new run starting from a saved probe). Buffers go to `device` (where the features will come
-        from). Refuses a state of another feature configuration, and on resume one whose refit settings or
-        bootstrap differ from this estimator's."""
+        counters (a new run starting from a saved probe; the prompt history starts afresh too). Buffers go to
+        `device` (where the features will come from). Refuses a state of another feature configuration or prompt
+        history setting, and on resume one whose refit settings, bootstrap or history table differ from this
+        estimator's."""
         tensors, info = state["tensors"], state["info"]
         check_feature_config(info.get("feature_config") or {}, self.feature_config or {}, source)
         if not warm_start and info.get("bootstrap") not in (None, self.bootstrap):
@@ -140,6 +144,7 @@ class EstimatorFile:
                 f"{source} was written by a run with probe_bootstrap={info['bootstrap']!r}, but this run sets "
                 f"probe_bootstrap={self.bootstrap!r}. Resume with the setting the run was started with."
             )
+        self.check_history(info.get("history"), warm_start, source)
         probes = {}
         for i, domain in enumerate(info["domains"]):
             name = domain["name"]
@@ -174,6 +179,28 @@ class EstimatorFile:
             ring.load_state_dict(strip_prefix(tensors, f"bootstrap.{i}."), device)
             self.bootstrap_pairs[name] = ring
         self.bootstrap_lines = self.fit_bootstrap_lines()
+        if self.prompt_history is not None:
+            self.prompt_history.load_state_dict(strip_prefix(tensors, "history."), info["history"], device)
+
+    def check_history(self, saved: dict[str, Any] | None, warm_start: bool, source: str) -> None:
+        """Refuse a state whose probes read other inputs (history on in one, off in the other: files written before
+        the history have none), and on resume a table of another size or decay."""
+        if (saved is not None) != self.history:
+            raise ValueError(
+                f"{source} was written by a run with probe_history={saved is not None}, but this run sets "
+                f"probe_history={self.history}: {'this run' if self.history else 'the file'}'s probes read the "
+                "history columns and the other's do not. Resume or warm-start with the setting the file was written "
+                "with."
+            )
+        if saved is None or warm_start:
+            return
+        current = self.prompt_history.info()
+        if (saved["size"], saved["decay"]) != (current["size"], current["decay"]):
+            raise ValueError(
+                f"{source} holds a prompt history of probe_history_size={saved['size']}, probe_history_decay="
+                f"{saved['decay']}, but this run sets {current['size']} and {current['decay']}. Resume with the "
+                "settings the run was started with."
+            )
 
     def save(self, path: str | os.PathLike, include_buffer: bool = True) -> None:
         """One safetensors file (the JSON in its header), written atomically."""

@@ -20,16 +20,22 @@ def fit_prompt_values(
     head: ValueHead,
     min_rows: int,
     prompt_features: torch.Tensor,
+    last_columns: int = 0,
 ) -> torch.Tensor | None:
-    """(M,) predicted success value of each candidate prompt from its (M, width) prompt-block `prompt_features`: the
-    unfitted `head` (settings for the block's stop - start columns) fitted on every learner's buffered prompt-block
-    columns [start, stop) of slice `layer_index`. None with fewer than `min_rows` rows buffered."""
+    """(M,) predicted success value of each candidate prompt from its (M, width + last_columns) `prompt_features`, the
+    prompt block and then the prompt's own `last_columns` (its history): the unfitted `head` (settings for those
+    columns) fitted on every learner's buffered prompt-block columns [start, stop) of slice `layer_index` beside its
+    last `last_columns` columns. None with fewer than `min_rows` rows buffered."""
     buffers = [learner.buffer for learner in learners if len(learner.buffer)]
     if sum(map(len, buffers)) < min_rows:
         return None
     start, stop = columns
     device = prompt_features.device
-    x = torch.cat([b.features[:, layer_index, start:stop] for b in buffers]).to(device)
+    x = torch.cat([b.features[:, layer_index, start:stop] for b in buffers])
+    if last_columns:
+        last = torch.cat([b.features[:, layer_index, -last_columns:] for b in buffers])
+        x = torch.cat([x, last], dim=1)
+    x = x.to(device)
     y = torch.cat([b.targets for b in buffers]).to(device)
     return head.fit(x, y, check_finite=False).predict(prompt_features)  # buffered rows are finite
 

@@ -20,6 +20,7 @@ from datasets import IterableDataset
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import pad
 
+from .buffer import prompt_group_ids
 from .features import capture_layer, feature_spans, find_decoder_layers
 from .sampling import draw
 
@@ -88,8 +89,10 @@ class ValueGuidedSelection:
             )
         values, reward_range, tokens = None, None, 0
         if self.estimator.trusted:
-            states, tokens = self._prefill_prompts([group[0]["prompt"] for group in groups])
-            values = self.estimator.prompt_values(states)
+            prompts = [group[0]["prompt"] for group in groups]
+            states, tokens = self._prefill_prompts(prompts)
+            # the candidates' history holds the steps observed so far: none of this step's rollouts
+            values = self.estimator.prompt_values(states, prompt_group_ids(prompts).to(states.device))
             reward_range = None if values is None else self.estimator.target_range()
         drawn = draw(
             self.args.prompt_selection,

@@ -89,3 +89,17 @@ def check_settings(settings: dict[str, Any], names: dict[str, str] | None = None
         raise bad("prefix_pca_dims", "must be two ints >= 0, [prompt k, prefix k] (0: no PCA on that block).")
     if settings.get("prompt_pca_dims", 0) < 0:
         raise bad("prompt_pca_dims", "must be >= 0 (0: no PCA).")
+    if not isinstance(settings.get("history", False), bool):  # a string such as "no" would count as True
+        raise bad("history", "must be True (append each prompt's history to the probe's input) or False.")
+    size = settings.get("history_size", 1)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise bad("history_size", "must be an int >= 1: the prompts the history table remembers.")
+    decay = settings.get("history_decay", 1.0)
+    if isinstance(decay, bool) or not (isinstance(decay, int | float) and 0 < decay <= 1):
+        raise bad("history_decay", "must be in (0, 1]: the weight of a reward one step older in the mean (1: plain).")
+    if settings.get("history") and settings.get("granularity") == "prefix":
+        raise ValueError(
+            f"{name('history', 'history')}=True with {name('granularity', 'granularity')}='prefix': the per-prefix "
+            "value is applied inside the forward hook as one affine map of the hidden states (prefix.py), which has "
+            "no input for a prompt's history. Use the granularity 'sequence' with the history, or leave it off."
+        )

@@ -306,8 +306,18 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         domains = self._domain_names(inputs, num_generations)
         weights = self._row_weights(len(inputs)) if mode == "train" else None  # the prompts' importance weights
         prefix = None if local_prefix is None else self._gather_prefix(local_prefix)
+        # Each row's prompt id: the K-fold groups of the layer choice and the prompt history's key. Environment-routed
+        # datasets may have no `prompt` column; the row then names the prompt.
+        groups = self.accelerator.gather(prompt_group_ids([x.get("prompt", x) for x in inputs]).to(device))
         result = self.estimator.advantages(
-            features, rewards, num_generations, domains, has_completion, weights=weights, prefix=prefix
+            features,
+            rewards,
+            num_generations,
+            domains,
+            has_completion,
+            weights=weights,
+            prefix=prefix,
+            prompt_ids=groups,
         )
         rows = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
         # dapo, cispo and vespo divide by TRL's token count: count each row's tokens as its advantages are weighted
@@ -318,8 +328,6 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
             output["advantages"] = result.token_advantages[rows, : output["completion_ids"].size(1)]
         fit_metrics = {}
         if mode == "train":  # learn only after this batch's advantages were taken
-            # Environment-routed datasets may have no `prompt` column; the row then names the prompt.
-            groups = self.accelerator.gather(prompt_group_ids([x.get("prompt", x) for x in inputs]).to(device))
             fit_metrics = self.estimator.observe(group_ids=groups, result=result)  # learns from the prepared batch
         metrics = {**result.metrics(), **fit_metrics}  # the step's one device->host transfer (done by `observe`)
         advantages, baselines = result.logged_rows()

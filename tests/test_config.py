@@ -54,6 +54,13 @@ def test_paper_preset_and_explicit_overrides():
         (dict(prompt_selection="importants"), "did you mean 'importance'"),
         (dict(probe_partner_reward="no"), "give True .* or False"),
         (dict(probe_partner_reward=1), "give True .* or False"),
+        (dict(probe_history="yes"), r"probe_history='yes' must be True"),
+        (dict(probe_history=True, probe_history_size=0), r"probe_history_size=0 must be an int >= 1"),
+        (dict(probe_history_decay=1.5), r"probe_history_decay=1.5 must be in \(0, 1\]"),  # even before it is used
+        (
+            dict(probe_history=True, probe_granularity="prefix"),
+            "probe_history=True with probe_granularity='prefix': the per-prefix value is applied inside the forward",
+        ),
     ],
 )
 def test_bad_values_raise_with_what_to_change(kwargs, message):

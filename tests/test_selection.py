@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from poise_trl import POISETrainer
+from poise_trl.buffer import prompt_group_ids
 from poise_trl.estimator import POISEEstimator
 
 from .conftest import digit_dataset, digit_reward, poise_args, score_and_capture_features
@@ -59,7 +60,7 @@ def test_selection_keeps_the_highest_predicted_spread(tiny_model_path, tmp_path,
     values = torch.tensor([0.0, 0.9, 0.5, 1.0, 0.4, 0.2])  # p(1-p): 0, .09, .25, 0, .24, .16 -> keep 2 and 4
     trainer.model.train()
     monkeypatch.setattr(POISEEstimator, "trusted", property(lambda self: True))
-    trainer.estimator.prompt_values = lambda states: states
+    trainer.estimator.prompt_values = lambda states, prompt_ids: states
     trainer.estimator.target_range = lambda: (torch.tensor(0.0), torch.tensor(1.0))
     trainer._prefill_prompts = lambda prompts: (values[: len(prompts)], 7)
     inputs = [{"prompt": f"p{i}"} for i in range(6) for _ in range(G)]
@@ -160,9 +161,20 @@ def test_the_random_selection_phase_resumes_bit_for_bit(tiny_model_path, tmp_pat
     assert all(torch.equal(a, b) for a, b in zip(uninterrupted.kept[2:], resumed.kept, strict=True))
 
 
-def test_the_importance_sampler_resumes_its_draws_and_weights_bit_for_bit(tiny_model_path, tmp_path):
-    selection = dict(prompt_selection="importance", per_device_train_batch_size=4, probe_warmup_steps=1)
-    uninterrupted, resumed = _resumed_selection(tiny_model_path, tmp_path, selection)
+@pytest.mark.parametrize("history", [False, True])
+def test_the_importance_sampler_resumes_its_draws_and_weights_bit_for_bit(tiny_model_path, tmp_path, history):
+    """With the prompt history, 8 prompts so that they repeat: q reads each candidate's history, which the checkpoint
+    restores."""
+    selection = dict(
+        prompt_selection="importance", per_device_train_batch_size=4, probe_warmup_steps=1, probe_history=history
+    )
+    prompts = digit_dataset(8 if history else 64)
+    uninterrupted, resumed = _resumed_selection(tiny_model_path, tmp_path, selection, prompts)
+    if history:
+        counts = uninterrupted.estimator.prompt_history.lookup(prompt_group_ids(prompts["prompt"]))[1]
+        assert counts.max() > G  # a prompt kept at two steps
+        tables = [run.estimator.state_dict()["tensors"] for run in (uninterrupted, resumed)]
+        assert all(torch.equal(tables[0][k], tables[1][k]) for k in tables[0] if k.startswith("history."))
     assert _logged(uninterrupted, "poise/selection/random") == [1.0, 0.0, 0.0, 0.0]
     weight_max = _logged(uninterrupted, "poise/selection/weight_max")
     assert _logged(resumed, "poise/selection/weight_max") == weight_max and set(weight_max[2:]) != {1.0}
@@ -179,12 +191,12 @@ class KeptPrompts(POISETrainer):
         return output
 
 
-def _resumed_selection(model, tmp_path, selection: dict) -> tuple[KeptPrompts, KeptPrompts]:
-    """A 4-step run, and the same run resumed from its step-2 checkpoint."""
+def _resumed_selection(model, tmp_path, selection: dict, prompts=None) -> tuple[KeptPrompts, KeptPrompts]:
+    """A 4-step run, and the same run resumed from its step-2 checkpoint (on `prompts`, by default 64)."""
     args = poise_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, **selection)
     runs = []
     for checkpoint in (None, str(tmp_path / "out" / "checkpoint-2")):
-        run = KeptPrompts(str(model), digit_reward, args=args, train_dataset=digit_dataset())
+        run = KeptPrompts(str(model), digit_reward, args=args, train_dataset=prompts or digit_dataset())
         run.kept, run.advantages = [], []
         run.train(resume_from_checkpoint=checkpoint)
         runs.append(run)

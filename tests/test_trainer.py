@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from poise_trl import POISEConfig, POISETrainer
+from poise_trl.buffer import prompt_group_ids
 from poise_trl.files import read_state
 from poise_trl.logistic import LogisticProbe
 from poise_trl.trainer import ESTIMATOR_FILE
@@ -324,6 +325,31 @@ def test_a_logistic_head_gives_the_baselines_and_is_saved_by_name(small_model_pa
     assert logged[-1]["poise/bootstrap"] == 0.0 and math.isfinite(logged[-1]["poise/mae"])
     trainer.save_probe(tmp_path / "probe.safetensors")
     assert read_state(tmp_path / "probe.safetensors")["info"]["domains"][0]["head"] == "logistic"
+
+
+def test_a_short_run_with_the_prompt_history_feeds_it_to_the_probe_and_names_it(small_model_path, tmp_path):
+    """Four prompts, each drawn at every step: from the second step on, a prompt's rows carry its earlier rewards
+    (after the partner's reward); the file and the model card name the history, and a run without it refuses the
+    file."""
+    args = poise_args(tmp_path, max_steps=3, probe_history=True, probe_partner_reward=True)
+    prompts = _dataset(4)
+    trainer = POISETrainer(str(small_model_path), digit_reward, args=args, train_dataset=prompts)
+    trainer.train()
+    seen, count, _ = trainer.estimator.prompt_history.lookup(prompt_group_ids(prompts["prompt"]))
+    assert seen.all() and count.tolist() == [3 * 2] * 4  # 3 steps x 2 rollouts
+    rows = trainer.probe_buffer.features[:, 0]
+    assert rows.size(-1) == 2 * trainer.hidden_size + 3 + 1 + 3  # [φ | r | seen, log(1 + count), mean]
+    assert rows[:8, -3].eq(0).all() and rows[8:, -3].eq(1).all()  # unseen at the first step only
+    assert rows[-8:, -2].tolist() == pytest.approx([math.log1p(2 * 2)] * 8)  # the last step read two steps' rewards
+    trainer.save_probe(tmp_path / "history.safetensors")
+    assert read_state(tmp_path / "history.safetensors")["info"]["history"]["steps"] == 3
+    trainer.create_model_card(model_name="tiny-poise")
+    assert (
+        "Prompt history (probe_history): on (65536 prompts, decay 1.0)" in (tmp_path / "out" / "README.md").read_text()
+    )
+    without = poise_args(tmp_path, probe_partner_reward=True, probe_init_path=str(tmp_path / "history.safetensors"))
+    with pytest.raises(ValueError, match="probe_history=True, but this run sets probe_history=False"):
+        POISETrainer(str(small_model_path), digit_reward, args=without, train_dataset=prompts)
 
 
 def test_resume_refuses_changed_probe_settings_and_warm_start_refits_with_the_run_s(small_model_path, tmp_path):

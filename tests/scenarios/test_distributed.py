@@ -81,3 +81,13 @@ def test_two_processes_cost_one_transfer_per_step_and_agree(tmp_path):
     for step in rank0["counts"]:
         choosing = step["step"] % 2 == 0
         assert step["transfers"] == (LAYER_CHOICE_TRANSFERS if choosing else 1), step
+
+
+def test_two_processes_keep_the_same_prompt_history_without_a_broadcast(tmp_path):
+    """Every rank updates the history from the same gathered batch, with fixed-order sums: identical tables, and a
+    step still costs one transfer."""
+    rank0, rank1 = launch(ESTIMATOR_SCRIPT, [str(tmp_path), "history"], tmp_path, 2)
+    assert rank0["history"] == rank1["history"] and max(rank0["history"]["history.count"]) > 2
+    assert rank0["probe"] == rank1["probe"]
+    for step in rank0["counts"]:
+        assert step["transfers"] == (LAYER_CHOICE_TRANSFERS if step["step"] % 2 == 0 else 1), step

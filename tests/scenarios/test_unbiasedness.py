@@ -283,6 +283,39 @@ def test_shrunk_bootstrap_from_earlier_steps_is_unbiased(bandit, group):
     assert p_value > 1e-4, f"shrunk χ²={statistic:.1f}"
 
 
+def test_history_baseline_is_unbiased_and_one_holding_the_own_rollouts_is_not(bandit):
+    """With `history`, a prompt's (context x's) history columns come from earlier steps only: b_i = mean over j != i
+    of h(φ_j, H(x)) stays unbiased. The same probe fed a history that already holds the prompt's own rollouts (its
+    step's rewards entered before its baselines were taken) is biased, which shows the test can see that leak."""
+    group = 2
+    probe_rows = torch.rand(4000, NOISE_COLUMNS + 3, generator=torch.Generator().manual_seed(71))
+    probe_rows[:, NOISE_COLUMNS] = 1.0  # seen
+    probe = ValueProbe(alpha=1e-3, clip=(0.0, 1.0)).fit(probe_rows, probe_rows[:, -1])  # h reads the mean reward
+    estimator = estimator_with(probe, group, history=True)
+    earlier = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])  # one earlier group per context: any past will do
+    estimator.prompt_history.update(torch.arange(C).repeat_interleave(group), earlier)
+
+    g = torch.Generator().manual_seed(72)
+    x, a, r = bandit.sample(REPS, 4, group, g)
+    keys = x.unsqueeze(2).expand_as(a).reshape(-1)
+    noise = FEATURE_NOISE * torch.randn(r.numel(), NOISE_COLUMNS, generator=g)
+    result = estimator.advantages(noise, r.reshape(-1), prompt_ids=keys)
+    gradients = bandit.batch_gradients(x, a, result.advantages.reshape(r.shape))
+    z, statistic, p_value = bias_statistics(gradients, bandit.exact_gradient())
+    assert z.abs().max() < UNBIASED_Z, f"history z={z}"
+    assert p_value > 1e-4, f"history χ²={statistic:.1f}"
+
+    # The leak: the mean column holds the prompt's own G rewards beside the earlier ones.
+    _, count, mean = estimator.prompt_history.lookup(keys)
+    own = r.sum(2, keepdim=True).expand_as(r).reshape(-1)
+    leaked_mean = (mean * count + own) / (count + group)
+    leaked = torch.stack([torch.ones_like(own), torch.log1p((count + group).double()), leaked_mean], dim=1)
+    values = probe.predict(torch.cat([noise, leaked.float()], dim=1)).double()
+    advantages = r - cross_rollout_baselines(values, group).reshape(r.shape)
+    z_leak, _, _ = bias_statistics(bandit.batch_gradients(x, a, advantages), bandit.exact_gradient())
+    assert z_leak.abs().max() > BIASED_Z, f"leaked-history z={z_leak}"
+
+
 # ------------------------------------------------------------------------------------------------- Proposition 1
 def exact_covariances(bandit: Bandit, baseline: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Σ_w = E_x Cov(Z | x) and Σ_b = Cov_x(μ(x)), μ(x) = E[Z | x], for Z = ∇ log π(a|x)(r − b(x)), by enumeration."""
