@@ -176,21 +176,23 @@ def tune(study: Study, task: str, names: list[str]) -> dict[str, dict[str, Any]]
 
 
 def learning_rates(study: Study, task: str, contenders: list[Contender]) -> dict[str, Any]:
-    """Per contender: its rate and how it was chosen (tuned, or POISE (paper)'s for the one-change ablations)."""
+    """Per contender: its rate and how it was chosen (tuned, or for a one-change ablation the rate of the contender
+    it changes)."""
     settings = study.settings
     names = [c.name for c in contenders]
     if not settings.tune_lr:
         return {name: {"learning_rate": settings.learning_rate, "source": "--learning-rate"} for name in names}
     ablations = [name for name in names if name in ABLATIONS]
-    if ablations and "poise_paper" not in names:
+    if missing := sorted({ABLATIONS[name] for name in ablations} - set(names)):
         raise SystemExit(
-            f"--tune-lr runs the ablations {', '.join(ablations)} at POISE (paper)'s rate: add "
-            "poise_paper to --contenders"
+            f"--tune-lr runs the ablations {', '.join(ablations)} at the tuned rate of the contender each changes: "
+            f"add {' '.join(missing)} to --contenders"
         )
     tuned = tune(study, task, [name for name in names if name not in ABLATIONS])
     rates = {name: {**tuned[name], "source": "tuned"} for name in tuned}
     for name in ablations:
-        rates[name] = {"learning_rate": tuned["poise_paper"]["learning_rate"], "source": "poise_paper's tuned rate"}
+        parent = ABLATIONS[name]
+        rates[name] = {"learning_rate": tuned[parent]["learning_rate"], "source": f"{parent}'s tuned rate"}
     path = study.results_dir / f"tuning_{task}.json"
     earlier = json.loads(path.read_text()) if path.exists() else {}  # a run of some contenders keeps the others'
     _write_atomic(path, {**earlier, "task": task, "tuning_seeds": settings.tuning_seeds, **rates})

@@ -92,6 +92,17 @@ def test_contender_configs(tmp_path):
         cgrpo = _config(CONTENDERS["cgrpo"], task, args, 0, tmp_path, 1e-5)
         assert cgrpo.budget_grid == [2, 4, 8] and cgrpo.num_generations == 8 and cgrpo.loss_type == "dapo"
         assert cgrpo.max_steps == 10  # one prompt a step stopped at 2 completions each time reaches the budget of 20
+        assert cgrpo.recalibrate_every == 50  # its default
+        assert _config(CONTENDERS["cgrpo_once"], task, args, 0, tmp_path, 1e-5).recalibrate_every == 0
+
+
+def test_an_ablation_runs_at_the_tuned_rate_of_the_contender_it_changes():
+    from types import SimpleNamespace
+
+    settings = EfficiencySettings.from_args(parse_bench(["bench", "efficiency", "--tune-lr"]))
+    study = SimpleNamespace(settings=settings)
+    with pytest.raises(SystemExit, match="add cgrpo to --contenders"):
+        study_module.learning_rates(study, "sort", [CONTENDERS["cgrpo_once"], CONTENDERS["poise"]])
 
 
 class _ScriptedRounds:
