@@ -160,7 +160,9 @@ def test_overhead_smoke(tmp_path, capsys):
     )
     assert args.func(args) == 0
     printed = capsys.readouterr().out.strip().splitlines()
-    assert printed[-1].startswith("Summary: POISE/GRPO step time") and printed[-2].startswith("| probe fit ")
+    assert printed[-1].startswith("Summary: POISE/GRPO step time")
+    assert sum(line.startswith("| probe fit ") for line in printed) == 2  # a row per preset, then one per other head
+    assert printed[-2].startswith("| ensemble head fit (release)")
     result = json.loads((out / "overhead.json").read_text())
     assert set(result) >= {"settings", "environment", "timing", "memory", "memory_method", "probe_fit", "headline"}
     # Folders relative to the run (the file gets committed), not this machine's tmp_path.
