@@ -325,3 +325,14 @@ def mean_or_none(values: Iterable[float | None]) -> float | None:
     """The mean of the values that exist (a metric a step did not log is None); None if none does."""
     finite = [v for v in values if v is not None]
     return sum(finite) / len(finite) if finite else None
+
+
+def other_heads(names: Sequence[str] | None) -> list[str]:
+    """`--probe-heads` of `bench gradient` and `probe-bench`: the value heads measured beside ridge, validated (None:
+    every other head of `heads.HEADS`)."""
+    from poise_trl.heads import HEADS
+
+    names = [head for head in HEADS if head != "ridge"] if names is None else list(names)
+    if unknown := sorted(set(names) - set(HEADS)):
+        raise SystemExit(f"--probe-heads {' '.join(unknown)}: not a value head; choose among {', '.join(HEADS)}")
+    return [head for head in names if head != "ridge"]  # ridge is the preset row

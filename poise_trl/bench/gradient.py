@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 from poise_trl.estimator import POISEEstimator
 from poise_trl.settings import DEFAULT_FLOOR, check_floor
 
-from .common import CONTENDERS, format_table, resolve_device, write_json
+from .common import CONTENDERS, format_table, other_heads, resolve_device, write_json
 from .exact import (
     PoolGram,
     RuleMoments,
@@ -454,17 +454,13 @@ def run_gradient(args: argparse.Namespace, log: Log = print) -> int:
             "and the oracle baseline's 3)"
         )
     check_floor(args.prompt_selection_floor)  # before the pool is sampled, not after
-    from poise_trl.heads import HEADS
-
-    if unknown := sorted(set(args.probe_heads) - set(HEADS)):
-        raise SystemExit(f"--probe-heads {' '.join(unknown)}: not a value head; choose among {', '.join(HEADS)}")
+    heads = other_heads(args.probe_heads)  # ridge is POISE (default)'s own row
     if args.probe_prompts < 1:
         raise SystemExit(f"--probe-prompts {args.probe_prompts}: the probe needs a pool of its own")
     collection, probe, pool, folder = load_pool(args, log)
     seconds = dict(pool["seconds"])
     t = time.perf_counter()
     keep = separate_prompts(collection, probe, args.probe_prompts)
-    heads = [head for head in args.probe_heads if head != "ridge"]  # ridge is POISE (default)'s own row
     values, sources, samplers = online_values(collection, probe, keep, args.prompt_selection_floor, log, heads)
     seconds["probes"] = time.perf_counter() - t
     log(f"[4/4] exact moments of {len(args.contenders)} rules, {args.bootstrap} bootstrap resamples")

@@ -356,7 +356,7 @@ def test_pair_fitted_probe_learns_from_partner_rewards_as_the_online_buffer_does
 
 
 def test_probe_heads_default_to_every_other_head_and_refuse_unknown_names():
-    from poise_trl.bench.value.report import probe_heads
+    from poise_trl.bench.common import other_heads as probe_heads
 
     assert probe_heads(None) == ["logistic", "mlp", "ensemble"] and probe_heads([]) == []
     assert probe_heads(["ridge", "mlp"]) == ["mlp"]  # ridge is the preset row already

@@ -18,7 +18,7 @@ from poise_trl.features import FEATURE_BLOCKS, pca_blocks
 from poise_trl.learner import OnlineLearner
 from poise_trl.probe import ValueProbe
 
-from ..common import config_default, resolve_device
+from ..common import config_default, other_heads, resolve_device
 from .beyond import format_beyond, run_beyond
 from .collect import Collection, Log
 from .prefix import prefix_report, sequence_baselines, variance_explained
@@ -174,16 +174,6 @@ def export_probe(collection: Collection, features: Sequence[str], path: str | Pa
     return Path(path)
 
 
-def probe_heads(names: Sequence[str] | None) -> list[str]:
-    """`--probe-heads`: the value heads scored beside ridge (None: every other head of `heads.HEADS`)."""
-    from poise_trl.heads import HEADS
-
-    names = [head for head in HEADS if head != "ridge"] if names is None else list(names)
-    if unknown := sorted(set(names) - set(HEADS)):
-        raise SystemExit(f"--probe-heads {' '.join(unknown)}: not a value head; choose among {', '.join(HEADS)}")
-    return [head for head in names if head != "ridge"]  # ridge is the preset row
-
-
 def run_probe_bench(args: argparse.Namespace, log: Log = print) -> int:
     """Handler of `poise-trl probe-bench`: collect (or load), fit and score, print, write JSON/markdown/figure."""
     unknown = sorted(set(args.features or ()) - set(FEATURE_BLOCKS))
@@ -223,7 +213,7 @@ def run_probe_bench(args: argparse.Namespace, log: Log = print) -> int:
         mlps=parse_mlps(args.mlps),
         critic=critic,
         log=log,
-        heads=probe_heads(args.probe_heads),
+        heads=other_heads(args.probe_heads),
     )
     results["beyond_paper"] = None
     if args.splits > 0:
