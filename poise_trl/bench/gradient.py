@@ -13,7 +13,8 @@ expectations over the pool (`exact`: U-statistics, no batches drawn, no referenc
 bootstrap intervals over the prompts. POISE's probe is the one it would run online: fitted on a separate pool of
 `--probe-prompts` prompts x 2 rollouts (the online buffer's shape), or, when the snapshot is a POISE run's output
 holding its saved estimator, that estimator. With `--probe-heads`, POISE (default) again with each other value head
-(`POISEConfig.probe_head`) fitted on the same separate pool, alone and with its own probe sampler. The samples,
+(`POISEConfig.probe_head`) fitted on the same separate pool, or refit on the saved estimator's own buffer, alone and
+with its own probe sampler; a saved estimator with a prompt history is measured with and without it. The samples,
 features and Gram matrices are cached on disk, so a rerun (another head, another floor) is the analysis alone.
 """
 
@@ -29,7 +30,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from poise_trl.buffer import ProbeBuffer
 from poise_trl.estimator import POISEEstimator
+from poise_trl.history import HISTORY_COLUMNS
 from poise_trl.settings import DEFAULT_FLOOR, check_floor
 
 from .common import CONTENDERS, format_table, other_heads, resolve_device, write_json
@@ -155,30 +158,82 @@ def load_pool(args: argparse.Namespace, log: Log = print) -> tuple[Collection, C
 
 
 # --------------------------------------------------------------------------------------------- POISE's probes
-def head_row(head: str) -> str:
-    """The row of POISE (default) with value head `head` (`--probe-heads`)."""
-    return f"poise_head_{head}"
+def head_row(head: str, history: bool = True) -> str:
+    """The row of POISE (default) with value head `head` (`--probe-heads`); `history=False`: refit without the
+    prompt history a run's saved estimator holds."""
+    return f"poise_head_{head}" + ("" if history else "_nohistory")
+
+
+def new_estimator(
+    rule: str, collection: Collection, head: str | None = None, history: bool = False
+) -> tuple[POISEEstimator, list[str]]:
+    """An empty estimator with `rule`'s settings (with `head`, that value head; with `history`, the prompt history)
+    at the pool's default capture, and the feature blocks its probe reads."""
+    from poise_trl import POISEConfig
+
+    layer = int(collection.meta["default_layer"])
+    settings = {**CONTENDERS[rule].overrides, **CONTENDERS[rule].pins, **({"probe_head": head} if head else {})}
+    config = POISEConfig(output_dir="unused", report_to="none", use_cpu=True, probe_history=history, **settings)
+    settings = config.estimator_settings(int(collection.meta["num_layers"]), int(collection.meta["hidden_size"]))
+    settings.update(layers=[layer], layer_index=0)
+    return POISEEstimator(PROBE_K, **settings), list(config.probe_features)
 
 
 def fitted_probe(
     rule: str, collection: Collection, probe: Collection, keep: np.ndarray, head: str | None = None
-) -> tuple[Any, list[str]]:
+) -> tuple[POISEEstimator, list[str]]:
     """`rule`'s estimator after observing the probe pool's prompts `keep` in pairs, over its warm-up steps plus a
     few, as it would online (with `head`, that value head instead of the rule's own); and the feature blocks its
     probe reads."""
-    from poise_trl import POISEConfig
-
+    estimator, blocks = new_estimator(rule, collection, head)
     layer, pool = int(collection.meta["default_layer"]), int(collection.meta["default_pool"])
-    settings = {**CONTENDERS[rule].overrides, **CONTENDERS[rule].pins, **({"probe_head": head} if head else {})}
-    config = POISEConfig(output_dir="unused", report_to="none", use_cpu=True, **settings)
-    settings = config.estimator_settings(int(collection.meta["num_layers"]), int(collection.meta["hidden_size"]))
-    settings.update(layers=[layer], layer_index=0)
-    estimator = POISEEstimator(PROBE_K, **settings)
-    features = probe.columns(config.probe_features, layer, pool)
+    features = probe.columns(blocks, layer, pool)
     for chunk in np.array_split(keep, estimator.warmup_steps + 4):
         rows = torch.from_numpy((chunk[:, None] * PROBE_K + np.arange(PROBE_K)).ravel())
         estimator.observe(features[rows], probe.rewards[rows].nan_to_num(0.0))
-    return estimator, list(config.probe_features)
+    return estimator, blocks
+
+
+def run_estimator(
+    path: Path, collection: Collection, head: str | None = None, history: bool | None = None
+) -> tuple[POISEEstimator, list[str]]:
+    """The run's saved estimator (the file `POISETrainer.save_probe` wrote), as saved or with every probe refit with
+    `head` on the run's own buffer and, with `history=False` where the run kept a prompt history, on the buffered
+    rows less their history columns (the table dropped): each head and input set on exactly the data the run's
+    own probe learned from."""
+    from poise_trl.files import read_state
+
+    saved_history = "history" in read_state(path)["info"]
+    estimator, blocks = new_estimator("poise", collection, history=saved_history)
+    estimator.load(path)
+    history = saved_history if history is None else history
+    if history and not saved_history:
+        raise ValueError(f"{path} holds no prompt history (the run set probe_history=False)")
+    saved_head = next(iter(estimator.probes.values())).probe.name
+    if (head or saved_head, history) == (saved_head, saved_history):
+        return estimator, blocks
+    estimator.head = head or saved_head
+    if not history and saved_history:
+        estimator.history, estimator.prompt_history = False, None
+        for online in estimator.probes.values():
+            rows = ProbeBuffer(online.buffer.capacity)
+            rows.add(online.buffer.features[..., : -len(HISTORY_COLUMNS)], online.buffer.targets, online.buffer.groups)
+            online.buffer = rows
+    for online in estimator.probes.values():
+        online.probe = estimator.probe_template
+        online.fit(estimator.layer_index)
+    return estimator, blocks
+
+
+def row_prompt_keys(collection: Collection) -> torch.Tensor:
+    """(N,) each rollout's prompt id, as the trainer keys its prompt history (`buffer.prompt_group_ids`)."""
+    keys = collection.meta.get("prompt_keys")
+    if keys is None:
+        raise SystemExit(
+            "this pool was sampled before pools kept their prompts' ids, which a run's prompt history is read by: "
+            "delete its cache folder (or pass another --cache-dir) to sample it again"
+        )
+    return torch.tensor(keys, dtype=torch.long)[collection.prompt_index]
 
 
 def online_values(
@@ -190,34 +245,53 @@ def online_values(
     heads: Sequence[str] = (),
 ) -> tuple[dict[str, np.ndarray], dict[str, str], dict[str, np.ndarray]]:
     """Each measured rollout's probe value for POISE (paper), POISE (default) and POISE (default) with each of
-    `heads` (rows `head_row(head)`), where each probe came from (the snapshot's own saved estimator for POISE
-    (default), when the model folder holds the file `POISETrainer.save_probe` writes, else `fitted_probe` on the
-    separate pool; the head rows always the latter), and the probe sampler of POISE (default) and of each head row
-    over the pool's prompts ({row: q}, `gradient_samplers.probe_sampler`, at `floor`)."""
+    `heads` (rows `head_row(head)`), where each probe came from, and the probe sampler of POISE (default) and of
+    each head row over the pool's prompts ({row: q}, `gradient_samplers.probe_sampler`, at `floor`).
+
+    When the model folder holds the run's saved estimator (the file `POISETrainer.save_probe` writes), POISE
+    (default) is that estimator and each head row the same refit with that head (`run_estimator`); if the run kept
+    a prompt history, every head (ridge included) is measured again without it (`head_row(head, history=False)`).
+    Otherwise every probe is `fitted_probe` on the separate pool."""
+    from poise_trl.files import read_state
     from poise_trl.trainer import ESTIMATOR_FILE
 
     layer, pool = int(collection.meta["default_layer"]), int(collection.meta["default_pool"])
     saved = Path(collection.meta["model_path"]) / ESTIMATOR_FILE
+    separate = f"fitted on a separate pool of {len(keep)} prompts x {PROBE_K} rollouts"
     values, sources, samplers = {}, {}, {}
-    fits = [("poise_paper", "poise_paper", None), ("poise", "poise", None)]
-    fits += [(head_row(head), "poise", head) for head in heads]
-    for row, rule, head in fits:
-        estimator, blocks = fitted_probe(rule, collection, probe, keep, head)
-        sources[row] = f"fitted on a separate pool of {len(keep)} prompts x {PROBE_K} rollouts"
-        if row == "poise" and saved.exists():
-            estimator.load(saved)
-            sources[row] = f"the run's saved estimator ({ESTIMATOR_FILE})"
+    fits: list[tuple[str, Any]] = [("poise_paper", lambda: fitted_probe("poise_paper", collection, probe, keep))]
+    if saved.exists():
+        with_history = "history" in read_state(saved)["info"]
+        fits.append(("poise", lambda: run_estimator(saved, collection)))
+        sources["poise"] = f"the run's saved estimator ({ESTIMATOR_FILE})"
+        run_heads = ["ridge", *heads] if with_history else list(heads)
+        for head in run_heads:
+            for history in (True, False) if with_history else (False,):
+                row = head_row(head, history or not with_history)
+                if row == head_row("ridge"):
+                    continue  # the run's own estimator when it is ridge with history: the "poise" row
+                fits.append((row, lambda h=head, hist=history: run_estimator(saved, collection, h, hist)))
+                sources[row] = f"the run's saved estimator refit with the {head} head on its own buffer" + (
+                    "" if history else ", without the prompt history"
+                )
+    else:
+        fits.append(("poise", lambda: fitted_probe("poise", collection, probe, keep)))
+        fits += [(head_row(h), lambda h=h: fitted_probe("poise", collection, probe, keep, h)) for h in heads]
+    for row, fit in fits:
+        estimator, blocks = fit()
+        sources.setdefault(row, separate)
         if not estimator.trusted:
             raise RuntimeError(f"{label(row)}: the probe is not trusted; give more --probe-prompts")
+        keys = row_prompt_keys(collection) if estimator.history else None
         features = collection.columns(blocks, layer, pool)
-        out = estimator.predict(features, collection.rewards.nan_to_num(0.0)).double().numpy()
+        out = estimator.predict(features, collection.rewards.nan_to_num(0.0), prompt_ids=keys).double().numpy()
         if not np.isfinite(out).all():
             raise RuntimeError(
                 f"{label(row)}: the probe gave non-finite values for {int((~np.isfinite(out)).sum())} rows"
             )
         values[row] = out
         if row != "poise_paper":
-            samplers[row] = probe_sampler(estimator, collection, layer, pool, floor)
+            samplers[row] = probe_sampler(estimator, collection, layer, pool, floor, keys)
         log(f"      {label(row)}: probe {sources[row]}")
     return values, sources, samplers
 
@@ -322,6 +396,7 @@ def ranking_agreement(results: dict[str, Any]) -> float:
 def label(rule: str) -> str:
     if rule.startswith("poise_head_"):
         head, sampled = rule.removeprefix("poise_head_").removesuffix("_probe_sampler"), rule.endswith("_sampler")
+        head = head.replace("_nohistory", ", no history")
         return f"POISE (default) [{head}]" + (" + probe sampler" if sampled else "") + " G=2"
     return EXTRA_ROWS.get(rule) or PREFIX_LABELS.get(rule) or CONTENDERS[rule].label
 

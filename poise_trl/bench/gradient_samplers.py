@@ -35,13 +35,19 @@ def oracle_samplers(rewards: np.ndarray, poise_values: np.ndarray | None, rules:
 
 
 def probe_sampler(
-    estimator: POISEEstimator, collection: Collection, layer: int, pool: int, floor: float
+    estimator: POISEEstimator,
+    collection: Collection,
+    layer: int,
+    pool: int,
+    floor: float,
+    prompt_ids: torch.Tensor | None = None,
 ) -> np.ndarray:
     """(P,) the importance sampler's probabilities over the pool's prompts, from `estimator`'s prompt-only probe on
-    each prompt's prompt block at (`layer`, `pool`), as `prompt_selection="importance"` draws them online."""
+    each prompt's prompt block at (`layer`, `pool`) (and, with `history`, the prompt's history by each row's (N,)
+    `prompt_ids`), as `prompt_selection="importance"` draws them online."""
     prompt_block = collection.columns(["prompt"], layer, pool)
     first = torch.as_tensor(np.unique(collection.prompt_index.numpy(), return_index=True)[1])
-    values = estimator.prompt_values(prompt_block[first])
+    values = estimator.prompt_values(prompt_block[first], None if prompt_ids is None else prompt_ids[first])
     if values is None:
         raise RuntimeError("the probe sampler needs a trusted probe with buffered rows: give more --probe-prompts")
     low, high = (float(b) for b in estimator.target_range())

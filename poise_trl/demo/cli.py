@@ -30,6 +30,8 @@ def run_demo_command(args: argparse.Namespace) -> int:
         probe_preset=args.probe_preset,
         paper_rules=args.paper_rules,
         probe_granularity=args.probe_granularity,
+        probe_head=args.probe_head,
+        probe_history=args.probe_history,
         eval_k=args.eval_k,
         logging_steps=args.logging_steps,
         cache_dir=args.cache_dir,
@@ -112,6 +114,17 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
         choices=("sequence", "prefix"),
         default="sequence",
         help="one baseline per rollout, or per token from the prefix (docs: the per-prefix baseline)",
+    )
+    parser.add_argument(
+        "--probe-head",
+        default="ridge",
+        help="the probe's value head (POISEConfig.probe_head): ridge, logistic, mlp or ensemble",
+    )
+    parser.add_argument(
+        "--probe-history",
+        action="store_true",
+        help="each prompt's earlier rewards as probe inputs (POISEConfig.probe_history); worth it when prompts "
+        "repeat: lower --task-size so each is drawn more than once",
     )
     parser.add_argument(
         "--logging-steps",

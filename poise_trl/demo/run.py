@@ -48,6 +48,7 @@ TABLE_COLUMNS = (
 )
 COLUMN_WIDTH = 8
 SUMMARY_FILE = "summary.json"
+TRAIN_DIR = "train"  # the training split (`Dataset.save_to_disk`): `bench gradient --dataset` reads its prompts
 PLOT_FILE = "training_dynamics.png"
 
 
@@ -167,6 +168,8 @@ def run_demo(
     probe_preset: str = "release",
     paper_rules: bool = False,
     probe_granularity: str = "sequence",
+    probe_head: str = "ridge",
+    probe_history: bool = False,
     eval_k: int = 8,
     logging_steps: int | None = None,
     cache_dir: str | Path | None = None,
@@ -202,6 +205,7 @@ def run_demo(
         write(f"[1/4] real model {model}")
         demo = _real_task(model, seed, num_train, num_eval, cache_dir, write)
     policy, tokenizer = load_demo_model(demo.model_dir)
+    demo.train.save_to_disk(str(output_dir / TRAIN_DIR))
 
     def evaluate(trained: Any) -> dict[str, Any]:
         return evaluate_avg_at_k(
@@ -238,6 +242,8 @@ def run_demo(
         probe_preset=probe_preset,
         **(dict(probe_partner_reward=False, probe_bootstrap="rloo") if paper_rules else {}),
         probe_granularity=probe_granularity,
+        probe_head=probe_head,
+        probe_history=probe_history,
     )
     table = DemoTableCallback(write=write, show_progress=show_progress)
     trainer = POISETrainer(
@@ -278,6 +284,9 @@ def run_demo(
         "max_completion_length": demo.max_completion_length,
         "probe_warmup_steps": probe_warmup_steps,
         "probe_granularity": probe_granularity,
+        "probe_head": probe_head,
+        "probe_history": probe_history,
+        "train_prompts": TRAIN_DIR,
         "avg_at_k_before": before["avg_at_k"],
         "avg_at_k_after": after["avg_at_k"],
         "by_difficulty_before": before["by_difficulty"],

@@ -19,7 +19,16 @@ from poise_trl.bench.exact import (
     summarize,
     truth_weights,
 )
-from poise_trl.bench.gradient import fitted_probe, measure, online_values, separate_prompts, unstable_rules
+from poise_trl.bench.gradient import (
+    fitted_probe,
+    measure,
+    new_estimator,
+    online_values,
+    row_prompt_keys,
+    run_estimator,
+    separate_prompts,
+    unstable_rules,
+)
 from poise_trl.bench.value.collect import Collection
 from poise_trl.sampling import DEFAULT_FLOOR, importance_probabilities
 from poise_trl.trainer import ESTIMATOR_FILE
@@ -240,6 +249,39 @@ def test_command_end_to_end_on_the_tiny_model(tiny_model_path, tmp_path):
     expected_q = importance_probabilities(saved.prompt_values(prompts), low, high, DEFAULT_FLOOR).numpy()
     assert np.allclose(q, expected_q) and not np.allclose(q, fresh_q)
     assert q.sum() == pytest.approx(1.0) and q.min() >= DEFAULT_FLOOR / pool.num_prompts - 1e-12
+
+    # a run that kept a prompt history: its estimator reads each measured prompt's earlier rewards by its id, and
+    # every head is measured again without them, refit on the same buffered rows less the history columns
+    keys = row_prompt_keys(pool)
+    assert keys.unique().numel() == pool.num_prompts  # the trainer's ids, kept with the pool
+    run, blocks = new_estimator("poise", pool, history=True)
+    probe_keys = row_prompt_keys(probe)
+    for chunk in [*np.array_split(keep, run.warmup_steps), *np.array_split(keep, 4)]:  # two epochs: history
+        rows = torch.from_numpy((chunk[:, None] * 2 + np.arange(2)).ravel())
+        run.observe(probe.columns(blocks, layer, width)[rows], probe.rewards[rows].nan_to_num(0.0), probe_keys[rows])
+    earlier = torch.arange(pool.rewards.numel()) % pool.k < 2  # an earlier step's rewards of the measured prompts
+    run.observe(features[earlier], pool.rewards[earlier].nan_to_num(0.0), keys[earlier])
+    run.save(tmp_path / ESTIMATOR_FILE)
+    values, sources, samplers = online_values(pool, probe, keep, heads=["logistic"])
+    assert set(values) == {"poise_paper", "poise", *(f"poise_head_{h}" for h in ("ridge_nohistory", "logistic"))} | {
+        "poise_head_logistic_nohistory"
+    }
+    assert set(samplers) == set(values) - {"poise_paper"}
+    assert sources["poise_head_ridge_nohistory"].endswith(
+        "refit with the ridge head on its own buffer, without the prompt history"
+    )
+    expected = run.predict(features, pool.rewards.nan_to_num(0.0), prompt_ids=keys).double().numpy()
+    assert np.array_equal(values["poise"], expected)
+    bare, _ = run_estimator(tmp_path / ESTIMATOR_FILE, pool, "ridge", history=False)
+    assert bare.prompt_history is None and bare.extra_columns == 1  # the partner's reward only
+    width_saved = run.probes["default"].buffer.features.size(-1)
+    assert bare.probes["default"].buffer.features.size(-1) == width_saved - 3
+    assert len(bare.probes["default"].buffer) == len(run.probes["default"].buffer)
+    assert not np.allclose(values["poise_head_ridge_nohistory"], values["poise"])
+    with pytest.raises(SystemExit, match="delete its cache folder"):
+        row_prompt_keys(
+            Collection(**{**vars(pool), "meta": {k: v for k, v in pool.meta.items() if k != "prompt_keys"}})
+        )
 
 
 def test_a_bad_sampler_floor_is_refused_before_sampling(tmp_path, capsys):

@@ -18,7 +18,9 @@ from poise_trl.bench.critic import load_critic, predict_critic, train_critic
 from poise_trl.bench.value.collect import Collection, collect
 from poise_trl.bench.value.resolve import load_prompts
 from poise_trl.bench.value.score import ValueBenchmark, split_by_prompt
+from poise_trl.buffer import prompt_group_ids
 from poise_trl.files import read_state
+from poise_trl.tasks.arith import make_arith_splits
 
 from ..conftest import CPU_ARGS
 
@@ -166,6 +168,13 @@ def test_split_is_by_prompt_and_held_out_rewards_never_reach_the_fit(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows))
     prompts, columns = load_prompts(str(path), num_prompts=4, seed=0, split=None)
     assert len({json.dumps(p) for p in prompts}) == 4 == len(columns["answer"])  # duplicates would straddle the split
+
+    # a `save_to_disk` folder (a demo's training split) gives its prompts as the run saw them, so their ids match
+    train, _ = make_arith_splits(num_train=12, num_eval=4, seed=0)
+    train.save_to_disk(str(tmp_path / "train"))
+    prompts, columns = load_prompts(str(tmp_path / "train"), num_prompts=5, seed=0, split=None)
+    assert set(prompt_group_ids(prompts).tolist()) <= set(prompt_group_ids(list(train["prompt"])).tolist())
+    assert len(prompts) == 5 and set(columns) == {"answer", "family"}
 
 
 def test_critic_trains_and_predicts_in_unit_interval(tiny_model_path, model_and_tokenizer):

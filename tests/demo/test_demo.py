@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from datasets import load_from_disk
 
 from poise_trl import cli
 from poise_trl.demo import run
@@ -54,6 +55,9 @@ def test_demo_writes_summary_plot_state_and_model(demo_run):
     assert "/" not in on_disk["model_dir"]
     assert (run_dir / "final" / "config.json").exists()
     assert (run_dir / "final" / ESTIMATOR_FILE).exists()  # the trained probe travels with the final model
+    trained_on = load_from_disk(str(run_dir / on_disk["train_prompts"]))  # the prompts, as the run saw them
+    assert len(trained_on) == 100 and trained_on.column_names[0] == "prompt"
+    assert (on_disk["probe_head"], on_disk["probe_history"]) == ("ridge", False)
     history = load_log_history(run_dir)
     assert [e["step"] for e in history if "reward" in e] == list(range(1, STEPS + 1))
     assert all("poise/mae" in e for e in history if "reward" in e)
@@ -97,8 +101,10 @@ def test_cli_demo_passes_its_knobs_through(monkeypatch, tmp_path):
     monkeypatch.setattr(run, "run_demo", lambda **kwargs: seen.update(kwargs))
     argv = ["demo", "--steps", "7", "--seed", "3", "--task-size", "99", "--min-digits", "3", "--max-digits", "6"]
     argv += ["--output-dir", str(tmp_path), "--warmup-steps", "11", "--no-progress", "--task", "hops"]
+    argv += ["--probe-head", "logistic", "--probe-history"]
     assert cli.main(argv) == 0
     assert seen["task"] == "hops"
+    assert (seen["probe_head"], seen["probe_history"]) == ("logistic", True)
     assert seen["steps"] == 7 and seen["seed"] == 3 and seen["num_train"] == 99
     assert (seen["min_digits"], seen["max_digits"]) == (3, 6)
     assert seen["output_dir"] == str(tmp_path) and seen["warmup_steps"] == 11 and seen["show_progress"] is False

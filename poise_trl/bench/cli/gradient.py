@@ -10,7 +10,10 @@ distribution are exact expectations over the pool (U-statistics; no batches, no 
     expected G/q completions per kept group), RLOO k=2, POISE (paper) and POISE (default) at G=2, whose probe is
     fitted on a separate pool of --probe-prompts prompts x 2 rollouts (or is the snapshot's saved estimator);
   - the oracle baseline (the true success rate) and POISE (default) with the oracle prompt sampler, as headroom;
-  - with --probe-heads, POISE (default) with each other value head, alone and with its own probe sampler;
+  - with --probe-heads, POISE (default) with each other value head, alone and with its own probe sampler (on a
+    snapshot with its saved estimator, that estimator refit with each head on the run's own buffer; if the run kept a
+    prompt history, every head also without it: pass the run's training prompts, e.g. a demo's `train` folder, as
+    --dataset, so the measured prompts have a history);
   - named in --contenders only, POISE with a per-prefix baseline V(x, y_<t) at every token (alone, and half-mixed
     with the partner's value): exact on the family [g; h], h = grad of sum_t V_t log pi(y_t | x, y_<t) from a second
     backward pass, with the check ||E h||^2 / ||g||^2 (zero for an unbiased V);
@@ -72,8 +75,8 @@ def add_gradient_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=[],
         metavar="HEAD",
         help="POISE (default) again with each of these value heads (POISEConfig.probe_head: logistic, mlp, "
-        "ensemble), fitted on the same probe pool, alone and with its own probe sampler; from a cached pool the "
-        "analysis alone",
+        "ensemble), fitted on the same probe pool (or, for a run's snapshot, its saved estimator refit on its own "
+        "buffer), alone and with its own probe sampler; from a cached pool the analysis alone",
     )
     add("--lora-rank", type=int, default=1, help="rank of the LoRA sketch (its B gradients are stored per rollout)")
     add("--output-dir", default="runs/bench/gradient", help="results.json, results.md, gradient.png")

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, safe_open, save_file
 from poise_trl.bench.common import (
     DEFAULT_POOLS,
 )
+from poise_trl.buffer import prompt_group_ids
 from poise_trl.features import (
     FEATURE_BLOCKS,
     assemble_features,
@@ -359,5 +360,6 @@ def collect(
             "mean_completion_tokens": sum(map(len, completions)) / len(completions),
             "seconds": {"generation": generation_s, "reward": reward_s, "features": feature_s},
             "prompts": [_prompt_text(p) for p in prompts],
+            "prompt_keys": prompt_group_ids(list(prompts)).tolist(),  # the trainer's ids: a run's history reads them
         },
     )

@@ -6,6 +6,7 @@ featurizes."""
 import argparse
 import importlib
 import json
+from pathlib import Path
 
 import torch
 
@@ -46,6 +47,10 @@ def load_prompts(dataset: str, num_prompts: int, seed: int, split: str | None) -
         from poise_trl.tasks.arith import make_arith_splits
 
         _, rows = make_arith_splits(num_train=0, num_eval=num_prompts, seed=seed)
+    elif Path(dataset).is_dir():  # a `save_to_disk` folder (a demo's `train`): its prompts as the run trained on them
+        from datasets import load_from_disk
+
+        rows = load_from_disk(dataset).shuffle(seed=seed)
     else:
         from poise_trl.tasks.math_data import load_math_dataset
 
