@@ -89,6 +89,9 @@ CONTENDERS = {
             {"prompt_selection": "importance", "prompt_selection_floor": 0.5},
         ),
         Contender("poise_prefix", "POISE per-prefix G=2", "poise", 2, {"probe_granularity": "prefix"}),
+        # Each prompt's own history as probe input: it only knows prompts drawn before, so it is measured where
+        # prompts repeat (`--train-limit`)
+        Contender("poise_history", "POISE +history G=2", "poise", 2, {"probe_history": True}),
         # The peers a TRL user would pick instead, each its own trainer unmodified (bench.trainers), at its defaults
         # but where the study's scale needs otherwise: A*-PO's 8 value samples per prompt, beta1 = 0.5, beta2 = 1e-3;
         # C-GRPO's APS score, automatic delta and recalibration every 50 steps, with the grid capped at GRPO's G = 8
@@ -111,16 +114,26 @@ CONTENDERS = {
 # does not scale either), DAPO-DS (behind the paper's wall-clock claim) and DAPO-DS-carry (the strongest dynamic
 # sampling) and RLOO-2 (the same prompts per step as POISE, with the plain leave-one-out baseline).
 REFERENCES = ("grpo8", "grpo8_noscale", "dapo_ds", "dapo_ds_carry", "rloo2")
-HEADLINE_CONTENDERS = ("poise", "poise_paper", "poise_importance", "poise_prefix", "a2po", "cgrpo", "cgrpo_once")
+HEADLINE_CONTENDERS = (
+    "poise",
+    "poise_paper",
+    "poise_importance",
+    "poise_prefix",
+    "poise_history",
+    "a2po",
+    "cgrpo",
+    "cgrpo_once",
+)
 # A headline row that changes POISE (default), or a peer in its place, is also paired with it: the difference is that
 # change's effect, or which of the two a user should pick.
-PAIRED_WITH_DEFAULT = ("poise_importance", "poise_prefix", "a2po", "cgrpo", "cgrpo_once")
+PAIRED_WITH_DEFAULT = ("poise_importance", "poise_prefix", "poise_history", "a2po", "cgrpo", "cgrpo_once")
 # One-change ablations skip learning-rate tuning and run at the tuned rate of the contender they change.
 ABLATIONS = {
     "poise_partner": "poise_paper",
     "poise_shrunk": "poise_paper",
     "poise_select": "poise_paper",
     "cgrpo_once": "cgrpo",
+    "poise_history": "poise",
 }
 DEFAULT_SEEDS = tuple(range(20))
 DEFAULT_TUNING_SEEDS = (1000, 1001, 1002)  # disjoint from any evaluation seed the defaults use

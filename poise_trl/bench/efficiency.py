@@ -167,6 +167,8 @@ def task_factory(settings: EfficiencySettings, task: str = "sort") -> Callable[[
                 num_eval=settings.num_eval, min_digits=settings.min_digits, max_digits=settings.max_digits, seed=seed
             )
             train, held_out = make_splits(task, **splits)
+            if settings.train_limit is not None:  # RL on the first prompts only: prompts repeat, as over epochs
+                train = train.select(range(min(settings.train_limit, len(train))))
             path = prepare_demo_model(cache_dir, warmup_steps=settings.warmup_steps_of(task), task=task, **splits)
 
             def evaluate(model: Any, tokenizer: Any) -> float:

@@ -221,6 +221,8 @@ def validate(settings: EfficiencySettings, contenders: list[Contender]) -> None:
             )
     if settings.budget < settings.completions_per_step or settings.eval_every <= 0:
         raise SystemExit("--budget must be at least --completions-per-step and --eval-every positive")
+    if settings.train_limit is not None and settings.train_limit < 1:
+        raise SystemExit(f"--train-limit {settings.train_limit}: train on at least one prompt (or leave it unset)")
     if settings.tune_lr:
         overlap = set(settings.tuning_seeds) & {s for task in settings.tasks for s in settings.eval_seeds(task)}
         if overlap:

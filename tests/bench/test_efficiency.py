@@ -16,6 +16,7 @@ import poise_trl
 from poise_trl.bench import study as study_module
 from poise_trl.bench.cli import add_efficiency_parser
 from poise_trl.bench.common import (
+    ABLATIONS,
     CONTENDERS,
     PAPER_PINS,
     REFERENCES,
@@ -23,7 +24,7 @@ from poise_trl.bench.common import (
     paired_references,
     smallest_p_holm,
 )
-from poise_trl.bench.efficiency import HeldOutCurve, _config, micro_batching
+from poise_trl.bench.efficiency import HeldOutCurve, _config, micro_batching, task_factory
 from poise_trl.bench.report import _log_ratio, _wilcoxon, goal, holm, summarize_task, verdict, write_report
 from poise_trl.bench.settings import EfficiencySettings
 from poise_trl.bench.study import run_path, validate
@@ -341,6 +342,27 @@ def test_per_prefix_contender_trains_and_is_paired_with_poise_default(tmp_path):
     assert json.loads(run.read_text())["completions_generated"] >= 16
     entry = json.loads((out / "efficiency.json").read_text())["tasks"]["sort"]["contenders"]["poise_prefix"]
     assert entry["label"] == "POISE per-prefix G=2" and set(entry["paired"]) == {"poise"}
+
+
+def test_history_contender_trains_where_prompts_repeat(tmp_path):
+    """POISE +history is POISE (default) with `probe_history`, paired with it; `--train-limit` makes a demo task's
+    prompts repeat (RL on its first N prompts), so the history has something to read."""
+    assert paired_references("poise_history") == (*REFERENCES, "poise") and ABLATIONS["poise_history"] == "poise"
+    out = tmp_path / "study"
+    argv = ["bench", "efficiency", "--seeds", "0", "--budget", "24", "--eval-every", "8", "--train-limit", "4"]
+    argv += ["--completions-per-step", "8", "--eval-k", "2", "--num-eval", "8", "--warmup-steps", "5", "--jobs", "1"]
+    argv += ["--output-dir", str(out), "--contenders", "poise", "poise_history", "--cache-dir", str(tmp_path / "m")]
+    args = parse_bench(argv)
+    settings = EfficiencySettings.from_args(args)
+    assert len(task_factory(settings, "sort")(0).train) == 4
+    assert _config(
+        CONTENDERS["poise_history"], argparse.Namespace(max_completion_length=4), settings, 0, tmp_path, 1e-5
+    ).probe_history
+    assert args.func(args) == 0
+    (run,) = out.glob("runs/sort/poise_history/*.json")
+    assert json.loads(run.read_text())["completions_generated"] >= 24
+    with pytest.raises(SystemExit, match="--train-limit 0"):
+        validate(EfficiencySettings.from_args(parse_bench(["bench", "efficiency", "--train-limit", "0"])), [])
 
 
 @pytest.mark.parametrize("token_level", [False, True])

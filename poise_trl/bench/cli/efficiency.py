@@ -273,7 +273,13 @@ def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"{ARITH_DATASET} (the arith task, held-out split included), or a poise_trl.tasks.math_data registry "
         "key, Hub id or local file; required with --model",
     )
-    real.add_argument("--train-limit", type=int, default=None, help="first N training rows (default: all)")
+    real.add_argument(
+        "--train-limit",
+        type=int,
+        default=None,
+        help="first N training rows (default: all); on a demo task RL trains on its first N prompts (the warm start "
+        "keeps the whole split), so each is drawn about budget / N times: the regime where a prompt history helps",
+    )
     real.add_argument(
         "--eval-dataset", default=None, help="held-out benchmark (registry key, Hub id or file); required with --model"
     )
