@@ -374,12 +374,38 @@ def measure(
             table[rule] = cell
         out[subspace] = {
             "table": table,
+            "paired": {
+                f"{a} - {b}": _interval((stats[a]["variance"] - stats[b]["variance"]) / within)
+                for a, b in paired_rows(list(stats))
+            },
             "signal": float(gg[0]),
             "within_noise": float(within[0]),
             "signal_over_within": _interval(gg / within),
             "between_over_within": _interval(between / within),
         }
     return out
+
+
+def paired_rows(rows: list[str]) -> list[tuple[str, str]]:
+    """The (row, reference) pairs whose variance difference is reported over the same bootstrap resamples, which
+    resolve it far more sharply than two separate intervals: each other head against ridge (POISE (default)), with
+    the same inputs, and each head with the prompt history against itself without it (a run that kept one)."""
+
+    def ridge(history: bool) -> str:
+        return "poise" if history else head_row("ridge", history=False)
+
+    pairs = []
+    for row in rows:
+        if not row.startswith("poise_head_") or row.endswith("_sampler"):
+            continue
+        history = not row.endswith("_nohistory")
+        if row != ridge(history) and ridge(history) in rows:
+            pairs.append((row, ridge(history)))
+        if history and (without := f"{row}_nohistory") in rows:
+            pairs.append((row, without))
+    if "poise" in rows and (without := head_row("ridge", history=False)) in rows:
+        pairs.append(("poise", without))
+    return pairs
 
 
 def ranking_agreement(results: dict[str, Any]) -> float:
@@ -472,6 +498,14 @@ def format_report(results: dict[str, Any]) -> str:
             f"||g||²/W: {_fmt(block['signal_over_within'], 5)} (an unbiased rule needs its variance / ||g||² "
             "completions for a relative MSE of 1).",
         ]
+        if paired := block.get("paired"):
+            pairs = [(key.split(" - "), cell) for key, cell in paired.items()]
+            lines += [
+                "",
+                "Paired differences of the per-completion variance (W), over the same bootstrap resamples: "
+                + "; ".join(f"{label(a)} − {label(b)}: {_fmt(cell, 2)}" for (a, b), cell in pairs)
+                + ".",
+            ]
         if unstable := unstable_rules(block["table"]):
             lines += [
                 "",

@@ -24,6 +24,7 @@ from poise_trl.bench.gradient import (
     measure,
     new_estimator,
     online_values,
+    paired_rows,
     row_prompt_keys,
     run_estimator,
     separate_prompts,
@@ -210,6 +211,12 @@ def test_command_end_to_end_on_the_tiny_model(tiny_model_path, tmp_path):
         ):
             assert abs(table[rule]["bias2"]["value"]) < 1e-9  # a sampler's 1 / (n q) weights keep the mean
         assert table[logistic]["variance"]["value"] != pytest.approx(table["poise"]["variance"]["value"])
+        # the head's difference to ridge over the same resamples: its point is the difference of the two rows
+        difference = results["subspaces"][subspace]["paired"][f"{logistic} - poise"]
+        assert difference["value"] == pytest.approx(
+            table[logistic]["variance"]["value"] - table["poise"]["variance"]["value"]
+        )
+        assert difference["ci"][0] <= difference["ci"][1]
         for rule in ("poise", "grpo8", logistic):  # the probe's q is not uniform, so the sampled row's variance moves
             sampled, plain = (table[r]["variance"]["value"] for r in (f"{rule}_probe_sampler", rule))
             assert sampled != pytest.approx(plain)
@@ -278,6 +285,13 @@ def test_command_end_to_end_on_the_tiny_model(tiny_model_path, tmp_path):
     assert bare.probes["default"].buffer.features.size(-1) == width_saved - 3
     assert len(bare.probes["default"].buffer) == len(run.probes["default"].buffer)
     assert not np.allclose(values["poise_head_ridge_nohistory"], values["poise"])
+    rows = ["poise", "poise_head_ridge_nohistory", "poise_head_logistic", "poise_head_logistic_nohistory"]
+    assert paired_rows([*rows, "poise_head_logistic_probe_sampler"]) == [
+        ("poise_head_logistic", "poise"),
+        ("poise_head_logistic", "poise_head_logistic_nohistory"),
+        ("poise_head_logistic_nohistory", "poise_head_ridge_nohistory"),
+        ("poise", "poise_head_ridge_nohistory"),
+    ]
     with pytest.raises(SystemExit, match="delete its cache folder"):
         row_prompt_keys(
             Collection(**{**vars(pool), "meta": {k: v for k, v in pool.meta.items() if k != "prompt_keys"}})
