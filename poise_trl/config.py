@@ -244,8 +244,9 @@ class POISEConfig(GRPOConfig):
             "`prompt_selection` reads: 'ridge' (paper), 'logistic' (sigmoid link trained to cross-entropy, "
             "scikit-learn's LogisticRegression(C=1/probe_alpha)), 'mlp' (one hidden layer of 64, as "
             "holi-lab/POISE's) or 'ensemble' (the mean of ridge and logistic). Every head uses probe_alpha as its L2 "
-            "penalty and the same scaler and PCA. Which one is best is not measured yet; the per-prefix value "
-            "(probe_granularity='prefix') needs 'ridge'.",
+            "penalty and the same scaler and PCA. Ridge stays the default: measured with the exact gradient "
+            "instrument, no other head is better on SmolLM2 and the others pay more after training (docs: other "
+            "value heads). The per-prefix value (probe_granularity='prefix') needs 'ridge'.",
         },
     )
     probe_buffer_size: int = field(
@@ -275,8 +276,10 @@ class POISEConfig(GRPOConfig):
             "a rollout also holds [seen, log(1 + count), mean reward] of its prompt's rollouts at earlier steps "
             "(0 where unseen), outside any PCA block, and so does the prompt-only value `prompt_selection` reads "
             "before generating. Earlier steps' rewards do not depend on this step's rollouts, so the baseline stays "
-            "unbiased; the step's own rewards enter the history only after its advantages. Not measured yet, hence "
-            "off by default. Needs probe_granularity='sequence'.",
+            "unbiased; the step's own rewards enter the history only after its advantages. Worth it where prompts "
+            "repeat across steps and many settle: on a trained SmolLM2 it cut the probe's error by 20%, on the toys "
+            "it changes nothing measurable, hence off by default (docs: beyond the paper). Needs "
+            "probe_granularity='sequence'.",
         },
     )
     probe_history_size: int = field(
