@@ -264,15 +264,14 @@ def online_values(
         with_history = "history" in read_state(saved)["info"]
         fits.append(("poise", lambda: run_estimator(saved, collection)))
         sources["poise"] = f"the run's saved estimator ({ESTIMATOR_FILE})"
-        run_heads = ["ridge", *heads] if with_history else list(heads)
-        for head in run_heads:
-            for history in (True, False) if with_history else (False,):
-                row = head_row(head, history or not with_history)
+        for head in ["ridge", *heads] if with_history else heads:
+            for history in (True, False) if with_history else (None,):  # None: as the run kept it (none)
+                row = head_row(head, history is not False)
                 if row == head_row("ridge"):
                     continue  # the run's own estimator when it is ridge with history: the "poise" row
                 fits.append((row, lambda h=head, hist=history: run_estimator(saved, collection, h, hist)))
                 sources[row] = f"the run's saved estimator refit with the {head} head on its own buffer" + (
-                    "" if history else ", without the prompt history"
+                    ", without the prompt history" if history is False else ""
                 )
     else:
         fits.append(("poise", lambda: fitted_probe("poise", collection, probe, keep)))

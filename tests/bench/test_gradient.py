@@ -246,6 +246,12 @@ def test_command_end_to_end_on_the_tiny_model(tiny_model_path, tmp_path):
     q, fresh_q = samplers["poise"], fresh_q["poise"]
     assert sources["poise"] == f"the run's saved estimator ({ESTIMATOR_FILE})"
     assert sources["poise_paper"].startswith("fitted on a separate pool")
+    _, refit_sources, _ = online_values(pool, probe, keep, heads=["logistic"])  # a run without history: no extra rows
+    assert set(refit_sources) == {"poise_paper", "poise", "poise_head_logistic"}
+    assert (
+        refit_sources["poise_head_logistic"]
+        == "the run's saved estimator refit with the logistic head on its own buffer"
+    )
     features = pool.columns(blocks, int(pool.meta["default_layer"]), int(pool.meta["default_pool"]))
     expected = saved.advantages(features, pool.rewards.nan_to_num(0.0)).values.double().numpy()
     assert np.array_equal(values["poise"], expected) and not np.allclose(values["poise"], fresh["poise"])
