@@ -252,7 +252,6 @@ def online_values(
     (default) is that estimator and each head row the same refit with that head (`run_estimator`); if the run kept
     a prompt history, every head (ridge included) is measured again without it (`head_row(head, history=False)`).
     Otherwise every probe is `fitted_probe` on the separate pool."""
-    from poise_trl.files import read_state
     from poise_trl.trainer import ESTIMATOR_FILE
 
     layer, pool = int(collection.meta["default_layer"]), int(collection.meta["default_pool"])
@@ -261,8 +260,9 @@ def online_values(
     values, sources, samplers = {}, {}, {}
     fits: list[tuple[str, Any]] = [("poise_paper", lambda: fitted_probe("poise_paper", collection, probe, keep))]
     if saved.exists():
-        with_history = "history" in read_state(saved)["info"]
-        fits.append(("poise", lambda: run_estimator(saved, collection)))
+        run = run_estimator(saved, collection)
+        with_history = run[0].history
+        fits.append(("poise", lambda: run))
         sources["poise"] = f"the run's saved estimator ({ESTIMATOR_FILE})"
         for head in ["ridge", *heads] if with_history else heads:
             for history in (True, False) if with_history else (None,):  # None: as the run kept it (none)
