@@ -228,6 +228,18 @@ class POISEConfig(GRPOConfig):
             "the buffer, which is [0, 1] for binary rewards.",
         },
     )
+    probe_capture: str = field(
+        default="auto",
+        metadata={
+            "help": "Which teacher-forced pass the probe's features come from. 'auto': TRL's own old-log-prob pass "
+            "when it runs one (vLLM importance-sampling correction, num_iterations > 1, or steps_per_generation != "
+            "gradient_accumulation_steps); otherwise the loss's own forward, with each prompt's rollouts shuffled "
+            "into one micro-batch, so a step runs no forward pass GRPOTrainer does not; where a group cannot sit "
+            "in one micro-batch (per_device_train_batch_size not a multiple of num_generations), a no-grad pass of "
+            "POISE's own, said once in the log. 'pass': always that no-grad pass where TRL runs none (poise-trl "
+            "0.1's route; the features and advantages are the same).",
+        },
+    )
     probe_granularity: str = field(
         default="sequence",
         metadata={
@@ -380,6 +392,8 @@ class POISEConfig(GRPOConfig):
             )
         if self.probe_pool_tokens <= 0:
             raise ValueError(f"probe_pool_tokens={self.probe_pool_tokens} must be a positive number of tokens.")
+        if self.probe_capture not in ("auto", "pass"):
+            raise ValueError(f"probe_capture={self.probe_capture!r}: choose 'auto' (no extra forward pass) or 'pass'.")
         if self.reasoning_end_marker == "":
             raise ValueError("reasoning_end_marker='' matches nothing; use None to declare that there is no marker.")
         unknown = sorted(set(self.probe_features) - set(FEATURE_BLOCKS))
