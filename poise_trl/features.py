@@ -99,6 +99,11 @@ class FeatureSpans:
     reasoning_mask: torch.Tensor
     answer_mask: torch.Tensor
 
+    def rows(self, index: torch.Tensor) -> "FeatureSpans":
+        """The spans of some of the batch's rows (a micro-batch the loss's forward sees), in `index` order."""
+        index = index.to(self.pool_index.device)
+        return FeatureSpans(*(getattr(self, name)[index] for name in self.__dataclass_fields__))
+
 
 def _last_valid(mask: torch.Tensor) -> torch.Tensor:
     """Index of the last 1 in each row (0 for an all-zero or zero-width row; its count is 0 so it is never used)."""

@@ -74,8 +74,8 @@ class PrefixSpans:
     sampled: torch.Tensor
     pool_tokens: int
 
-    def rows(self, rows: slice) -> "PrefixSpans":
-        """The spans of a slice of the batch's rows (a chunk the hooked layer sees)."""
+    def rows(self, rows: slice | torch.Tensor) -> "PrefixSpans":
+        """The spans of some of the batch's rows: a slice (a chunk the hooked layer sees) or an index tensor."""
         return PrefixSpans(
             self.attended[rows],
             self.prompt_width,
@@ -221,6 +221,11 @@ class PrefixCapture:
         self.rows: list[torch.Tensor] = []
         self.parts: list[torch.Tensor] = []
         self.rows_seen = 0
+
+    def for_rows(self, index: torch.Tensor) -> "PrefixCapture":
+        """A fresh capture of some of the batch's rows (a micro-batch the loss's forward sees), in `index` order,
+        with the same map."""
+        return PrefixCapture(self.spans.rows(index.to(self.spans.generated.device)), self.map)
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor | tuple) -> None:
         hidden = (output[0] if isinstance(output, tuple) else output).detach()

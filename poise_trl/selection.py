@@ -23,6 +23,7 @@ from trl.trainer.utils import pad
 from .buffer import prompt_group_ids
 from .features import capture_layer, feature_spans, find_decoder_layers
 from .sampling import draw
+from .step import GenerationStep
 
 
 class ValueGuidedSelection:
@@ -106,9 +107,10 @@ class ValueGuidedSelection:
             floor=self.args.prompt_selection_floor,
         )
         weights = drawn.weights or [1.0] * len(drawn.indices)
-        self._weights = torch.tensor(weights, dtype=torch.float64).repeat_interleave(size)
+        step = self._generation
+        step.weights = torch.tensor(weights, dtype=torch.float64).repeat_interleave(size)
         variance = drawn.scores or [0.0] * len(groups)  # predicted reward variance q(1 - q) of each candidate
-        self._selection = {
+        step.selection = {
             "kept_fraction": keep / len(groups),
             "random": float(drawn.scores is None),
             "variance_kept": sum(variance[i] for i in drawn.indices),
@@ -122,20 +124,22 @@ class ValueGuidedSelection:
     def _row_weights(self, rows: int) -> torch.Tensor | None:
         """Every process's kept rows' importance weights, gathered (rank-major, as the rows): (rows x processes,), or
         None when no prompts were drawn for this batch (no selection, evaluation)."""
-        weights, self._weights = self._weights, None
+        weights = self._generation.weights
         if weights is None:
             return None
         if len(weights) != rows:
             raise RuntimeError(f"prompt_selection drew {len(weights)} rows but the batch has {rows}.")
         return self.accelerator.gather(weights.to(self.accelerator.device))
 
-    def _selection_metrics(self, rewards: torch.Tensor, num_generations: int, weights: torch.Tensor | None) -> dict:
-        """`selection/*` of this generation batch, over all processes: kept fraction, mean predicted reward variance
-        of kept and of all candidates, prefill tokens, the realized within-group reward variance and degenerate
-        share, and the mean and largest importance weight of the kept prompts."""
-        if self.args.prompt_selection is None or not self._selection:
+    def _selection_metrics(
+        self, step: GenerationStep, rewards: torch.Tensor, num_generations: int, weights: torch.Tensor | None
+    ) -> dict[str, float]:
+        """`selection/*` of the generation batch `step`, over all processes: kept fraction, mean predicted reward
+        variance of kept and of all candidates, prefill tokens, the realized within-group reward variance and
+        degenerate share, and the mean and largest importance weight of the kept prompts."""
+        if self.args.prompt_selection is None or not step.selection:
             return {}
-        s, self._selection = self._selection, {}
+        s = step.selection
         keys = ("variance_kept", "groups_kept", "variance_all", "groups_all", "prefill_tokens")
         local = torch.tensor([s[k] for k in keys], dtype=torch.float64, device=self.accelerator.device)
         grouped = rewards.view(-1, num_generations).double()

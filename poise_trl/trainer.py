@@ -3,12 +3,15 @@ with its prompt-selection mixin (selection.py) and its checkpoints' files (resum
 internals."""
 
 import inspect
+import logging
 import math
 import os
 import textwrap
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import torch
 import trl
@@ -19,6 +22,7 @@ from packaging.version import Version
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer import grpo_trainer
 from trl.trainer.utils import get_config_model_id
 
 from .buffer import ProbeBuffer, prompt_group_ids
@@ -39,6 +43,9 @@ from .resume import (
     save_generation_batch,
 )
 from .selection import ValueGuidedSelection
+from .step import ROW_KEY, GenerationStep, concat_prefix, shuffle_groups
+
+logger = logging.getLogger(__name__)
 
 TESTED_TRL = ("1.16.0", "1.17.0")  # [low, high): the GRPOTrainer internals this subclass was tested against
 # Output keys of `_generate_and_score_completions` that TRL's own log-prob pass takes as model inputs besides the
@@ -142,13 +149,19 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
             self._single_probe()  # the one probe exists from the start, as `value_probe` promises
         if args.probe_init_path is not None:
             self.estimator.load(args.probe_init_path, warm_start=True, device=self.accelerator.device)
-        self.feature_passes = 0  # teacher-forced passes POISE ran itself (0 when TRL's own pass is reused)
-        self._capture_armed = False
-        self._captured: tuple[torch.Tensor, Any, PrefixBatch | None] | None = None
-        self._gathered_rewards: torch.Tensor | None = None
-        self._tool_mask: list | None = None  # this batch's tool/env mask from `_generate` (1 = the policy wrote it)
-        self._selection: dict[str, float] = {}
-        self._weights: torch.Tensor | None = None  # this process's kept rows' importance weights, for one batch
+        self.feature_passes = 0  # teacher-forced passes POISE ran itself (0 when TRL's pass or the loss's serves)
+        self._generation: GenerationStep | None = None  # the generation batch being made, until it is observed
+        # TRL's row shuffle is replaced by a whole-group one where the loss route splits a batch into micro-batches
+        self._shuffle_whole_groups = (
+            not self._trl_runs_old_logps_pass() and args.steps_per_generation > 1 and self._groups_fit("train")
+        )
+        if args.probe_capture == "auto" and self._capture_route("train") == "own_pass":
+            logger.warning(
+                "POISE runs a no-grad forward pass of its own each generation batch: TRL runs no log-prob pass here, "
+                f"and per_device_train_batch_size={args.per_device_train_batch_size} is not a multiple of "
+                f"num_generations={self.num_generations}, so a prompt's rollouts cannot share the micro-batch whose "
+                "loss forward would give their features. Make it a multiple to run no extra pass."
+            )
         self._card_metrics: dict[str, float] = {}
         self._warned_unscorable = False
         self._check_prompt_selection()
@@ -208,62 +221,112 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
             self.use_vllm and self.vllm_importance_sampling_correction
         )
 
+    def _groups_fit(self, mode: str) -> bool:
+        """Whether each micro-batch the loss sees holds whole groups (TRL's layout puts a process's groups
+        consecutively when its batch is a multiple of G; `shuffle_groups` keeps them whole across micro-batches)."""
+        if mode == "train":
+            return self.args.per_device_train_batch_size % self.num_generations == 0
+        return self.args.per_device_eval_batch_size % self.num_generations_eval == 0
+
+    def _capture_route(self, mode: str) -> str:
+        """Where this mode's features come from (step.py's `ROUTES`): TRL's pass when it runs one, else the loss's
+        forward (`probe_capture="auto"`) where each micro-batch holds whole groups, else a pass of POISE's own."""
+        if self._trl_runs_old_logps_pass():
+            return "trl_pass"
+        if self.args.probe_capture == "pass" or not self._groups_fit(mode):
+            return "own_pass"
+        return "loss"
+
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, **kwargs):
-        """While armed, hook the probe layers during this no-grad pass of the policy and keep pooled features."""
-        if not (self._capture_armed and model is self.model and not torch.is_grad_enabled()):
+        """Hook the probe layer(s) in the one pass this generation batch's features come from: TRL's no-grad
+        old-log-prob pass or POISE's own (while armed), or the loss's forward of a micro-batch (`_compute_loss`)."""
+        step = self._generation
+        if step is not None and step.micro_batch is not None:
+            return self._capture_micro_batch(step, model, input_ids, attention_mask, logits_to_keep, **kwargs)
+        if not (step is not None and step.armed and model is self.model and not torch.is_grad_enabled()):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, **kwargs
             )
-        self._capture_armed = False
-        spans = self._spans(
-            attention_mask[:, :-logits_to_keep], input_ids[:, -logits_to_keep:], attention_mask[:, -logits_to_keep:]
-        )
-        # Which tokens a per-token baseline learns from is drawn from (seed, step) for the global batch, this
-        # process's rows sliced from it, so a resumed run and any number of processes draw the same.
-        tokens = self.estimator.token_baseline.capturer(
-            attention_mask[:, :-logits_to_keep],
-            attention_mask[:, -logits_to_keep:],
-            spans.completion_mask,
-            self.args.probe_pool_tokens,
-            torch.Generator().manual_seed(self.args.seed + 7919 * self.state.global_step),
-            self.accelerator.process_index * input_ids.size(0),
-        )
-        layers = find_decoder_layers(self.accelerator.unwrap_model(self.model))
+        step.armed = False
+        prompt_mask, completion_mask = attention_mask[:, :-logits_to_keep], attention_mask[:, -logits_to_keep:]
+        self._track_spans(step, prompt_mask, input_ids[:, -logits_to_keep:], completion_mask)
         kwargs["compute_entropy"] = True
-        with capture_pass([layers[i] for i in self.probe_layers], spans, self.args.probe_features, tokens) as capture:
+        with self._capture(step.spans, step.tokens) as capture:
             logps, entropies, aux = super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, **kwargs
             )
-        features, local = capture.result(entropies)
-        self._captured = (features, spans, local)  # (B, len(probe_layers), D), the spans, the per-token capture
+        step.add(torch.arange(input_ids.size(0)), *capture.result(entropies))
         return logps, entropies, aux
 
-    def _spans(self, prompt_mask, completion_ids, completion_mask):
+    def _capture_micro_batch(self, step: GenerationStep, model, input_ids, attention_mask, logits_to_keep, **kwargs):
+        """The loss route: the forward of one micro-batch, hooked; its advantages (from its own rows and the probe of
+        earlier steps) written into the micro-batch before TRL's loss reads them; the batch observed after its last
+        micro-batch."""
+        inputs, step.micro_batch = step.micro_batch, None
+        rows = inputs[ROW_KEY]
+        spans = step.spans.rows(rows)
+        with self._capture(spans, None if step.tokens is None else step.tokens.for_rows(rows)) as capture:
+            logps, entropies, aux = super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, **kwargs
+            )
+        with torch.no_grad():
+            features, prefix = capture.result(entropies.detach())
+            order = rows.argsort()  # the estimator reads consecutive groups: the rows in batch order
+            result = self.estimator.advantages(
+                features[order.to(features.device)],
+                **step.inputs_for(rows[order]),
+                prefix=None if prefix is None else concat_prefix([prefix], order),
+            )
+            advantages = result.advantages if result.token_advantages is None else result.token_advantages
+            inputs["advantages"] = advantages[order.argsort().to(advantages.device)]
+            step.add(rows, features, prefix)
+            if step.complete:
+                self._observe(step)
+        return logps, entropies, aux
+
+    def _capture(self, spans, tokens):
+        """The capture of this generation batch's probe layer(s), for the passes inside the `with` block."""
+        layers = find_decoder_layers(self.accelerator.unwrap_model(self.model))
+        return capture_pass([layers[i] for i in self.probe_layers], spans, self.args.probe_features, tokens)
+
+    def _track_spans(self, step: GenerationStep, prompt_mask, completion_ids, completion_mask) -> None:
+        """This process's feature spans and, for a per-token baseline, its token capture: which tokens it learns
+        from are drawn from (seed, step) for the global batch, this process's rows sliced from it, so a resumed run
+        and any number of processes draw the same."""
         generated = None
-        if self._tool_mask is not None:  # right-pad TRL's per-row lists to the completion width, as TRL does
+        if step.tool_mask is not None:  # right-pad TRL's per-row lists to the completion width, as TRL does
             generated = torch.ones_like(completion_mask)
-            for row, mask in enumerate(self._tool_mask):
+            for row, mask in enumerate(step.tool_mask):
                 mask = torch.as_tensor(mask, dtype=generated.dtype)[: generated.size(1)]
                 generated[row, : mask.numel()] = mask
-        return feature_spans(
+        step.spans = feature_spans(
             prompt_mask, completion_ids, completion_mask, self.args.probe_pool_tokens, self.marker_ids, generated
+        )
+        step.tokens = self.estimator.token_baseline.capturer(
+            prompt_mask,
+            completion_mask,
+            step.spans.completion_mask,
+            self.args.probe_pool_tokens,
+            torch.Generator().manual_seed(self.args.seed + 7919 * self.state.global_step),
+            self.accelerator.process_index * completion_ids.size(0),
         )
 
     def _generate(self, prompts):
         """Keep the tool/env mask (tool results and `rollout_func`'s `env_mask` are 0), so that features use only the
         tokens the policy generated; the capture pass runs before TRL puts it in the output dict."""
         generated = super()._generate(prompts)
-        self._tool_mask = generated[2]
+        self._generation.tool_mask = generated[2]
         return generated
 
     def _feature_pass(self, output: dict[str, Any], mode: str) -> None:
-        """One no-grad teacher-forced pass with entropies, outside gradient checkpointing, when TRL ran none. It takes
-        the multimodal inputs TRL's own log-prob pass takes (pixel_values, image_grid_thw, ...)."""
+        """One no-grad teacher-forced pass with entropies, outside gradient checkpointing, when TRL ran none and the
+        loss's forward cannot serve. It takes the multimodal inputs TRL's own log-prob pass takes (pixel_values,
+        image_grid_thw, ...)."""
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
         forward_inputs = {key: output[key] for key in FORWARD_INPUT_KEYS if key in output}
-        self._capture_armed = True
+        self._generation.armed = True
         logits_to_keep = output["completion_ids"].size(1)
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             self._get_per_token_logps_and_entropies(
@@ -273,7 +336,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        self._gathered_rewards = rewards_per_func
+        self._generation.rewards_per_func = rewards_per_func
         return rewards_per_func
 
     def _scalar_rewards(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
@@ -284,51 +347,88 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
 
     # -------------------------------------------------------------------------------------------------- advantages
     def _generate_and_score_completions(self, inputs):
-        inputs = self._select_prompts(inputs)
         mode = "train" if self.model.training else "eval"
-        self._captured, self._capture_armed, self._tool_mask = None, self._trl_runs_old_logps_pass(), None
+        if self._generation is not None:
+            raise RuntimeError(
+                "A generation batch was made before the previous one was observed: the loss route needs every "
+                "micro-batch of a generation batch trained before the next is generated."
+            )
+        step = self._generation = GenerationStep(mode, self._capture_route(mode))
+        inputs = self._select_prompts(inputs)
+        step.armed = step.route == "trl_pass"
         output = super()._generate_and_score_completions(inputs)
-        self._capture_armed = False
+        step.armed = False
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         if num_generations < 2:  # eval with a single generation: nothing to pair, keep TRL's advantages
             rows = len(inputs) * self.accelerator.num_processes
             self._logs["extra"]["baseline"].extend([float("nan")] * rows)  # keep the column in step with its rows
+            self._generation = None
             return output
-        if self._captured is None:
+        if step.spans is None:  # no pass captured while TRL scored: the spans come from the batch's masks
+            self._track_spans(step, output["prompt_mask"], output["completion_ids"], output["completion_mask"])
+        if step.route == "own_pass":
             self._feature_pass(output, mode)
-        local_features, spans, local_prefix = self._captured
-        self._captured = None
-
-        device = self.accelerator.device
-        has_completion = self.accelerator.gather(spans.completion_mask.any(1))
-        features = self.accelerator.gather(local_features.to(device))  # (N, len(probe_layers), D)
-        rewards = self._scalar_rewards(self._gathered_rewards)
-        domains = self._domain_names(inputs, num_generations)
+        step.rows, step.offset = len(inputs), self.accelerator.process_index * len(inputs)
         weights = self._row_weights(len(inputs)) if mode == "train" else None  # the prompts' importance weights
-        prefix = None if local_prefix is None else self._gather_prefix(local_prefix)
         # Each row's prompt id: the K-fold groups of the layer choice and the prompt history's key. Environment-routed
         # datasets may have no `prompt` column; the row then names the prompt.
-        groups = self.accelerator.gather(prompt_group_ids([x.get("prompt", x) for x in inputs]).to(device))
-        result = self.estimator.advantages(
-            features,
-            rewards,
-            num_generations,
-            domains,
-            has_completion,
+        device = self.accelerator.device
+        step.estimator_inputs = dict(
+            rewards=self._scalar_rewards(step.rewards_per_func),
+            num_generations=num_generations,
+            domains=self._domain_names(inputs, num_generations),
+            has_completion=self.accelerator.gather(step.spans.completion_mask.any(1)),
             weights=weights,
-            prefix=prefix,
-            prompt_ids=groups,
+            prompt_ids=self.accelerator.gather(prompt_group_ids([x.get("prompt", x) for x in inputs]).to(device)),
         )
-        rows = slice(self.accelerator.process_index * len(inputs), (self.accelerator.process_index + 1) * len(inputs))
         # dapo, cispo and vespo divide by TRL's token count: count each row's tokens as its advantages are weighted
         if weights is not None:
             output["num_items_in_batch"] = self._weighted_token_count(output, weights)
+        if step.route == "loss":  # each micro-batch's advantages are written by its own forward
+            output["advantages"] = torch.full_like(output["advantages"], torch.nan)
+            output[ROW_KEY] = torch.arange(len(inputs))
+            return output
+        result = self._observe(step)
+        rows = slice(step.offset, step.offset + step.rows)
         output["advantages"] = result.advantages[rows]
         if result.token_advantages is not None:  # (B, T): TRL's loss takes them as they are
             output["advantages"] = result.token_advantages[rows, : output["completion_ids"].size(1)]
+        return output
+
+    def _compute_loss(self, model, inputs):
+        """On the loss route, hook the forward of a micro-batch not yet captured (a micro-batch trained again, with
+        `num_iterations` > 1, keeps the advantages its first forward wrote)."""
+        step = self._generation
+        if step is not None and step.route == "loss" and ROW_KEY in inputs:
+            step.micro_batch = inputs
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            if step is not None:
+                step.micro_batch = None
+
+    def _prepare_inputs(self, generation_batch):
+        """Where the loss route splits a generation batch into micro-batches, TRL's row shuffle is replaced by
+        `shuffle_groups` (the same draw, whole groups), so that every micro-batch holds whole groups. The pass route
+        of the same configuration shuffles alike, so both train on the same micro-batches."""
+        if not self._shuffle_whole_groups:
+            return super()._prepare_inputs(generation_batch)
+        whole_groups = partial(shuffle_groups, group_size=self.num_generations)
+        with patch.object(grpo_trainer, "shuffle_sequence_dict", whole_groups):
+            return super()._prepare_inputs(generation_batch)
+
+    def _observe(self, step: GenerationStep):
+        """The generation batch's advantages from every process's features (one gather), the estimator's learning
+        (training only), the step's one device->host transfer, and the `poise/*` logs; the batch's record ends."""
+        self._generation = None
+        local_features, local_prefix = step.assemble()
+        features = self.accelerator.gather(local_features.to(self.accelerator.device))  # (N, len(probe_layers), D)
+        prefix = None if local_prefix is None else self._gather_prefix(local_prefix)
+        result = self.estimator.advantages(features, **step.estimator_inputs, prefix=prefix)
+        rewards, num_generations = step.estimator_inputs["rewards"], step.estimator_inputs["num_generations"]
         fit_metrics = {}
-        if mode == "train":  # learn only after this batch's advantages were taken
-            fit_metrics = self.estimator.observe(group_ids=groups, result=result)  # learns from the prepared batch
+        if step.mode == "train":  # learn only after this batch's advantages were taken
+            fit_metrics = self.estimator.observe(group_ids=step.estimator_inputs["prompt_ids"], result=result)
         metrics = {**result.metrics(), **fit_metrics}  # the step's one device->host transfer (done by `observe`)
         advantages, baselines = result.logged_rows()
         logged = self._logs["advantages"]  # TRL logged its group-mean advantages for this batch: replace them
@@ -344,13 +444,13 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
                 "functions get the dataset columns they need. `poise/unscorable_rows` counts such rows per step.",
                 stacklevel=2,
             )
-        if mode == "train":
-            metrics.update(self._selection_metrics(rewards, num_generations, weights))
+        if step.mode == "train":
+            metrics.update(self._selection_metrics(step, rewards, num_generations, step.estimator_inputs["weights"]))
             self._card_metrics = metrics
         for name, value in metrics.items():
             if not math.isnan(value):  # undefined (NaN) is left out: TRL would log None, which trackers drop
-                self._metrics[mode][f"poise/{name}"].append(value)
-        return output
+                self._metrics[step.mode][f"poise/{name}"].append(value)
+        return result
 
     def _weighted_token_count(self, output: dict[str, Any], weights: torch.Tensor) -> torch.Tensor:
         """TRL's `num_items_in_batch` (the generation batch's loss tokens, gathered) with every row's tokens counted
@@ -467,6 +567,12 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         return ResumableSampler(sampler, lambda: self.state) if self._resuming else sampler
 
     def _save_checkpoint(self, model, trial):
+        if self._generation is not None:  # the loss route observes a batch before its optimizer step ends
+            raise RuntimeError(
+                "A checkpoint was asked for while a generation batch was still being captured: POISE keeps no "
+                "features of its trained micro-batches in a checkpoint, which transformers saves only between "
+                "optimizer steps (each of which ends a generation batch where TRL runs no log-prob pass)."
+            )
         # Written first and atomically: once transformers writes trainer_state.json, POISE's files are complete.
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         if self.args.should_save:

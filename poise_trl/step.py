@@ -1,0 +1,125 @@
+"""One generation batch in `POISETrainer`, from prompt selection to the estimator's observation, as one record.
+Pure torch.
+
+TRL makes a generation batch across several methods a subclass sees one at a time (the prompts, `_generate`,
+`_calculate_rewards`, a teacher-forced pass, then the loss's forward of every micro-batch). What POISE needs of them
+is kept here: created when the batch is made, dropped once the estimator has observed it.
+
+Where the features come from is the batch's capture route (`ROUTES`):
+- "trl_pass": TRL's own no-grad old-log-prob pass, hooked while it scores the batch;
+- "own_pass": a no-grad pass POISE runs itself after scoring, where TRL runs none and the loss cannot serve;
+- "loss": the loss's own forward of each micro-batch, where TRL runs no pass: every micro-batch of the batch is then
+  trained with the weights that generated it, so that forward sees the states a pass would. Each micro-batch holds
+  whole groups, so its advantages follow from its own rows and the probe of earlier steps, written before TRL's loss
+  reads them; the batch is observed once its last micro-batch has been captured.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .features import FeatureSpans
+from .prefix import PrefixBatch, PrefixCapture
+
+ROUTES = ("trl_pass", "own_pass", "loss")
+ROW_KEY = "poise_row"  # the loss route's key in TRL's batch dict: each row's index in this process's batch
+
+
+@dataclass
+class GenerationStep:
+    """One generation batch's state. `rows` rows of this process, global rows `offset`.. of the gathered batch.
+
+    `estimator_inputs` are the gathered per-row arguments of `POISEEstimator.advantages` besides the features
+    (rewards, num_generations, domains, has_completion, weights, prompt_ids); `pieces` are the captured
+    (this process's row indices, (b, C, D) features, the token capture) of each pass or micro-batch."""
+
+    mode: str
+    route: str
+    armed: bool = False  # a pass route: the next teacher-forced pass of the policy is the one to capture
+    weights: torch.Tensor | None = None  # (rows,) float64: this process's kept rows' importance weights
+    selection: dict[str, float] = field(default_factory=dict)  # the prompt draw's host-side figures
+    tool_mask: list | None = None  # TRL's per-row tool/environment mask (1: the policy wrote the token)
+    rewards_per_func: torch.Tensor | None = None  # (N, reward functions), gathered
+    spans: FeatureSpans | None = None  # this process's rows
+    tokens: PrefixCapture | None = None  # the token capture over this process's rows (per-prefix baseline)
+    rows: int = 0
+    offset: int = 0
+    estimator_inputs: dict[str, Any] = field(default_factory=dict)
+    pieces: list[tuple[torch.Tensor, torch.Tensor, PrefixBatch | None]] = field(default_factory=list)
+    micro_batch: dict[str, Any] | None = None  # the loss route: the micro-batch whose forward is being captured
+
+    def __post_init__(self):
+        if self.route not in ROUTES:
+            raise ValueError(f"route={self.route!r}: one of {ROUTES}.")
+
+    def add(self, rows: torch.Tensor, features: torch.Tensor, prefix: PrefixBatch | None) -> None:
+        """Keep one pass's or micro-batch's capture of this process's rows `rows`."""
+        self.pieces.append((rows.cpu(), features, prefix))
+
+    @property
+    def captured(self) -> int:
+        return sum(rows.numel() for rows, _, _ in self.pieces)
+
+    @property
+    def complete(self) -> bool:
+        return self.captured == self.rows
+
+    def assemble(self) -> tuple[torch.Tensor, PrefixBatch | None]:
+        """This process's (rows, C, D) features and token capture, in the batch's row order."""
+        rows = torch.cat([rows for rows, _, _ in self.pieces])
+        if not torch.equal(rows.sort().values, torch.arange(self.rows)):
+            raise RuntimeError(f"Captured rows {rows.tolist()} are not each of the batch's {self.rows} rows once.")
+        order = rows.argsort()
+        features = torch.cat([f for _, f, _ in self.pieces])[order.to(self.pieces[0][1].device)]
+        prefixes = [p for _, _, p in self.pieces]
+        if prefixes[0] is None:
+            return features, None
+        return features, concat_prefix(prefixes, order)
+
+    def inputs_for(self, rows: torch.Tensor) -> dict[str, Any]:
+        """`estimator_inputs` restricted to this process's rows `rows` (ascending, whole groups), for the advantages
+        of one micro-batch."""
+        index = rows + self.offset
+        out = {}
+        for name, value in self.estimator_inputs.items():
+            if isinstance(value, torch.Tensor):
+                out[name] = value[index.to(value.device)]
+            elif isinstance(value, list):
+                out[name] = [value[i] for i in index.tolist()]
+            else:
+                out[name] = value
+        return out
+
+
+def concat_prefix(parts: list[PrefixBatch], order: torch.Tensor) -> PrefixBatch:
+    """The `PrefixBatch` of several captures' rows, concatenated and put in `order`."""
+
+    def cat(name: str) -> torch.Tensor | None:
+        tensors = [getattr(part, name) for part in parts]
+        if tensors[0] is None:
+            return None
+        joined = torch.cat(tensors)
+        return joined[order.to(joined.device)]
+
+    return PrefixBatch(cat("rows"), cat("sampled"), cat("values"), cat("generated"), cat("tokens"))
+
+
+def shuffle_groups(batch: dict[str, Any], group_size: int) -> dict[str, Any]:
+    """TRL's `shuffle_sequence_dict` with whole groups: the same `torch.randperm` draw over the rows (so the random
+    stream is GRPOTrainer's), each group of `group_size` consecutive rows going where its first-drawn row went, its
+    rows kept together and in order, so that every micro-batch TRL splits off holds whole groups."""
+    rows = len(next(v for v in batch.values() if v is not None))
+    order = torch.randperm(rows)
+    first = torch.full((rows // group_size,), rows, dtype=torch.long)
+    first.scatter_reduce_(0, order // group_size, torch.arange(rows), reduce="amin")
+    permutation = (first.argsort().unsqueeze(1) * group_size + torch.arange(group_size)).flatten()
+
+    def permute(value: Any) -> Any:
+        if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
+            return value
+        if isinstance(value, torch.Tensor):
+            return value[permutation.to(value.device)]
+        return [value[i] for i in permutation.tolist()]
+
+    return {key: permute(value) for key, value in batch.items()}
