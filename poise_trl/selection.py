@@ -73,10 +73,11 @@ class ValueGuidedSelection:
             )
         return capture.pooled()[:, 0], sum(map(len, prompt_ids))
 
-    def _select_prompts(self, inputs: list[dict]) -> list[dict]:
+    def _select_prompts(self, inputs: list[dict], step: GenerationStep) -> list[dict]:
         """Keep `per_device_train_batch_size x steps_per_generation / G` whole groups of this process's candidates,
         drawn by the `prompt_selection` rule from the estimator's predicted prompt values (at random, seeded by
-        (seed, rank, observed steps) so a resumed run draws the same, while the probe is not trusted)."""
+        (seed, rank, observed steps) so a resumed run draws the same, while the probe is not trusted); the kept rows'
+        importance weights and the draw's figures go to the generation batch's record `step`."""
         if self.args.prompt_selection is None or not self.model.training:
             return inputs
         size = self.num_generations
@@ -107,7 +108,6 @@ class ValueGuidedSelection:
             floor=self.args.prompt_selection_floor,
         )
         weights = drawn.weights or [1.0] * len(drawn.indices)
-        step = self._generation
         step.weights = torch.tensor(weights, dtype=torch.float64).repeat_interleave(size)
         variance = drawn.scores or [0.0] * len(groups)  # predicted reward variance q(1 - q) of each candidate
         step.selection = {
@@ -121,10 +121,10 @@ class ValueGuidedSelection:
         }
         return [row for i in drawn.indices for row in groups[i]]
 
-    def _row_weights(self, rows: int) -> torch.Tensor | None:
+    def _row_weights(self, step: GenerationStep, rows: int) -> torch.Tensor | None:
         """Every process's kept rows' importance weights, gathered (rank-major, as the rows): (rows x processes,), or
-        None when no prompts were drawn for this batch (no selection, evaluation)."""
-        weights = self._generation.weights
+        None when no prompts were drawn for the batch `step` (no selection, evaluation)."""
+        weights = step.weights
         if weights is None:
             return None
         if len(weights) != rows:

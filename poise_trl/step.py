@@ -55,7 +55,7 @@ class GenerationStep:
 
     def add(self, rows: torch.Tensor, features: torch.Tensor, prefix: PrefixBatch | None) -> None:
         """Keep one pass's or micro-batch's capture of this process's rows `rows`."""
-        self.pieces.append((rows.cpu(), features, prefix))
+        self.pieces.append((rows, features, prefix))
 
     @property
     def captured(self) -> int:

@@ -354,7 +354,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
                 "micro-batch of a generation batch trained before the next is generated."
             )
         step = self._generation = GenerationStep(mode, self._capture_route(mode))
-        inputs = self._select_prompts(inputs)
+        inputs = self._select_prompts(inputs, step)
         step.armed = step.route == "trl_pass"
         output = super()._generate_and_score_completions(inputs)
         step.armed = False
@@ -369,7 +369,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         if step.route == "own_pass":
             self._feature_pass(output, mode)
         step.rows, step.offset = len(inputs), self.accelerator.process_index * len(inputs)
-        weights = self._row_weights(len(inputs)) if mode == "train" else None  # the prompts' importance weights
+        weights = self._row_weights(step, len(inputs)) if mode == "train" else None  # the prompts' importance weights
         # Each row's prompt id: the K-fold groups of the layer choice and the prompt history's key. Environment-routed
         # datasets may have no `prompt` column; the row then names the prompt.
         device = self.accelerator.device

@@ -68,22 +68,27 @@ def poise_args(tmp_path: Path, **overrides: Any):
     return short_args(tmp_path, **{**paper, **overrides})
 
 
-def score_and_capture_features(trainer: Any, score: Callable[[list], dict], inputs: list) -> tuple[dict, Any]:
-    """Run `score(inputs)`, the parent's `_generate_and_score_completions`, and return its output with the gathered
-    (N, C, D) features the step handed to `estimator.advantages` (and, prepared, to `estimator.observe`)."""
-    captured = []
-    advantages = trainer.estimator.advantages
+def spy_batch_advantages(trainer: Any, monkeypatch: Any, record: Callable[[tuple, dict, Any], None]) -> None:
+    """Call `record(args, kwargs, result)` for each generation batch's call of `trainer.estimator.advantages`: the
+    one the trainer makes when it observes the batch, whichever capture route gave the features (on the loss route
+    each micro-batch's own call comes first and is not recorded)."""
+    advantages, observe, observing = trainer.estimator.advantages, trainer._observe, []
 
-    def spy(features, *args, **kwargs):
-        captured.append(features.clone())
-        return advantages(features, *args, **kwargs)
+    def recorded(*args, **kwargs):
+        result = advantages(*args, **kwargs)
+        if observing:
+            record(args, kwargs, result)
+        return result
 
-    trainer.estimator.advantages = spy
-    try:
-        output = score(inputs)
-    finally:
-        del trainer.estimator.advantages
-    return output, captured[0]
+    def observed(step):
+        observing.append(True)
+        try:
+            return observe(step)
+        finally:
+            observing.pop()
+
+    monkeypatch.setattr(trainer.estimator, "advantages", recorded)
+    monkeypatch.setattr(trainer, "_observe", observed)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from poise_trl import selection as selection_module
 from poise_trl.config import IMPORTANCE_LOSS_TYPES
 from poise_trl.sampling import importance_probabilities, importance_weights
 
-from .conftest import CPU_ARGS, digit_dataset, digit_reward, poise_args
+from .conftest import CPU_ARGS, digit_dataset, digit_reward, poise_args, spy_batch_advantages
 
 G = 2
 ENUMERATION = Path(__file__).resolve().parents[1] / "benchmarks" / "importance-normaliser"
@@ -137,8 +137,8 @@ def test_the_terms_the_weights_cannot_reach_are_refused(tmp_path, overrides, mes
 class Drawn(POISETrainer):
     """Records each step's candidates, the values the rule saw, the kept rows, TRL's token count and POISE's."""
 
-    def _select_prompts(self, inputs):
-        kept = super()._select_prompts(inputs)
+    def _select_prompts(self, inputs, step):
+        kept = super()._select_prompts(inputs, step)
         self.records.append({"candidates": [x["prompt"] for x in inputs][::G], "kept": [x["prompt"] for x in kept]})
         return kept
 
@@ -174,13 +174,12 @@ def test_the_estimator_gets_each_rows_1_over_nq_and_the_loss_the_weighted_token_
 
     advantages = trainer.estimator.advantages
 
-    def recorded_advantages(*args, weights=None, **kwargs):
-        result = advantages(*args, weights=weights, **kwargs)
-        applied.append((weights.clone(), advantages(*args, **kwargs).advantages, result.advantages))
-        return result
+    def recorded_advantages(args, kwargs, result):
+        plain = advantages(*args, **{**kwargs, "weights": None}).advantages
+        applied.append((kwargs["weights"].clone(), plain, result.advantages))
 
     monkeypatch.setattr(selection_module, "draw", recorded_draw)
-    monkeypatch.setattr(trainer.estimator, "advantages", recorded_advantages)
+    spy_batch_advantages(trainer, monkeypatch, recorded_advantages)
     trainer.train()
     assert len(seen) == len(applied) == len(trainer.records) == 4
     drawn_steps = 0

@@ -10,9 +10,11 @@ import torch
 from poise_trl import POISETrainer
 from poise_trl.buffer import prompt_group_ids
 from poise_trl.estimator import POISEEstimator
+from poise_trl.step import GenerationStep
 
-from .conftest import digit_dataset, digit_reward, poise_args, score_and_capture_features
+from .conftest import digit_dataset, digit_reward, poise_args, spy_batch_advantages
 from .scenarios.test_beyond_paper import G, Recording, _logged
+from .tiny_archs import SpyTrainer
 
 
 def test_value_selection_keeps_whole_groups_and_trl_batch_shapes(tiny_model_path, tmp_path):
@@ -26,14 +28,13 @@ def test_value_selection_keeps_whole_groups_and_trl_batch_shapes(tiny_model_path
         prompt_selection_oversample=2.0,
     )
     trainer = Recording(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
-    trainer.records = []
     trainer.train()
     tokenizer = trainer.processing_class
     assert trainer.selection_candidates == 8
     for record in trainer.records:
         assert len(record["candidates"]) == 16
         output = record["output"]
-        assert output["advantages"].shape == (8,) and output["prompt_ids"].size(0) == 8
+        assert record["advantages"].shape == (8,) and output["prompt_ids"].size(0) == 8
         ids, mask = output["prompt_ids"], output["prompt_mask"].bool()
         kept = [tokenizer.decode(ids[i][mask[i]]) for i in range(8)]
         assert kept[0::2] == kept[1::2]  # whole groups, consecutive
@@ -64,10 +65,10 @@ def test_selection_keeps_the_highest_predicted_spread(tiny_model_path, tmp_path,
     trainer.estimator.target_range = lambda: (torch.tensor(0.0), torch.tensor(1.0))
     trainer._prefill_prompts = lambda prompts: (values[: len(prompts)], 7)
     inputs = [{"prompt": f"p{i}"} for i in range(6) for _ in range(G)]
-    kept = trainer._select_prompts(inputs)
+    kept = trainer._select_prompts(inputs, GenerationStep("train", "loss"))
     assert [x["prompt"] for x in kept] == ["p2", "p2", "p4", "p4"]
     with pytest.raises(RuntimeError, match="whole groups"):
-        trainer._select_prompts(inputs[1:])
+        trainer._select_prompts(inputs[1:], GenerationStep("train", "loss"))
 
 
 def test_importance_weights_multiply_the_advantages_of_the_drawn_rows(tiny_model_path, tmp_path, monkeypatch):
@@ -77,21 +78,20 @@ def test_importance_weights_multiply_the_advantages_of_the_drawn_rows(tiny_model
         tmp_path, max_steps=3, per_device_train_batch_size=4, prompt_selection="importance", probe_warmup_steps=1
     )
     trainer = Recording(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
-    trainer.records, calls = [], []
+    calls = []
     advantages = trainer.estimator.advantages
 
-    def recorded(*args, weights=None, **kwargs):
-        result = advantages(*args, weights=weights, **kwargs)
-        calls.append((weights, advantages(*args, **kwargs).advantages, result.advantages))
-        return result
+    def recorded(args, kwargs, result):
+        plain = advantages(*args, **{**kwargs, "weights": None}).advantages
+        calls.append((kwargs["weights"], plain, result.advantages))
 
-    monkeypatch.setattr(trainer.estimator, "advantages", recorded)
+    spy_batch_advantages(trainer, monkeypatch, recorded)
     trainer.train()
     assert calls[0][0].tolist() == [1.0] * 4  # uniform until the probe is trusted
     assert any(weights.tolist() != [1.0] * 4 for weights, _, _ in calls[1:])
     for (weights, plain, weighted), record in zip(calls, trainer.records, strict=True):
         torch.testing.assert_close(weighted, plain * weights.to(plain.dtype))
-        torch.testing.assert_close(record["output"]["advantages"], weighted)
+        torch.testing.assert_close(record["advantages"], weighted)
     logged = _logged(trainer, "poise/selection/weight_max")
     assert logged == [max(weights.tolist()) for weights, _, _ in calls]
 
@@ -105,7 +105,8 @@ def test_random_fallback_before_the_probe_is_trusted(tiny_model_path, tmp_path):
     kept = []
     for step in range(50):  # random draws are seeded by the steps the estimator observed
         trainer.estimator.steps = step
-        kept.append(tuple(x["prompt"] for x in trainer._select_prompts(inputs))[::G])
+        drawn = trainer._select_prompts(inputs, GenerationStep("train", "loss"))
+        kept.append(tuple(x["prompt"] for x in drawn)[::G])
     counts = torch.tensor([sum(f"p{i}" in k for k in kept) for i in range(8)], dtype=torch.float)
     assert len(set(kept)) > 10  # random, not always the same half
     assert counts.min() > 5  # every candidate is kept sometimes (expected 12.5 times each)
@@ -115,19 +116,20 @@ def test_the_prefill_pools_the_prompt_states_the_training_pass_pools(tiny_model_
     """Selection scores prompts from a prompt-only prefill it pads itself: its pooled states must be the training
     pass's prompt block for the same prompts (up to rounding: a prompt's states move with the batch's padding)."""
 
-    class Capture(POISETrainer):
+    class Capture(SpyTrainer):
         def _generate_and_score_completions(self, inputs):
-            output, features = score_and_capture_features(self, super()._generate_and_score_completions, inputs)
+            output = super()._generate_and_score_completions(inputs)
             prompts = [x["prompt"] for x in inputs][::G]
-            self.captured.append((features, *self._prefill_prompts(prompts)))  # at this step's weights
+            self.prefilled.append(self._prefill_prompts(prompts))  # at this step's weights
             return output
 
     args = poise_args(tmp_path, max_steps=2, probe_features=["prompt", "reasoning"], probe_partner_reward=False)
     trainer = Capture(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
-    trainer.captured = []
+    trainer.prefilled = []
     trainer.train()
     start, stop = trainer.estimator.prompt_columns
-    for features, states, tokens in trainer.captured:
+    for scored, (states, tokens) in zip(trainer.scored, trainer.prefilled, strict=True):
+        features = scored["features"]
         expected = features[::G, trainer.estimator.layer_index, start:stop]
         assert states.shape == expected.shape and tokens > 0
         torch.testing.assert_close(states, expected, atol=1e-5, rtol=1e-5)
@@ -183,12 +185,14 @@ def test_the_importance_sampler_resumes_its_draws_and_weights_bit_for_bit(tiny_m
         assert all(torch.equal(a, b) for a, b in pairs), name
 
 
-class KeptPrompts(POISETrainer):
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        self.kept.append(output["prompt_ids"].clone())
-        self.advantages.append(output["advantages"].clone())
-        return output
+class KeptPrompts(SpyTrainer):
+    @property
+    def kept(self) -> list[torch.Tensor]:
+        return [s["output"]["prompt_ids"] for s in self.scored]
+
+    @property
+    def advantages(self) -> list[torch.Tensor]:
+        return [s["advantages"] for s in self.scored]
 
 
 def _resumed_selection(model, tmp_path, selection: dict, prompts=None) -> tuple[KeptPrompts, KeptPrompts]:
@@ -197,7 +201,6 @@ def _resumed_selection(model, tmp_path, selection: dict, prompts=None) -> tuple[
     runs = []
     for checkpoint in (None, str(tmp_path / "out" / "checkpoint-2")):
         run = KeptPrompts(str(model), digit_reward, args=args, train_dataset=prompts or digit_dataset())
-        run.kept, run.advantages = [], []
         run.train(resume_from_checkpoint=checkpoint)
         runs.append(run)
     return runs[0], runs[1]

@@ -25,9 +25,10 @@ from .tiny_archs import SpyTrainer, save_causal_lm
 MARKER_ID = 3  # `</think>` in the tiny tokenizer
 
 
-class RecordingTrainer(POISETrainer):
-    """Records, at every scoring step, what an independent recomputation needs: the probe as it was, the batch, the
-    rewards, and hidden states from a plain `output_hidden_states=True` pass of the same (not yet updated) model."""
+class RecordingTrainer(SpyTrainer):
+    """Records, at every scoring step, what an independent recomputation needs: the probe as it was, the batch and
+    hidden states from a plain `output_hidden_states=True` pass of the same (not yet updated) model; `SpyTrainer`
+    adds the rewards and the advantages POISE gave the batch, whichever capture route gave them (`recorded`)."""
 
     records: list[dict]
 
@@ -40,16 +41,14 @@ class RecordingTrainer(POISETrainer):
         with torch.no_grad():
             out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         self.records.append(
-            dict(
-                probe=probe,
-                trusted=trusted,
-                output={k: v.clone() for k, v in output.items() if isinstance(v, torch.Tensor)},
-                rewards=(self._gathered_rewards * self.reward_weights).nansum(1).clone(),
-                hidden=out.hidden_states[self.probe_layer + 1],
-                logits=out.logits,
-            )
+            dict(probe=probe, trusted=trusted, hidden=out.hidden_states[self.probe_layer + 1], logits=out.logits)
         )
         return output
+
+    @property
+    def recorded(self) -> list[dict]:
+        """Each training batch's record with its `scored` entry (output, rewards, advantages)."""
+        return [{**record, **scored} for record, scored in zip(self.records, self.scored, strict=True)]
 
 
 def _independent_features(record: dict, n: int) -> torch.Tensor:
@@ -81,17 +80,18 @@ def test_train_changes_every_parameter_and_advantages_use_the_partner(tiny_model
     changed = {n: not torch.equal(before[n], p) for n, p in trainer.model.named_parameters()}
     assert all(changed.values()), [n for n, c in changed.items() if not c]
 
-    trusted = [r for r in trainer.records if r["trusted"]]
-    assert len(trusted) >= 3 and not trainer.records[0]["trusted"]
+    recorded = trainer.recorded
+    trusted = [r for r in recorded if r["trusted"]]
+    assert len(trusted) >= 3 and not recorded[0]["trusted"]
     for record in trusted:
         features = _independent_features(record, n=3)
         values = record["probe"].predict(features)
         baselines = values.view(-1, 2).flip(1).reshape(-1)  # b1 = g(phi2), b2 = g(phi1)
         expected = record["rewards"] - baselines
-        torch.testing.assert_close(record["output"]["advantages"], expected, atol=2e-4, rtol=1e-4)
-    for record in trainer.records[:1]:  # bootstrap: the partner's reward (RLOO for G=2)
+        torch.testing.assert_close(record["advantages"], expected, atol=2e-4, rtol=1e-4)
+    for record in recorded[:1]:  # bootstrap: the partner's reward (RLOO for G=2)
         rewards = record["rewards"]
-        torch.testing.assert_close(record["output"]["advantages"], rewards - rewards.view(-1, 2).flip(1).reshape(-1))
+        torch.testing.assert_close(record["advantages"], rewards - rewards.view(-1, 2).flip(1).reshape(-1))
 
     logged = [h for h in trainer.state.log_history if "poise/mae" in h]
     assert len(logged) == 5
@@ -99,7 +99,9 @@ def test_train_changes_every_parameter_and_advantages_use_the_partner(tiny_model
         assert any(h.get(key) is not None for h in logged), key
     assert [h["poise/bootstrap"] for h in logged] == [1.0, 0.0, 0.0, 0.0, 0.0]
     assert logged[-1]["poise/buffer_size"] == 5 * 8
-    assert list(trainer._logs["advantages"]) == pytest.approx(trainer.records[-1]["output"]["advantages"].tolist())
+    assert list(trainer._logs["advantages"]) == pytest.approx(recorded[-1]["advantages"].tolist())
+    received = torch.cat([a.flatten() for a in trainer.loss_advantages])  # what the loss read, micro-batch order
+    assert torch.equal(received.sort().values, torch.cat([r["advantages"] for r in recorded]).sort().values)
     assert len(trainer._logs["extra"]["baseline"]) == 8
 
 
@@ -115,18 +117,21 @@ def _count_scoring_passes(model) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize(("num_iterations", "extra_passes"), [(1, 1), (2, 0)])
-def test_forward_pass_count(tiny_model_path, tmp_path, num_iterations, extra_passes):
+@pytest.mark.parametrize(
+    ("num_iterations", "capture", "extra_passes"), [(1, "auto", 0), (1, "pass", 1), (2, "auto", 0), (2, "pass", 0)]
+)
+def test_forward_pass_count(tiny_model_path, tmp_path, num_iterations, capture, extra_passes):
+    """No-grad teacher-forced passes against GRPOTrainer's: none added where TRL runs its own (num_iterations=2) or
+    where POISE reads the loss's forward (TRL's default, `probe_capture="auto"`); one a generation with "pass"."""
     steps = 4
     common = dict(max_steps=steps, num_iterations=num_iterations)
     counts = {}
     for name, trainer_cls, config_cls in [("grpo", GRPOTrainer, GRPOConfig), ("poise", POISETrainer, POISEConfig)]:
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
         calls = _count_scoring_passes(model)
-        kwargs = poise_args(tmp_path, **common).to_dict() if config_cls is POISEConfig else None
         args = (
-            poise_args(tmp_path, **common)
-            if kwargs
+            poise_args(tmp_path, probe_capture=capture, **common)
+            if config_cls is POISEConfig
             else GRPOConfig(
                 **{
                     **CPU_ARGS,
@@ -196,7 +201,7 @@ def test_resume_restores_probe_buffer_and_next_baselines_bit_for_bit(tiny_model_
     assert before["probe"].state_dict().keys() == after["probe"].state_dict().keys()
     for key, tensor in before["probe"].state_dict().items():
         assert torch.equal(tensor, after["probe"].state_dict()[key]), key
-    assert torch.equal(before["output"]["advantages"], after["output"]["advantages"])
+    assert torch.equal(uninterrupted.recorded[3]["advantages"], resumed.recorded[0]["advantages"])
     assert torch.equal(resumed.probe_buffer.features, uninterrupted.probe_buffer.features)
     assert resumed.probe_steps == uninterrupted.probe_steps == 4
 
@@ -266,7 +271,7 @@ def test_hooks_capture_one_policy_pass_and_never_leak(tiny_model_path, tmp_path,
         if any(isinstance(h, features.PooledCapture) for h in module._forward_hooks.values())
     ]
     assert leftover == []
-    assert trainer.feature_passes == (generations if args.num_iterations == 1 else 0)
+    assert trainer.feature_passes == 0  # TRL's pass (num_iterations=2) or the loss's forward served
 
 
 @pytest.mark.parametrize("include_buffer", [True, False])
@@ -286,9 +291,9 @@ def test_warm_start_uses_the_loaded_probe_from_the_first_step(tiny_model_path, t
     for key, tensor in first.value_probe.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], tensor), key
     assert [h["poise/bootstrap"] for h in second.state.log_history if "poise/bootstrap" in h] == [0.0, 0.0]
-    record = second.records[0]
+    record = second.recorded[0]
     baselines = loaded.predict(_independent_features(record, n=10)).view(-1, 2).flip(1).reshape(-1)
-    torch.testing.assert_close(record["output"]["advantages"], record["rewards"] - baselines, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(record["advantages"], record["rewards"] - baselines, atol=2e-4, rtol=1e-4)
     # Without its buffer the loaded fit is kept (not refitted on a handful of rows) during probe_warmup_steps.
     refitted = not torch.equal(second.value_probe.state_dict()["coef"], first.value_probe.state_dict()["coef"])
     assert refitted == include_buffer

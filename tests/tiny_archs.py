@@ -153,38 +153,62 @@ def code_reward(completions: list, **kwargs) -> list[float]:
 
 
 class SpyTrainer(POISETrainer):
-    """Records, at each training scoring step, POISE's advantages with the rewards and baselines they came from, and
-    every `advantages` tensor TRL's loss received."""
+    """Records each training generation batch in `scored`, whichever capture route gave its features: what
+    `before_batch` returns when it starts (a subclass's hook: e.g. the probe as it was), its prompts and TRL's output
+    as scored, then the features, rewards, baselines and advantages POISE computed once it observed the batch (and
+    the estimator's `result` for the batch); and
+    every `advantages` tensor TRL's loss received (as the loss read it: on the loss route the loss's own forward
+    writes it)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.scored: list[dict[str, Any]] = []
+        self.outputs: list[dict[str, Any]] = []
+        self.observed: list[dict[str, Any]] = []
         self.loss_advantages: list[torch.Tensor] = []
+
+    @property
+    def scored(self) -> list[dict[str, Any]]:
+        return [{**out, **seen} for out, seen in zip(self.outputs, self.observed, strict=True)]
+
+    def before_batch(self, inputs: list[dict]) -> dict[str, Any]:
+        """What to record when a training batch starts, before POISE or TRL touched it."""
+        return {}
 
     def _generate_and_score_completions(self, inputs):
         training = self.model.training
-        divisor = self.reward_std.divisor() if self.args.scale_rewards == "batch" else 1.0
+        before = self.before_batch(inputs) if training else {}
         output = super()._generate_and_score_completions(inputs)
         if training:
-            rows = output["advantages"].numel()
-            rewards = (self._gathered_rewards * self.reward_weights).nansum(1)
-            rewards[torch.isnan(self._gathered_rewards).all(1)] = torch.nan
-            self.scored.append(
-                dict(
-                    prompts=[x.get("prompt") for x in inputs],
-                    advantages=output["advantages"].clone(),
-                    rewards=rewards,
-                    baselines=torch.tensor(list(self._logs["extra"]["baseline"])[-rows:]),
-                    divisor=divisor,
-                    output={k: v.clone() for k, v in output.items() if isinstance(v, torch.Tensor)},
-                )
-            )
+            tensors = {k: v.clone() for k, v in output.items() if isinstance(v, torch.Tensor)}
+            self.outputs.append(dict(before, prompts=[x.get("prompt") for x in inputs], output=tensors))
         return output
 
+    def _observe(self, step):
+        divisor = self.reward_std.divisor() if self.args.scale_rewards == "batch" else 1.0  # of earlier steps
+        features = step.assemble()[0].clone()  # this process's (rows, candidate layers, D)
+        result = super()._observe(step)
+        if step.mode == "train":
+            rows = slice(step.offset, step.offset + step.rows)
+            advantages = result.advantages[rows]
+            if result.token_advantages is not None:
+                advantages = result.token_advantages[rows, : step.spans.completion_mask.size(1)]
+            self.observed.append(
+                dict(
+                    features=features,
+                    advantages=advantages.clone(),
+                    rewards=step.estimator_inputs["rewards"].clone(),
+                    baselines=torch.tensor(result.logged_rows()[1][rows]),
+                    divisor=divisor,
+                    result=result,
+                )
+            )
+        return result
+
     def _compute_loss(self, model, inputs):
+        loss = super()._compute_loss(model, inputs)
         if self.model.training:
             self.loss_advantages.append(inputs["advantages"].detach().clone())
-        return super()._compute_loss(model, inputs)
+        return loss
 
 
 def assert_poise_advantages_reach_the_loss(trainer: SpyTrainer) -> None:

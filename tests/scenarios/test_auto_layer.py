@@ -12,8 +12,9 @@ from poise_trl.layer_choice import choose_layer, grouped_kfold_errors, select_la
 from poise_trl.learner import OnlineLearner
 from poise_trl.probe import ValueProbe
 
-from ..conftest import CPU_ARGS, digit_dataset, digit_reward, poise_args, score_and_capture_features
+from ..conftest import CPU_ARGS, digit_dataset, digit_reward, poise_args
 from ..test_trainer import _count_scoring_passes
+from ..tiny_archs import SpyTrainer
 
 
 # ---------------------------------------------------------------------------------------------------- config
@@ -55,13 +56,13 @@ def _args(tmp_path, **kwargs) -> POISEConfig:
     return poise_args(tmp_path, **{"max_steps": 5, **auto, **kwargs})
 
 
-class LayerRecorder(POISETrainer):
+class LayerRecorder(SpyTrainer):
     """Per step: the layer in use, the buffer and probe as they were before the step, the step's (N, C, D)
     features, rewards and advantages."""
 
-    def _generate_and_score_completions(self, inputs):
+    def before_batch(self, inputs):
         buffer = self.probe_buffer
-        before = dict(
+        return dict(
             index=self.estimator.layer_index,
             layer=self.probe_layer,
             probe=copy.deepcopy(self.value_probe),
@@ -70,10 +71,10 @@ class LayerRecorder(POISETrainer):
             if buffer.targets is None
             else (buffer.features.clone(), buffer.targets.clone(), buffer.groups),
         )
-        output, features = score_and_capture_features(self, super()._generate_and_score_completions, inputs)
-        rewards = (self._gathered_rewards * self.reward_weights).nansum(1).clone()
-        self.records.append(dict(before, features=features, rewards=rewards, advantages=output["advantages"]))
-        return output
+
+    @property
+    def records(self) -> list[dict]:
+        return self.scored
 
 
 def test_auto_layer_chooses_from_earlier_steps_in_one_pass(tiny_model_path, tmp_path, monkeypatch):
@@ -89,15 +90,14 @@ def test_auto_layer_chooses_from_earlier_steps_in_one_pass(tiny_model_path, tmp_
     scoring_passes = _count_scoring_passes(model)
     args = _args(tmp_path)
     trainer = LayerRecorder(model, digit_reward, args=args, train_dataset=digit_dataset())
-    trainer.records = []
     trainer.train()
     steps = 5
     assert trainer.probe_layers == [1, 2, 3]  # round(0.25·4), round(0.53·4) (the fixed default), round(0.75·4)
     records = trainer.records
     assert records[0]["layer"] == 2
 
-    # Still one teacher-forced pass per step (as with a fixed layer), each hooking the three candidates once.
-    assert scoring_passes[0] == trainer.feature_passes == steps
+    # No pass added (as with a fixed layer): the loss's forward of each step hooks the three candidates once.
+    assert scoring_passes[0] == trainer.feature_passes == 0
     assert len(hook_calls) == 3 * steps and all(len(set(hook_calls[i : i + 3])) == 3 for i in range(0, 15, 3))
     assert records[0]["features"].shape == (8, 3, 2 * 128 + 3)
 

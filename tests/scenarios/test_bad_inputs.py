@@ -5,28 +5,26 @@ import math
 import torch
 from datasets import Dataset
 
-from poise_trl import POISETrainer
 from poise_trl.features import find_decoder_layers
 
 from ..conftest import poise_args
+from ..tiny_archs import SpyTrainer
 
 
 def _dataset(n: int = 64) -> Dataset:
     return Dataset.from_list([{"prompt": f"{i % 10}+{(3 * i) % 10}"} for i in range(n)])
 
 
-class Recorder(POISETrainer):
-    """Keeps each step's gathered rewards and the advantages handed to TRL."""
+class Recorder(SpyTrainer):
+    """Keeps each step's rewards, the advantages POISE gave its rows and the completion mask (`seen`)."""
 
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        self.seen.append((self._gathered_rewards.clone(), output["advantages"].clone(), output["completion_mask"]))
-        return output
+    @property
+    def seen(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        return [(s["rewards"], s["advantages"], s["output"]["completion_mask"]) for s in self.scored]
 
 
 def _train(tiny_model_path, tmp_path, reward, **kwargs) -> Recorder:
     trainer = Recorder(str(tiny_model_path), reward, args=poise_args(tmp_path, **kwargs), train_dataset=_dataset())
-    trainer.seen = []
     trainer.train()
     for _, advantages, _ in trainer.seen:
         assert torch.isfinite(advantages).all()
@@ -51,7 +49,7 @@ def test_none_nan_and_inf_rewards_get_zero_advantage_and_stay_out_of_the_buffer(
 
     trainer = _train(tiny_model_path, tmp_path, broken)
     for rewards, advantages, _ in trainer.seen:
-        bad = ~torch.isfinite(rewards[:, 0])
+        bad = ~torch.isfinite(rewards)
         assert bad.sum() == 3 and (advantages[bad] == 0).all()
     # Rows 0, 3, 5 are unscorable; their partners 1, 2, 4 have no leave-one-out target: 2 usable rows per step.
     assert len(trainer.probe_buffer) == 4 * 2
@@ -78,10 +76,10 @@ def test_non_finite_features_are_dropped_and_counted(tiny_model_path, tmp_path):
             finally:
                 handle.remove()
 
-    trainer = Overflowing(
-        str(tiny_model_path), _dense, args=poise_args(tmp_path, max_steps=3), train_dataset=_dataset()
-    )
-    trainer.seen = []
+    # POISE's own no-grad pass, where the overflow is simulated: on the loss route the same overflow would reach the
+    # loss itself, which is TRL's to handle.
+    args = poise_args(tmp_path, max_steps=3, probe_capture="pass")
+    trainer = Overflowing(str(tiny_model_path), _dense, args=args, train_dataset=_dataset())
     trainer.train()
     assert _logged(trainer, "poise/feature_rows_dropped") == [1.0, 1.0, 1.0]
     assert len(trainer.probe_buffer) == 3 * 7 and torch.isfinite(trainer.probe_buffer.features).all()

@@ -11,26 +11,27 @@ from poise_trl.baselines import leave_one_out_targets, shrunk_rloo_line
 from poise_trl.files import read_state
 
 from ..conftest import digit_dataset, digit_reward, poise_args
+from ..tiny_archs import SpyTrainer
 
 G = 2
 
 
-class Recording(POISETrainer):
-    """Records each scoring step's candidate prompts, kept output, gathered rewards and logged baselines."""
+class Recording(SpyTrainer):
+    """Records each scoring step's candidate prompts; `SpyTrainer` adds the kept output, the gathered rewards, the
+    logged baselines and POISE's advantages (`records`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.candidates: list[list] = []
 
     def _generate_and_score_completions(self, inputs):
-        candidates = [x["prompt"] for x in inputs]
-        output = super()._generate_and_score_completions(inputs)
-        n = output["advantages"].numel()
-        self.records.append(
-            dict(
-                candidates=candidates,
-                output={k: v.clone() for k, v in output.items() if isinstance(v, torch.Tensor)},
-                rewards=(self._gathered_rewards * self.reward_weights).nansum(1).clone(),
-                baselines=torch.tensor(list(self._logs["extra"]["baseline"])[-n:]),
-            )
-        )
-        return output
+        if self.model.training:
+            self.candidates.append([x["prompt"] for x in inputs])
+        return super()._generate_and_score_completions(inputs)
+
+    @property
+    def records(self) -> list[dict]:
+        return [{"candidates": c, **s} for c, s in zip(self.candidates, self.scored, strict=True)]
 
 
 def _logged(trainer, key: str) -> list:
@@ -41,7 +42,10 @@ def _logged(trainer, key: str) -> list:
 def test_a_rollouts_reward_moves_its_partners_baseline_and_never_its_own(tiny_model_path, tmp_path):
     """Score one batch twice from the same probe state and sampling seed, the second time with rollout 0's reward
     raised: only its partner's baseline may move (b_1 = h(φ_0, r_0)); rollout 0's own baseline must not."""
-    args = poise_args(tmp_path, max_steps=2, probe_partner_reward=True, probe_clip_range=[-10.0, 10.0])
+    # The batch is scored by hand, outside a training step: POISE's own pass gives its features while it is scored.
+    args = poise_args(
+        tmp_path, max_steps=2, probe_partner_reward=True, probe_clip_range=[-10.0, 10.0], probe_capture="pass"
+    )
     trainer = POISETrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
     trainer.train()
     assert trainer.probes["default"].trusted
@@ -94,7 +98,6 @@ def test_probe_files_record_the_partner_reward_setting(tiny_model_path, tmp_path
 def test_shrunk_bootstrap_uses_a_line_fitted_on_earlier_steps_only(tiny_model_path, tmp_path):
     args = poise_args(tmp_path, max_steps=3, probe_warmup_steps=10, probe_bootstrap="shrunk")
     trainer = Recording(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
-    trainer.records = []
     trainer.train()
     assert _logged(trainer, "poise/bootstrap_weight")[0] == 1.0  # no history: plain RLOO
     assert _logged(trainer, "poise/bootstrap_intercept")[0] == 0.0
@@ -105,7 +108,7 @@ def test_shrunk_bootstrap_uses_a_line_fitted_on_earlier_steps_only(tiny_model_pa
             earlier = torch.cat([r["rewards"] for r in trainer.records[:step]])
             intercept, weight = shrunk_rloo_line(leave_one_out_targets(earlier, G), earlier).tolist()
         torch.testing.assert_close(record["baselines"], (intercept + weight * rloo).float())
-        torch.testing.assert_close(record["output"]["advantages"], record["rewards"] - record["baselines"])
+        torch.testing.assert_close(record["advantages"], record["rewards"] - record["baselines"])
         assert _logged(trainer, "poise/bootstrap_weight")[step] == pytest.approx(weight)
 
 
@@ -114,10 +117,8 @@ def test_resume_restores_the_shrunk_bootstrap_bit_for_bit(tiny_model_path, tmp_p
     overrides = dict(probe_partner_reward=True, probe_bootstrap="shrunk", probe_warmup_steps=5)
     args = poise_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=3, **overrides)
     uninterrupted = Recording(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
-    uninterrupted.records = []
     uninterrupted.train()
     resumed = Recording(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
-    resumed.records = []
     resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
     assert len(resumed.bootstrap_pairs["default"]) == 4 * 8
     before, after = uninterrupted.records[3], resumed.records[0]

@@ -1,5 +1,6 @@
-"""Crash safety: SIGKILL a POISE run mid-step and while it writes a checkpoint, resume each time from the newest
-complete checkpoint, and end with the estimator and model of an uninterrupted run, bit for bit on CPU."""
+"""Crash safety: SIGKILL a POISE run between the micro-batches of a step (POISE's record of the generation batch half
+captured), at the end of a step and while it writes a checkpoint, resume each time from the newest complete
+checkpoint, and end with the estimator and model of an uninterrupted run, bit for bit on CPU."""
 
 import json
 import os
@@ -77,7 +78,11 @@ def _state(result: Path) -> tuple[dict[str, torch.Tensor], str, dict[str, torch.
 def test_sigkill_mid_step_and_mid_save_then_resume_ends_as_the_uninterrupted_run(tiny_model_path, tmp_path):
     output = tmp_path / "run"
     reference = _child(tiny_model_path, tmp_path / "reference", tmp_path / "reference_result")
-    crash = _child(tiny_model_path, output, tmp_path / "crash1", pause="step:3")
+    crash = _child(tiny_model_path, output, tmp_path / "crash0", pause="micro:2")
+    _kill_when_paused(*crash, tmp_path / "crash0")
+    assert _checkpoints(output) == {1: True}  # killed between step 2's micro-batches
+
+    crash = _child(tiny_model_path, output, tmp_path / "crash1", _newest_complete(output), pause="step:3")
     _kill_when_paused(*crash, tmp_path / "crash1")
     assert _checkpoints(output) == {1: True, 2: True}  # killed in step 3, before its checkpoint
 

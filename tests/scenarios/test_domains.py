@@ -13,7 +13,8 @@ from poise_trl.learner import OnlineLearner
 from poise_trl.probe import ValueProbe
 from poise_trl.trainer import ESTIMATOR_FILE, prompt_group_ids
 
-from ..conftest import CPU_ARGS, digit_reward, poise_args, score_and_capture_features
+from ..conftest import CPU_ARGS, digit_reward, poise_args
+from ..tiny_archs import SpyTrainer
 
 
 # ------------------------------------------------------------------------------------------------- pure level
@@ -78,28 +79,22 @@ def _args(tmp_path, **kwargs) -> POISEConfig:
     return poise_args(tmp_path, **{"probe_warmup_steps": 2, **domains, **kwargs})
 
 
-class DomainRecorder(POISETrainer):
-    """Per step: each domain's probe and trust as they were before the step, the rewards, domains and advantages."""
+class DomainRecorder(SpyTrainer):
+    """Per step: each domain's probe and trust as they were before the step and the rows' domains; `SpyTrainer`
+    adds the rewards, features and advantages."""
 
-    def _generate_and_score_completions(self, inputs):
+    def before_batch(self, inputs):
         before = {name: (copy.deepcopy(p.probe), p.trusted) for name, p in self.probes.items()}
-        output, features = score_and_capture_features(self, super()._generate_and_score_completions, inputs)
-        self.records.append(
-            dict(
-                before=before,
-                domains=[x["domain"] for x in inputs],
-                rewards=(self._gathered_rewards * self.reward_weights).nansum(1).clone(),
-                advantages=output["advantages"].clone(),
-                features=features,
-            )
-        )
-        return output
+        return dict(before=before, domains=[x["domain"] for x in inputs])
+
+    @property
+    def records(self) -> list[dict]:
+        return self.scored
 
 
 def test_domains_get_separate_buffers_metrics_bootstrap_and_checkpoints(tiny_model_path, tmp_path):
     args = _args(tmp_path, save_strategy="steps", save_steps=3)
     trainer = DomainRecorder(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
-    trainer.records = []
     trainer.train()
 
     # Separate buffers: each domain's rows came only from its prompts; "big" is capped at its own size.
@@ -147,7 +142,6 @@ def test_domains_get_separate_buffers_metrics_bootstrap_and_checkpoints(tiny_mod
     assert [d["name"] for d in info["domains"]] == list(trainer.probes)
     assert info["feature_config"]["probe_domain_column"] == "domain"
     resumed = DomainRecorder(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
-    resumed.records = []
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert len(resumed.records) == 1
     assert torch.equal(resumed.records[0]["advantages"], trainer.records[3]["advantages"])

@@ -18,11 +18,12 @@ from .distributed.launch import ROOT, launch
 SCRIPT = Path(__file__).parent / "distributed" / "engine_ranks.py"
 DEVICE = os.environ.get("POISE_TEST_DEVICE", "cpu")
 FP32 = ["--mixed_precision=no"]  # fp32 everywhere: the hooked layer is compared with an fp32 copy
-# name -> (accelerate arguments, extra environment, capture: "trl-pass" = inside TRL's old-log-prob pass)
+# name -> (accelerate arguments, extra environment, capture: "trl-pass" = inside TRL's old-log-prob pass, "loss" = the
+# loss's own forward (TRL runs no pass), "own-pass" = a no-grad pass of POISE's own (probe_capture="pass"))
 ENGINES = {
     "zero2": (["--config_file", str(ROOT / "configs/accelerate/zero2.yaml"), *FP32], {}, "own-pass"),
-    "zero3": (["--config_file", str(ROOT / "configs/accelerate/zero3.yaml"), *FP32], {}, "trl-pass"),
-    "fsdp2": (["--config_file", str(ROOT / "configs/accelerate/fsdp2.yaml"), *FP32], {}, "own-pass"),
+    "zero3": (["--config_file", str(ROOT / "configs/accelerate/zero3.yaml"), *FP32], {}, "loss"),
+    "fsdp2": (["--config_file", str(ROOT / "configs/accelerate/fsdp2.yaml"), *FP32], {}, "loss"),
     # FSDP1 on CPU: no rank-0 loading broadcast, device "cpu" (torch rejects "cpu:0" as a device_id), and sharded
     # checkpoints (a FULL_STATE_DICT save kills rank 0 with SIGSEGV on CPU, plain GRPOTrainer's too; torch 2.13).
     "fsdp1": (
@@ -88,8 +89,8 @@ def test_the_hooked_layer_output_equals_an_unsharded_fp32_copy(run, name):
     """Step 1, before any update: the layer POISE hooks, run by the engine, gives what a plain fp32 copy gives."""
     for rank in run(name):
         assert rank["layer_difference"] == 0.0
-        # "trl-pass": POISE captured inside TRL's own pass (num_iterations=2), "own-pass": one pass of its own a step
-        assert rank["feature_passes"] == (0 if ENGINES[name][2] == "trl-pass" else len(rank["steps"]))
+        # "own-pass": one pass of POISE's own a step; otherwise TRL's pass or the loss's forward served
+        assert rank["feature_passes"] == (len(rank["steps"]) if ENGINES[name][2] == "own-pass" else 0)
 
 
 @pytest.mark.slow

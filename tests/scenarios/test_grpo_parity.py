@@ -75,7 +75,8 @@ def test_training_on_each_architecture_and_dataset_format(paths, tmp_path, arch,
     )
     assert trainer.aux_loss_enabled == (model_init_kwargs is not None)
     _train(trainer)
-    assert trainer.feature_passes == 2  # generation and optimisation aligned: POISE ran its one pass per step
+    # generation and optimisation aligned: TRL runs no log-prob pass, POISE reads the loss's forward and adds none
+    assert trainer.feature_passes == 0 and trainer._capture_route("train") == "loss"
 
 
 def test_eval_datasets_dict_and_iterable(paths, tmp_path):

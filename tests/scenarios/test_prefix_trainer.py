@@ -24,20 +24,11 @@ def model_path(tmp_path_factory):
 
 
 class PrefixSpy(SpyTrainer):
-    """Also records each training step's estimator result (its per-prefix capture and token advantages)."""
+    """Also gives each training step's estimator result (its per-prefix capture and token advantages)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.results = []
-        advantages = self.estimator.advantages
-
-        def spy(*a, **k):
-            result = advantages(*a, **k)
-            if self.model.training:
-                self.results.append(result)
-            return result
-
-        self.estimator.advantages = spy
+    @property
+    def results(self) -> list:
+        return [s["result"] for s in self.scored]
 
 
 def _train(model_path, tmp_path, steps: int = 3, **overrides) -> PrefixSpy:
@@ -240,11 +231,12 @@ def test_prefix_state_round_trips_and_warm_starts(tmp_path):
     assert not torch.equal(warm.token_baseline.map().prefix, loaded)
 
 
-def test_a_vlm(vlm_path, tmp_path):  # noqa: F811 (the fixture imported above)
-    """A LLaVA-style model whose prompts hold image tokens: the prefix capture rides on POISE's own pass with the
-    images, and the token advantages reach the loss."""
-    args = vision_args(tmp_path, probe_granularity="prefix", max_steps=3, probe_warmup_steps=1)
+@pytest.mark.parametrize("capture", ["auto", "pass"])
+def test_a_vlm(vlm_path, tmp_path, capture):  # noqa: F811 (the fixture imported above)
+    """A LLaVA-style model whose prompts hold image tokens: the prefix capture rides on the loss's forward with the
+    images ("auto") or on POISE's own pass with them ("pass"), and the token advantages reach the loss."""
+    args = vision_args(tmp_path, probe_granularity="prefix", max_steps=3, probe_warmup_steps=1, probe_capture=capture)
     trainer = PrefixSpy(str(vlm_path), code_reward, args=args, train_dataset=image_prompts())
     trainer.train()
-    assert trainer.feature_passes == 3
+    assert trainer.feature_passes == (0 if capture == "auto" else 3)
     assert_token_advantages_reach_the_loss(trainer)

@@ -15,7 +15,7 @@ from datasets import Dataset
 
 from poise_trl import POISEConfig
 
-from ..conftest import score_and_capture_features, short_args
+from ..conftest import short_args
 from ..tiny_archs import (
     SpyTrainer,
     assert_poise_advantages_reach_the_loss,
@@ -65,21 +65,28 @@ class NotesEnv:
 
 class Recording(SpyTrainer):
     """Also records, at each training step, the probe layer's hidden states and the logits of a plain forward pass
-    of the not-yet-updated model, and the features POISE buffered."""
+    of the not-yet-updated model; `SpyTrainer` adds the features POISE computed (`records`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.records: list[dict] = []
+        self.forwards: list[dict] = []
 
     def _generate_and_score_completions(self, inputs):
-        output, features = score_and_capture_features(self, super()._generate_and_score_completions, inputs)
-        self.records.append({"features": features[:, self.estimator.layer_index].clone()})
+        output = super()._generate_and_score_completions(inputs)
         ids = torch.cat([output["prompt_ids"], output["completion_ids"]], 1)
         mask = torch.cat([output["prompt_mask"], output["completion_mask"]], 1)
         with torch.no_grad():
             out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-        self.records[-1].update(output=output, hidden=out.hidden_states[self.probe_layer + 1], logits=out.logits)
+        self.forwards.append(dict(hidden=out.hidden_states[self.probe_layer + 1], logits=out.logits))
         return output
+
+    @property
+    def records(self) -> list[dict]:
+        """Per step: TRL's output, the forward's hidden states and logits, and POISE's features at the layer in use."""
+        return [
+            {**forward, "output": scored["output"], "features": scored["features"][:, self.estimator.layer_index]}
+            for forward, scored in zip(self.forwards, self.scored, strict=True)
+        ]
 
 
 @pytest.fixture(scope="module")

@@ -55,9 +55,11 @@ def test_loss_types(model_path, tmp_path, loss_type):
 )
 def test_training_options(model_path, tmp_path, option):
     trainer = _train(model_path, tmp_path, **option)
-    # With several optimiser steps per generation TRL runs its old-log-prob pass, and POISE captures inside it.
+    # With several optimiser steps per generation TRL runs its old-log-prob pass, and POISE captures inside it;
+    # otherwise POISE reads the loss's own forward. Either way it runs no pass of its own.
     reused = option.get("num_iterations", 1) * option.get("steps_per_generation", 1) > 1
-    assert trainer.feature_passes == (0 if reused else len(trainer.scored))
+    assert trainer._capture_route("train") == ("trl_pass" if reused else "loss")
+    assert trainer.feature_passes == 0
 
 
 # GRPOConfig options that do not interact, trained together in one run per group.

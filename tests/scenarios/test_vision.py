@@ -14,9 +14,10 @@ from PIL import Image
 from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
 from poise_trl import POISEConfig
+from poise_trl.step import GenerationStep
 from poise_trl.trainer import FORWARD_INPUT_KEYS
 
-from ..conftest import score_and_capture_features, short_args
+from ..conftest import short_args
 from ..tiny_archs import SpyTrainer, assert_poise_advantages_reach_the_loss, char_tokenizer, code_reward
 
 # Renders an image part as LLaVA's `<image>` placeholder, which the processor expands to one token per patch.
@@ -96,13 +97,17 @@ class BothPasses(SpyTrainer):
     this also runs POISE's own feature pass, with and without the multimodal inputs, to compare the three."""
 
     def _generate_and_score_completions(self, inputs):
-        output, self.trl_pass = score_and_capture_features(self, super()._generate_and_score_completions, inputs)
-        self._feature_pass(output, "train")
-        self.own_pass = self._captured[0].clone()
-        self._feature_pass({k: v for k, v in output.items() if k not in FORWARD_INPUT_KEYS}, "train")
-        self.text_only_pass = self._captured[0].clone()
-        self._captured = None
+        output = super()._generate_and_score_completions(inputs)
+        self.own_pass = self._own_pass_features(output)
+        self.text_only_pass = self._own_pass_features({k: v for k, v in output.items() if k not in FORWARD_INPUT_KEYS})
         return output
+
+    def _own_pass_features(self, output: dict) -> torch.Tensor:
+        """POISE's own no-grad pass over `output`, as the "own_pass" route runs it, captured in a record of its own."""
+        step = self._generation = GenerationStep("train", "own_pass", rows=output["completion_ids"].size(0))
+        self._feature_pass(output, "train")
+        self._generation = None
+        return step.assemble()[0]
 
 
 def test_poise_s_own_pass_sees_the_images_trl_s_pass_sees(vlm_path, tmp_path):
@@ -113,19 +118,21 @@ def test_poise_s_own_pass_sees_the_images_trl_s_pass_sees(vlm_path, tmp_path):
     trainer.train()
     assert trainer.feature_passes == 2  # the two made here; the step itself reused TRL's pass
     assert "pixel_values" in trainer.scored[0]["output"]
-    torch.testing.assert_close(trainer.own_pass, trainer.trl_pass, atol=1e-5, rtol=1e-5)
+    trl_pass = trainer.scored[0]["features"]
+    torch.testing.assert_close(trainer.own_pass, trl_pass, atol=1e-5, rtol=1e-5)
     prompt_block = slice(0, 16)  # the image tokens sit in the prompt: without them its pooled states change
-    assert not torch.allclose(
-        trainer.text_only_pass[..., prompt_block], trainer.trl_pass[..., prompt_block], atol=1e-3
-    )
+    assert not torch.allclose(trainer.text_only_pass[..., prompt_block], trl_pass[..., prompt_block], atol=1e-3)
     assert_poise_advantages_reach_the_loss(trainer)
 
 
-def test_training_a_vlm_with_poise_s_own_pass(vlm_path, tmp_path):
-    """Generation and optimisation aligned: no TRL pass to reuse, POISE runs its own with the images."""
-    trainer = SpyTrainer(str(vlm_path), code_reward, args=_args(tmp_path), train_dataset=_image_prompts())
+@pytest.mark.parametrize("capture", ["auto", "pass"])
+def test_training_a_vlm_without_trls_pass(vlm_path, tmp_path, capture):
+    """Generation and optimisation aligned: no TRL pass to reuse; POISE reads the loss's forward, images included
+    ("auto"), or runs its own pass with them ("pass")."""
+    args = _args(tmp_path, probe_capture=capture)
+    trainer = SpyTrainer(str(vlm_path), code_reward, args=args, train_dataset=_image_prompts())
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
-    assert trainer.feature_passes == 2
+    assert trainer.feature_passes == (0 if capture == "auto" else 2)
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
     assert_poise_advantages_reach_the_loss(trainer)

@@ -4,6 +4,8 @@ package).
     python tests/scenarios/crash/train_child.py MODEL OUTPUT_DIR RESULT_DIR [CHECKPOINT | latest]
 
 `POISE_TEST_PAUSE` makes the run stop at one moment, touch `RESULT_DIR/paused` and sleep until it is killed:
+- `micro:N`: in step N between its two micro-batches: the first trained, POISE's record of the generation batch
+  holding its features, the second not yet run;
 - `step:N`: in step N after POISE learned from its batch and the loss was backpropagated, before the optimizer step;
 - `save:N`: while checkpoint-N is written, after the model and POISE's file, before the optimizer and
   `trainer_state.json`.
@@ -34,6 +36,10 @@ def pause() -> None:
 
 
 class MidStepPause(TrainerCallback):
+    def on_substep_end(self, args, state, control, **kwargs):
+        if MOMENT == "micro" and state.global_step + 1 == int(PAUSE_STEP):
+            pause()
+
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if MOMENT == "step" and state.global_step + 1 == int(PAUSE_STEP):
             pause()
@@ -46,9 +52,18 @@ class Child(POISETrainer):
         super()._save_optimizer_and_scheduler(output_dir)
 
 
-# 12 prompts, 4 per step: an epoch is 3 steps, so resuming from checkpoint-3 crosses an epoch boundary.
-args = short_args(OUTPUT, per_device_train_batch_size=8, max_steps=STEPS, save_strategy="steps", save_steps=1)
+# 12 prompts, 4 per step in two micro-batches: an epoch is 3 steps, so resuming from checkpoint-3 crosses an epoch
+# boundary. TRL runs no log-prob pass: POISE reads its features from each micro-batch's loss forward.
+args = short_args(
+    OUTPUT,
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=2,
+    max_steps=STEPS,
+    save_strategy="steps",
+    save_steps=1,
+)
 trainer = Child(MODEL, digit_reward, args=args, train_dataset=digit_dataset(12), callbacks=[MidStepPause()])
+assert trainer._capture_route("train") == "loss" and trainer._shuffle_whole_groups
 trainer.remove_callback(PrinterCallback)
 RESULT.mkdir(parents=True, exist_ok=True)
 trainer.train(resume_from_checkpoint=True if CHECKPOINT == "latest" else CHECKPOINT)

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from poise_trl import POISEConfig, POISETrainer
 from poise_trl.features import find_decoder_layers
 
-MODEL, OUT, TRL_PASS, ON_CPU = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "trl-pass", sys.argv[4] == "cpu"
+MODEL, OUT, CAPTURE, ON_CPU = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4] == "cpu"
 # Loaded before any training argument exists: ZeRO-3 would otherwise partition it at load time too.
 REFERENCE = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
 
@@ -63,10 +63,13 @@ def reward(completions: list[str], **kwargs) -> list[float]:
 
 
 class Recording(POISETrainer):
-    """Records each step's estimator digest and advantages, and the hooked layer's raw output in step 1's capture."""
+    """Records each step's estimator digest and advantages, and the hooked layer's raw output in step 1's capture
+    (whichever pass it is: TRL's, POISE's own, or the loss's forward)."""
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, **kwargs):
-        if not (self._capture_armed and self.layer_outputs is None and not torch.is_grad_enabled()):
+        step = self._generation
+        capturing = step is not None and (step.micro_batch is not None or step.armed and not torch.is_grad_enabled())
+        if not (capturing and self.layer_outputs is None):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, **kwargs
             )
@@ -85,9 +88,13 @@ class Recording(POISETrainer):
     def _generate_and_score_completions(self, inputs):
         if self.held_weight is None:  # outside any forward, during training
             self.held_weight = held_weight(self)
-        output = super()._generate_and_score_completions(inputs)
-        self.steps.append({"digest": digest(self), "advantages": output["advantages"].tolist()})
-        return output
+        return super()._generate_and_score_completions(inputs)
+
+    def _observe(self, step):
+        result = super()._observe(step)
+        rows = slice(step.offset, step.offset + step.rows)
+        self.steps.append({"digest": digest(self), "advantages": result.advantages[rows].tolist()})
+        return result
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -103,7 +110,8 @@ def trainer(output_dir: Path) -> Recording:
         max_completion_length=8,
         max_steps=3,
         learning_rate=1e-2,
-        num_iterations=2 if TRL_PASS else 1,  # 2: TRL runs its old-log-prob pass and POISE captures inside it
+        num_iterations=2 if CAPTURE == "trl-pass" else 1,  # 2: TRL runs its old-log-prob pass, POISE captures in it
+        probe_capture="pass" if CAPTURE == "own-pass" else "auto",  # "loss": the loss's own forward
         probe_warmup_steps=1,
         probe_preset="paper",
         use_cpu=ON_CPU,  # on GPUs: NCCL, still fp32

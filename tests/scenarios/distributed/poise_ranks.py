@@ -1,7 +1,7 @@
 """Run POISE on a deterministic rollout with 1 or 2 CPU processes and dump what each rank saw (launched by tests).
 
-argv: MODEL OUT PER_DEVICE [GRANULARITY [PRESET]]; with "prefix" each row's token advantages (its generated tokens)
-and the per-prefix probe are recorded too."""
+argv: MODEL OUT PER_DEVICE [GRANULARITY [PRESET [CAPTURE]]]; with "prefix" each row's token advantages (its generated
+tokens) and the per-prefix probe are recorded too; CAPTURE is `probe_capture` ("auto" by default)."""
 
 import sys
 
@@ -13,6 +13,7 @@ from poise_trl import POISEConfig, POISETrainer
 MODEL, OUT, PER_DEVICE = sys.argv[1], sys.argv[2], int(sys.argv[3])
 GRANULARITY = sys.argv[4] if len(sys.argv) > 4 else "sequence"
 PRESET = sys.argv[5] if len(sys.argv) > 5 else "paper"
+CAPTURE = sys.argv[6] if len(sys.argv) > 6 else "auto"
 G = 2
 
 
@@ -35,23 +36,25 @@ def reward(completions: list[str], **kwargs) -> list[float]:
 
 
 class Recording(POISETrainer):
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        n = len(inputs) * self.accelerator.num_processes
-        advantages, mask = output["advantages"], output["completion_mask"].bool()
-        step = {
-            "baselines": list(self._logs["extra"]["baseline"])[-n:],
+    def _observe(self, step):
+        result = super()._observe(step)
+        rows = slice(step.offset, step.offset + step.rows)
+        advantages = result.advantages[rows]
+        record = {
+            "route": step.route,
+            "baselines": result.logged_rows()[1],  # every process's rows
             "probe": {k: v.flatten().tolist() for k, v in self.value_probe.state_dict().items()},
         }
-        if advantages.ndim == 2:  # token advantages: each row's generated tokens, whatever the rank's width
-            step["token_advantages"] = [row[m].tolist() for row, m in zip(advantages, mask, strict=True)]
-            advantages = (advantages * mask).sum(1) / mask.sum(1)
-        step["advantages"] = advantages.tolist()
+        if result.token_advantages is not None:  # each row's generated tokens, whatever the rank's width
+            mask = step.spans.completion_mask.bool()
+            tokens = result.token_advantages[rows, : mask.size(1)]
+            record["token_advantages"] = [row[m].tolist() for row, m in zip(tokens, mask, strict=True)]
+        record["advantages"] = advantages.tolist()
         prefix = self.estimator.token_baseline
         if prefix.name == "prefix" and prefix.probe.is_fitted:
-            step["prefix_probe"] = {k: v.flatten().tolist() for k, v in prefix.probe.state_dict().items()}
-        self.steps.append(step)
-        return output
+            record["prefix_probe"] = {k: v.flatten().tolist() for k, v in prefix.probe.state_dict().items()}
+        self.steps.append(record)
+        return result
 
 
 args = POISEConfig(
@@ -63,6 +66,7 @@ args = POISEConfig(
     probe_preset=PRESET,
     probe_pool_tokens=3,
     probe_granularity=GRANULARITY,
+    probe_capture=CAPTURE,
     use_cpu=True,
     bf16=False,
     gradient_checkpointing=False,

@@ -29,15 +29,15 @@ def reward(completions: list[str], prompts: list[str], **kwargs) -> list[float]:
 
 
 class Recording(POISETrainer):
-    def _select_prompts(self, inputs):
-        kept = super()._select_prompts(inputs)
-        weights = self._weights.tolist()
+    def _select_prompts(self, inputs, step):
+        kept = super()._select_prompts(inputs, step)
+        weights = step.weights.tolist()
         self.steps.append({"candidates": [x["prompt"] for x in inputs], "kept": [x["prompt"] for x in kept]})
         self.steps[-1]["weights"] = weights
         return kept
 
-    def _row_weights(self, rows):
-        weights = super()._row_weights(rows)
+    def _row_weights(self, step, rows):
+        weights = super()._row_weights(step, rows)
         self.steps[-1]["gathered_weights"] = weights.tolist()
         return weights
 
