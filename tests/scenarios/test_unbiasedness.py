@@ -15,6 +15,7 @@ no partner to take a cross-rollout baseline from, so it uses the bandit directly
 """
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -32,6 +33,7 @@ from poise_trl.baselines import (
 from poise_trl.estimator import POISEEstimator
 from poise_trl.files import DEFAULT_DOMAIN
 from poise_trl.probe import ValueProbe
+from poise_trl.specs import BufferSpec, EstimatorSpec, HistorySpec
 
 C, A = 3, 4  # contexts, actions
 NOISE_COLUMNS = 4  # feature columns that carry only noise
@@ -128,10 +130,10 @@ def _rollouts(bandit: Bandit, probe: ValueProbe, n: int, m: int, seed: int):
 
 
 def estimator_with(probe: ValueProbe | None, group: int, **settings) -> POISEEstimator:
-    """A `POISEEstimator` (paper settings unless overridden) whose probe is `probe`, trusted as after a warm start;
-    without a probe it is in its bootstrap."""
-    settings = {"partner_reward": False, "bootstrap": "rloo", "warmup_steps": 0, **settings}
-    estimator = POISEEstimator(group, **settings)
+    """A `POISEEstimator` (paper settings unless `settings`, `EstimatorSpec` fields, override them) whose probe is
+    `probe`, trusted as after a warm start; without a probe it is in its bootstrap."""
+    paper = EstimatorSpec(partner_reward=False, bootstrap="rloo", buffer=BufferSpec(warmup_steps=0))
+    estimator = POISEEstimator(group, replace(paper, **settings))
     if probe is not None:
         online = estimator.new_probe(DEFAULT_DOMAIN)
         online.probe, online.warm_started = probe, True
@@ -263,7 +265,7 @@ def test_shrunk_bootstrap_from_earlier_steps_is_unbiased(bandit, group):
     earlier = earlier.reshape(-1)
     intercept, weight = shrunk_rloo_line(leave_one_out_targets(earlier, group), earlier).tolist()
     assert abs(weight - 1) > 0.5  # a real shrinkage, not RLOO in disguise (this bandit: w ≈ 0.02)
-    estimator = estimator_with(None, group, bootstrap="shrunk", warmup_steps=10**6, buffer_size=10**5)
+    estimator = estimator_with(None, group, bootstrap="shrunk", buffer=BufferSpec(size=10**5, warmup_steps=10**6))
     estimator.observe(torch.zeros(earlier.numel(), 1), earlier)
 
     x, a, r = bandit.sample(REPS, 4, group, g)
@@ -291,7 +293,7 @@ def test_history_baseline_is_unbiased_and_one_holding_the_own_rollouts_is_not(ba
     probe_rows = torch.rand(4000, NOISE_COLUMNS + 3, generator=torch.Generator().manual_seed(71))
     probe_rows[:, NOISE_COLUMNS] = 1.0  # seen
     probe = ValueProbe(alpha=1e-3, clip=(0.0, 1.0)).fit(probe_rows, probe_rows[:, -1])  # h reads the mean reward
-    estimator = estimator_with(probe, group, history=True)
+    estimator = estimator_with(probe, group, history=HistorySpec())
     earlier = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])  # one earlier group per context: any past will do
     estimator.prompt_history.update(torch.arange(C).repeat_interleave(group), earlier)
 
