@@ -24,7 +24,7 @@ PROBE_PRESETS: dict[str, tuple[float, list[int]]] = {
 }
 """`probe_preset` -> (ridge alpha, [prompt PCA dims, reasoning PCA dims]); 0 dims means no PCA on that block."""
 
-HEAD_SETTINGS = "; ".join(f"{name!r}: {', '.join(own_settings(name))}" for name in HEADS if own_settings(name))
+_HEAD_SETTINGS = "; ".join(f"{name!r}: {', '.join(own_settings(name))}" for name in HEADS if own_settings(name))
 """Each value head's own settings (`probe_head_kwargs`), from the head table, for the help text."""
 
 
@@ -162,19 +162,18 @@ class POISEConfig(GRPOConfig):
         default="ridge",
         metadata={
             "help": "The value head fitted on the probe's features, for the baseline, the prompt values "
-            f"`prompt_selection` reads and the per-prefix value: one of {sorted(HEADS)}. 'ridge' (paper); "
-            "'logistic' (sigmoid link trained to cross-entropy, scikit-learn's LogisticRegression(C=1/probe_alpha)); "
-            "'mlp' (one hidden layer, as holi-lab/POISE's); 'ensemble' (ridge and logistic combined, by default "
-            "their mean). Every head uses probe_alpha as its L2 penalty and the same scaler and PCA; its own "
-            "settings are `probe_head_kwargs`. Which head pays, measured: docs, Choosing settings. "
-            "probe_granularity='prefix' needs a head with an affine map of the features ('ridge').",
+            f"`prompt_selection` reads and the per-prefix value: a key of the head table, one of {sorted(HEADS)}; "
+            "'ridge' is the paper's. Every head uses probe_alpha as its L2 penalty and the same scaler and PCA; its "
+            "own settings are `probe_head_kwargs`. What each fits: docs, How POISE works (other value heads); which "
+            "pays, measured: docs, Choosing settings. probe_granularity='prefix' needs a head with an affine map of "
+            "the features.",
         },
     )
     probe_head_kwargs: dict[str, Any] | str | None = field(
         default=None,
         metadata={
             "help": "The value head's own settings, beside probe_alpha and the PCA: a dict, or a JSON string on the "
-            f"command line, e.g. '{{\"hidden\": 128}}' for 'mlp'. The heads' own settings: {HEAD_SETTINGS} "
+            f"command line, e.g. '{{\"hidden\": 128}}' for 'mlp'. The heads' own settings: {_HEAD_SETTINGS} "
             "(the ensemble's children by name). A key the head does not take is refused when the config is built.",
         },
     )
