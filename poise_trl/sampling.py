@@ -51,17 +51,16 @@ class Draw:
 
 
 class Rule(Protocol):
-    """A sampling rule with its own settings."""
+    """A sampling rule with its own settings. Until a probe predicts, every rule draws uniformly (`draw`)."""
 
     def __call__(
         self,
-        candidates: int,
-        values: torch.Tensor | None,
-        reward_range: tuple[torch.Tensor, torch.Tensor] | None,
+        values: torch.Tensor,
+        reward_range: tuple[torch.Tensor, torch.Tensor],
         keep: int,
         generator: torch.Generator,
     ) -> Draw:
-        """(candidates, predicted values (M,) or None, observed reward range or None, keep, generator) -> Draw."""
+        """(predicted values (M,) of the candidates, observed reward range, keep, generator) -> Draw."""
 
     def check_objective(self, config: Any) -> None:
         """Refuse a trainer configuration (POISEConfig's loss fields) under which the rule misses its objective."""
@@ -110,19 +109,15 @@ def importance_weights(probabilities: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class HighestVariance:
-    """The "value" rule: top-k by predicted reward variance; uniform while there is no prediction. Biased: it claims
-    no objective, so it refuses nothing."""
+    """The "value" rule: top-k by predicted reward variance. Biased: it claims no objective, so it refuses nothing."""
 
     def __call__(
         self,
-        candidates: int,
-        values: torch.Tensor | None,
-        reward_range: tuple[torch.Tensor, torch.Tensor] | None,
+        values: torch.Tensor,
+        reward_range: tuple[torch.Tensor, torch.Tensor],
         keep: int,
         generator: torch.Generator,
     ) -> Draw:
-        if values is None or reward_range is None:
-            return Draw(uniform(candidates, keep, generator))
         scores = reward_variance(values, *reward_range).tolist()  # the draw's one transfer: decided on the host
         return Draw(top_k(scores, keep), scores=scores)
 
@@ -154,7 +149,7 @@ IMPORTANCE_LOSS_TYPES = {
 @dataclass(frozen=True)
 class Importance:
     """The "importance" rule: `keep` draws with replacement from `importance_probabilities` at `floor`, with their
-    weights; uniform without replacement, weights 1, while there is no prediction."""
+    weights."""
 
     floor: float = field(default=DEFAULT_FLOOR, metadata={"config": "prompt_selection_floor"})
 
@@ -163,14 +158,11 @@ class Importance:
 
     def __call__(
         self,
-        candidates: int,
-        values: torch.Tensor | None,
-        reward_range: tuple[torch.Tensor, torch.Tensor] | None,
+        values: torch.Tensor,
+        reward_range: tuple[torch.Tensor, torch.Tensor],
         keep: int,
         generator: torch.Generator,
     ) -> Draw:
-        if values is None or reward_range is None:
-            return Draw(uniform(candidates, keep, generator))
         bounds = torch.stack([torch.as_tensor(b, device=values.device).reshape(()) for b in reward_range])
         host = (
             torch.cat([values.detach().flatten(), bounds.to(values.dtype)]).double().cpu()
@@ -250,5 +242,9 @@ def draw(
     **settings: Any,
 ) -> Draw:
     """One process's draw of `keep` of its `candidates` prompts under the rule named `rule`, seeded by (seed, rank,
-    step); `settings` may hold every rule's (e.g. `floor`, the importance rule's): the rule takes its own."""
-    return make_rule(rule, settings)(candidates, values, reward_range, keep, draw_generator(seed, rank, step))
+    step); `settings` may hold every rule's (e.g. `floor`, the importance rule's): the rule takes its own. Without
+    predicted `values` (no trusted probe yet) every rule draws uniformly without replacement, weights 1."""
+    chosen, generator = make_rule(rule, settings), draw_generator(seed, rank, step)
+    if values is None or reward_range is None:
+        return Draw(uniform(candidates, keep, generator))
+    return chosen(values, reward_range, keep, generator)
