@@ -86,7 +86,8 @@ def expand(text: str) -> list[str]:
     group = re.search(r"\{([^{}]*)\}", text)
     if not group:
         return [text]
-    return [out for alt in group.group(1).split(",") for out in expand(text[: group.start()] + alt + text[group.end() :])]
+    head, tail = text[: group.start()], text[group.end() :]
+    return [out for alt in group.group(1).split(",") for out in expand(head + alt + tail)]
 
 
 def sources(cited: str) -> list[str]:
@@ -128,7 +129,8 @@ def decide(source: str) -> Decided:
         return _efficiency(source, contenders[row]["paired"][ref], metric)
     if match := GOAL.fullmatch(source):
         folder, task = match.groups()
-        return Decided(source, "met" if _read(folder, "efficiency.json", source)["tasks"][task]["goal"]["met"] else "not met")
+        met = _read(folder, "efficiency.json", source)["tasks"][task]["goal"]["met"]
+        return Decided(source, "met" if met else "not met")
     if match := PAIRED.fullmatch(source):
         folder, pair = match.groups()
         paired = _read(folder, "results.json", source)["subspaces"]["lora"]["paired"]
@@ -138,12 +140,14 @@ def decide(source: str) -> Decided:
     elif match := SHARE.fullmatch(source):
         folder, row, share = match.groups()
         results = _read(folder, "results.json", source)
-        tables = [results["subspaces"]["lora"]["table"], results.get("prefix", {}).get("subspaces", {}).get("lora", {}).get("table", {})]
+        prefix_rows = results.get("prefix", {}).get("subspaces", {}).get("lora", {}).get("table", {})
+        tables = [results["subspaces"]["lora"]["table"], prefix_rows]
         entry = next((table[row][share] for table in tables if share in table.get(row, {})), None)
         assert entry, f"{source}: no row {row!r} with {share!r}"
         below, above, reference = "fewer", "more", 1.0
     else:
-        raise AssertionError(f"{source!r} is none of: FOLDER TASK ROW vs REF auc|target, FOLDER TASK goal, FOLDER A - B, FOLDER ROW share_REF")
+        kinds = "FOLDER TASK ROW vs REF auc|target, FOLDER TASK goal, FOLDER A - B, FOLDER ROW share_REF"
+        raise AssertionError(f"{source!r} is none of: {kinds}")
     value, (low, high) = entry["value"], entry["ci"]
     verdict = below if high < reference else above if low > reference else "level"
     return Decided(source, verdict, [(value, low, high)])
@@ -228,11 +232,12 @@ def check(clause: Clause) -> list[str]:
     text = " ".join(clause.text.split())
     if clause.verdict is None:
         said = VERDICT_WORDS.search(text)
-        return [f"says {said.group(0)!r} but cites no file (end the clause with <!-- verdict ...: FILE#POINTER -->)"] if said else []
+        return [f"says {said.group(0)!r} and cites no file (end it with <!-- verdict ...: SOURCE -->)"] if said else []
     assert clause.verdict in WORDING, f"{clause.id}: unknown verdict {clause.verdict!r}; one of {sorted(WORDING)}"
-    problems = []
     decided = [decide(source) for source in sources(clause.cited)]
-    problems += [f"{d.source} decides {d.verdict!r}, not {clause.verdict!r}" for d in decided if d.verdict != clause.verdict]
+    problems = [
+        f"{d.source} decides {d.verdict!r}, not {clause.verdict!r}" for d in decided if d.verdict != clause.verdict
+    ]
     if not re.search(WORDING[clause.verdict], text, re.I):
         problems.append(f"the clause does not say {clause.verdict!r} (any of {WORDING[clause.verdict]})")
     intervals = [i for d in decided for i in d.intervals]
@@ -254,8 +259,7 @@ def _shown(intervals: list[tuple[float, ...]]) -> list[str]:
     return [f"{v:+.3f} [{lo:+.3f}, {hi:+.3f}]" for v, lo, hi in intervals]
 
 
-ALL_CLAUSES = [clause for page in PAGES for clause in clauses(page)]
-CITED = [clause for clause in ALL_CLAUSES if clause.verdict]
+CITED = [clause for page in PAGES for clause in clauses(page) if clause.verdict]
 
 
 def test_the_pages_cite_their_verdicts():
@@ -272,8 +276,10 @@ def test_each_verdict_is_the_one_its_file_gives(clause: Clause):
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.path.name)
 def test_no_verdict_goes_uncited(page: Page):
-    uncited = [(c, check(c)) for c in clauses(page) if not c.verdict]
-    bad = [f"{c.page}:{c.line}: {problems[0]}: {' '.join(c.text.split())[:160]!r}" for c, problems in uncited if problems]
+    uncited = [(clause, check(clause)) for clause in clauses(page) if not clause.verdict]
+    bad = [
+        f"{c.page}:{c.line}: {problems[0]}: {' '.join(c.text.split())[:160]!r}" for c, problems in uncited if problems
+    ]
     assert not bad, "\n".join(bad)
 
 
