@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from poise_lab.bench.value.resolve import load_reward_fn
 from poise_trl import cli
-from poise_trl.bench.value.resolve import load_reward_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_OPTIONS = (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)
@@ -87,7 +87,7 @@ def test_plot_on_a_missing_folder(tmp_path, capsys):
 
 
 def test_probe_bench_k_1_fails_before_any_model_loads(tmp_path, capsys, monkeypatch):
-    from poise_trl.bench.value import report  # the handler, which holds its own reference to the collection step
+    from poise_lab.bench.value import report  # the handler, which holds its own reference to the collection step
 
     monkeypatch.setattr(report, "collect_from_args", lambda *a: pytest.fail("loaded the model before checking --k"))
     assert cli.main(["probe-bench", "--k", "1", "--output-dir", str(tmp_path)]) == 2

@@ -181,7 +181,7 @@ def _legacy_estimator() -> POISEEstimator:
 
 
 def test_the_trainer_resumes_a_0_1_checkpoint_and_warns_without_one(tmp_path):
-    from poise_trl.models.tiny import save_tiny
+    from poise_lab.models.tiny import save_tiny
     from poise_trl import POISETrainer
 
     from .conftest import digit_dataset, digit_reward, short_args

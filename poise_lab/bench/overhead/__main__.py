@@ -1,4 +1,4 @@
-"""The memory worker's entry point (`python -m poise_trl.bench.overhead JSON`, see `memory.measure_memory`)."""
+"""The memory worker's entry point (`python -m poise_lab.bench.overhead JSON`, see `memory.measure_memory`)."""
 
 import json
 import sys

@@ -48,7 +48,7 @@ Resumable: every (task, contender, rate, seed) run writes OUTPUT_DIR/runs/TASK/C
 re-run skips those already there; `poise-trl bench summarize OUTPUT_DIR` reports from whatever runs exist. Runs are
 independent processes (`--jobs`), one thread each on CPU, so the results do not depend on the number of jobs.
 
-Offline tasks (`--task`, `poise_trl.tasks.toy`): `sort` (2-9 digits; difficulty = length) and `hops` (pointer
+Offline tasks (`--task`, `poise_lab.tasks.toy`): `sort` (2-9 digits; difficulty = length) and `hops` (pointer
 chasing; one prompt and completion length, difficulty in the content), each warm-started so that over a quarter of
 G=8 groups start tied (the task check). With `--model`, `--train-dataset` and `--eval-dataset` the same command
 trains a real model on a math dataset, one run at a time on one GPU, with gradient checkpointing on and
@@ -61,7 +61,7 @@ import argparse
 import time
 from typing import Any
 
-from poise_trl.models.real import REAL_MODELS
+from poise_lab.models.real import REAL_MODELS
 
 from ..common import (
     ARITH_DATASET,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from poise_trl.bench.common import (
+from poise_lab.bench.common import (
     ARITH_DATASET,
     DEFAULT_MATH_DATASET,
     DEMO_MODEL,
@@ -19,7 +19,7 @@ from poise_trl.bench.common import (
     config_default,
     resolve_device,
 )
-from poise_trl.models.real import is_real_model, prepare_real_model
+from poise_lab.models.real import is_real_model, prepare_real_model
 
 from .collect import Collection, Log, Prompt, RewardFn, collect, encode_prompt, vllm_generate
 
@@ -40,11 +40,11 @@ def load_reward_fn(spec: str) -> RewardFn:
 def load_prompts(dataset: str, num_prompts: int, seed: int, split: str | None) -> tuple[list[Prompt], dict[str, list]]:
     """Distinct prompts (duplicates would leak across the split) and the other dataset columns, for the reward."""
     if dataset in TASKS:  # the held-out split the demo model's warm start (same seed and num_eval) never saw
-        from poise_trl.tasks.toy import make_splits
+        from poise_lab.tasks.toy import make_splits
 
         _, rows = make_splits(dataset, num_eval=num_prompts, seed=seed)
     elif dataset == ARITH_DATASET:  # distinct prompts balanced over the default families; no training split needed
-        from poise_trl.tasks.arith import make_arith_splits
+        from poise_lab.tasks.arith import make_arith_splits
 
         _, rows = make_arith_splits(num_train=0, num_eval=num_prompts, seed=seed)
     elif Path(dataset).is_dir():  # a `save_to_disk` folder (a demo's `train`): its prompts as the run trained on them
@@ -92,7 +92,7 @@ def collect_from_args(
         model_path = str(prepare_real_model(model_path, log=log))
         dataset = dataset or ARITH_DATASET
     elif model_path == DEMO_MODEL:
-        from poise_trl.models.toy import default_cache_dir, prepare_demo_model
+        from poise_lab.models.toy import default_cache_dir, prepare_demo_model
 
         dataset = args.task or dataset or SORT_DATASET
         if dataset not in TASKS:
@@ -104,15 +104,15 @@ def collect_from_args(
     if args.reward_fn:
         reward_fn = load_reward_fn(args.reward_fn)
     elif dataset in TASKS:
-        from poise_trl.tasks.toy import task_reward as reward_fn
+        from poise_lab.tasks.toy import task_reward as reward_fn
     elif dataset == ARITH_DATASET:
-        from poise_trl.tasks.arith import arith_reward as reward_fn
+        from poise_lab.tasks.arith import arith_reward as reward_fn
     else:
         from poise_trl.tasks.math_reward import math_answer_reward as reward_fn
     max_new_tokens = args.max_new_tokens
     if max_new_tokens is None:
-        from poise_trl.tasks.arith import ARITH_MAX_COMPLETION_LENGTH
-        from poise_trl.tasks.toy import MAX_COMPLETION_LENGTH
+        from poise_lab.tasks.arith import ARITH_MAX_COMPLETION_LENGTH
+        from poise_lab.tasks.toy import MAX_COMPLETION_LENGTH
 
         lengths = {**dict.fromkeys(TASKS, MAX_COMPLETION_LENGTH), ARITH_DATASET: ARITH_MAX_COMPLETION_LENGTH}
         max_new_tokens = lengths.get(dataset, 8192)
@@ -120,7 +120,7 @@ def collect_from_args(
     prompts, columns = load_prompts(dataset, args.num_prompts, args.seed, args.split)
     log(f"[2/4] sampling K={args.k} rollouts for {len(prompts)} prompts of {dataset} with {model_path}")
 
-    from poise_trl.models.avg_at_k import resolve_backend
+    from poise_trl.rlvr.avg_at_k import resolve_backend
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
     completions = None

@@ -36,7 +36,7 @@ mlp, ensemble; `--probe-fit-heads`) is timed beside ridge with each preset's alp
 import argparse
 from typing import Any
 
-from poise_trl.models.real import REAL_MODELS
+from poise_lab.models.real import REAL_MODELS
 
 from ..common import ARITH_DATASET, PROBE_FIT_ROWS, QWEN3_4B_HIDDEN
 

@@ -163,3 +163,9 @@ def first_number(completion: str | list[dict[str, Any]]) -> str | None:
 def arith_reward(completions: list, answer: list[str], **kwargs: Any) -> list[float]:
     """TRL reward: 1.0 when the completion's first number equals the answer, else 0.0."""
     return [float(first_number(c) == a) for c, a in zip(completions, answer, strict=True)]
+
+
+def training_task(limit: int | None = None) -> tuple["Dataset", Callable[..., list[float]]]:
+    """`poise-trl train --dataset_name arith` (entry point `poise_trl.datasets`): the training split, 2000 prompts
+    unless `limit`, and its first-number reward."""
+    return make_arith_splits(limit or 2000)[0], arith_reward

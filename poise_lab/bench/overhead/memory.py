@@ -1,6 +1,6 @@
 """`bench overhead`'s peak memory: each contender trains in a fresh interpreter of its own, which reports its peak.
 
-The worker's entry point is `python -m poise_trl.bench.overhead JSON` (the package's `__main__`).
+The worker's entry point is `python -m poise_lab.bench.overhead JSON` (the package's `__main__`).
 """
 
 import gc
@@ -43,7 +43,7 @@ def _proc_status_mib(field: str) -> float:
 
 
 def memory_worker(algorithm: str, rows: list[Row], settings: dict[str, Any]) -> list[dict[str, float]]:
-    """Run in a fresh process (`python -m poise_trl.bench.overhead JSON`): after one warm-up cycle, for each row,
+    """Run in a fresh process (`python -m poise_lab.bench.overhead JSON`): after one warm-up cycle, for each row,
     build the trainer, train a few cycles, and report its peak memory above what the process held when training
     started."""
     quiet_libraries()
@@ -80,7 +80,7 @@ def measure_memory(rows: list[Row], settings: dict[str, Any]) -> list[dict[str, 
     processes = {}
     for algorithm in contenders(settings):
         payload = json.dumps({"algorithm": algorithm, "rows": [asdict(r) for r in rows], "settings": settings})
-        command = [sys.executable, "-m", "poise_trl.bench.overhead", payload]
+        command = [sys.executable, "-m", "poise_lab.bench.overhead", payload]
         log = Path(settings["output_dir"]) / f"memory_{algorithm}.log"  # a file: a full stderr pipe would stall it
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("w") as stderr:

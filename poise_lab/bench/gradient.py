@@ -76,7 +76,7 @@ EXTRA_ROWS = {"oracle": "Oracle baseline (true p) G=2", **row_labels()}
 # ------------------------------------------------------------------------------------------- the pool, cached
 def cache_dir(args: argparse.Namespace) -> Path:
     """One folder per pool: the model, prompts, sampling, features and sketch that decide its content."""
-    from poise_trl.models.toy import default_cache_dir
+    from poise_lab.models.toy import default_cache_dir
 
     spec = {key: getattr(args, key, None) for key in CACHE_KEYS}
     local = Path(str(args.model))

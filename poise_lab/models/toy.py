@@ -13,7 +13,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from poise_trl.tasks.toy import (
+from poise_lab.tasks.toy import (
     DEFAULT_DIFFICULTIES,
     DEMO_WARMUP_LR,
     DEMO_WARMUP_STEPS,

@@ -3,7 +3,7 @@
 
 import argparse
 
-from poise_trl.models.real import REAL_MODELS
+from poise_lab.models.real import REAL_MODELS
 
 from ..common import ARITH_DATASET, DEFAULT_MATH_DATASET, DEMO_MODEL, SORT_DATASET, TASKS
 

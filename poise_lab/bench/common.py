@@ -1,6 +1,6 @@
 """What the benchmarks share: contenders, defaults, device settings, seed statistics, the table and JSON writers.
 
-It imports no torch at module level (only inside the device helpers), so `poise_trl.bench.cli` can read its
+It imports no torch at module level (only inside the device helpers), so `poise_lab.bench.cli` can read its
 defaults and `poise-trl --help` stays light.
 """
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from poise_trl.tasks.arith import ARITH_DATASET  # noqa: F401 (re-exported with TASKS: the CLI reads them here)
-from poise_trl.tasks.toy import TASKS  # noqa: F401 (re-exported: the CLI reads the task names here, light)
+from poise_lab.tasks.arith import ARITH_DATASET  # noqa: F401 (re-exported with TASKS: the CLI reads them here)
+from poise_lab.tasks.toy import TASKS  # noqa: F401 (re-exported: the CLI reads the task names here, light)
 
 # The efficiency task must leave many G=8 groups tied at the start, or DAPO's dynamic sampling has nothing to do and
 # POISE's answer to degenerate groups is not tested (issue #13 asks for >= 25%), and must not saturate. Sorting 2-8
@@ -224,21 +224,23 @@ def quiet_libraries() -> None:
 
 
 def code_version() -> dict[str, str | None]:
-    """The poise-trl version and, from a git checkout, its commit (suffixed "+dirty" when the package's files differ
-    from it), so a report can tell runs of different code apart."""
+    """The poise-trl version and, from a git checkout, its commit (suffixed "+dirty" when the files of the library or
+    of the lab differ from it), so a report can tell runs of different code apart."""
     import subprocess
 
-    from poise_trl import __version__
+    import poise_lab
+    import poise_trl
 
-    package = Path(__file__).resolve().parents[1]
+    packages = [str(Path(package.__file__).resolve().parent) for package in (poise_trl, poise_lab)]
     try:
-        git = ["git", "-C", str(package)]
+        git = ["git", "-C", packages[0]]
         commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run([*git, "status", "--porcelain", "--", "."], capture_output=True, text=True, check=True)
+        status = [*git, "status", "--porcelain", "--", *packages]
+        dirty = subprocess.run(status, capture_output=True, text=True, check=True)
         commit += "+dirty" if dirty.stdout.strip() else ""
     except (OSError, subprocess.CalledProcessError):
         commit = None
-    return {"version": __version__, "commit": commit}
+    return {"version": poise_trl.__version__, "commit": commit}
 
 
 def environment() -> dict[str, Any]:

@@ -229,7 +229,7 @@ class ValueBenchmark:
         batch_size: int,
     ) -> tuple[torch.Tensor, dict[str, list[float]]]:
         """SPPO-style critic (paper App. D.1) trained on the train prompts' rewards; one value per held-out prompt."""
-        from poise_trl.bench.critic import load_critic, predict_critic, train_critic
+        from poise_lab.bench.critic import load_critic, predict_critic, train_critic
 
         torch.manual_seed(self.seed)
         c = self.collection

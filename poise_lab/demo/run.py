@@ -17,12 +17,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
-from poise_trl.config import POISEConfig
-from poise_trl.models.real import is_real_model, prepare_real_model
-from poise_trl.models.toy import default_cache_dir, evaluate_avg_at_k, load_demo_model, prepare_demo_model
-from poise_trl.resume import ESTIMATOR_FILE
-from poise_trl.tasks.arith import ARITH_MAX_COMPLETION_LENGTH, DEFAULT_FAMILIES, arith_reward, make_arith_splits
-from poise_trl.tasks.toy import (
+from poise_lab.models.real import is_real_model, prepare_real_model
+from poise_lab.models.toy import default_cache_dir, evaluate_avg_at_k, load_demo_model, prepare_demo_model
+from poise_lab.tasks.arith import ARITH_MAX_COMPLETION_LENGTH, DEFAULT_FAMILIES, arith_reward, make_arith_splits
+from poise_lab.tasks.toy import (
     DEFAULT_DIFFICULTIES,
     DEMO_WARMUP_LR,
     DEMO_WARMUP_STEPS,
@@ -31,6 +29,8 @@ from poise_trl.tasks.toy import (
     make_splits,
     task_reward,
 )
+from poise_trl.config import POISEConfig
+from poise_trl.resume import ESTIMATOR_FILE
 from poise_trl.trainer import POISETrainer
 
 from .defaults import REAL_DEFAULTS, TOY_DEFAULTS

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from poise_lab.bench.common import DEMO_MODEL
 from poise_trl.baselines import append_reward_column, leave_one_out_targets
-from poise_trl.bench.common import DEMO_MODEL
 from poise_trl.features import FEATURE_BLOCKS, pca_blocks
 from poise_trl.learner import OnlineLearner
 from poise_trl.probe import ValueProbe

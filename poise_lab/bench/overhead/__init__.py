@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from poise_trl.models.real import is_real_model
+from poise_lab.models.real import is_real_model
 
 from ..common import (
     ARITH_DATASET,

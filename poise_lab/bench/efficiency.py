@@ -16,13 +16,13 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
-from poise_trl.models.avg_at_k import score_benchmark
-from poise_trl.models.real import resolve_model
-from poise_trl.models.toy import default_cache_dir, evaluate_avg_at_k, prepare_demo_model
-from poise_trl.tasks.arith import ARITH_MAX_COMPLETION_LENGTH, arith_reward, first_number, make_arith_splits
+from poise_lab.models.real import resolve_model
+from poise_lab.models.toy import default_cache_dir, evaluate_avg_at_k, prepare_demo_model
+from poise_lab.tasks.arith import ARITH_MAX_COMPLETION_LENGTH, arith_reward, first_number, make_arith_splits
+from poise_lab.tasks.toy import MAX_COMPLETION_LENGTH, extract_answer, make_splits, task_reward
+from poise_trl.rlvr.avg_at_k import score_benchmark
 from poise_trl.tasks.math_data import load_math_dataset
 from poise_trl.tasks.math_reward import extract_final_answer, math_answer_reward
-from poise_trl.tasks.toy import MAX_COMPLETION_LENGTH, extract_answer, make_splits, task_reward
 
 from .common import (
     ARITH_DATASET,

@@ -17,12 +17,12 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 from trl import GRPOConfig, GRPOTrainer
 
+from poise_lab.models.real import resolve_model
+from poise_lab.models.toy import prepare_demo_model
+from poise_lab.tasks.arith import make_arith_splits
+from poise_lab.tasks.toy import make_sort_splits
 from poise_trl.config import POISEConfig
-from poise_trl.models.real import resolve_model
-from poise_trl.models.toy import prepare_demo_model
-from poise_trl.tasks.arith import make_arith_splits
 from poise_trl.tasks.math_data import load_math_dataset
-from poise_trl.tasks.toy import make_sort_splits
 from poise_trl.trainer import POISETrainer
 
 from ..common import ARITH_DATASET, summarize, trainer_device_args

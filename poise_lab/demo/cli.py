@@ -3,8 +3,8 @@
 import argparse
 from typing import Any
 
-from poise_trl.models.real import REAL_MODELS
-from poise_trl.tasks.toy import DEFAULT_DIFFICULTIES, DEMO_WARMUP_LR, DEMO_WARMUP_STEPS, TASKS
+from poise_lab.models.real import REAL_MODELS
+from poise_lab.tasks.toy import DEFAULT_DIFFICULTIES, DEMO_WARMUP_LR, DEMO_WARMUP_STEPS, TASKS
 
 from .defaults import REAL_DEFAULTS as REAL
 from .defaults import TOY_DEFAULTS as TOY

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, safe_open, save_file
 
-from poise_trl.bench.common import (
+from poise_lab.bench.common import (
     DEFAULT_POOLS,
 )
 from poise_trl.buffer import prompt_group_ids
