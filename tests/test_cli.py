@@ -65,6 +65,19 @@ def test_help_pages_have_no_placeholder_defaults_or_internal_wording(parser):
         assert internal not in text, f"{parser.prog} --help says {internal!r}"
 
 
+def test_parsing_every_subcommand_imports_no_heavy_library():
+    """`--help` stays fast: the parsers, the lab's registered ones included, load neither torch nor TRL nor the
+    lab's plotting; the handlers import them when they run."""
+    code = (
+        "import sys\nfrom poise_trl import cli\nparser = cli.build_parser()\n"
+        "assert {'bench', 'demo', 'eval', 'train'} <= set(parser._subparsers._group_actions[0].choices)\n"
+        "print(sorted({name.split('.')[0] for name in sys.modules} & {'torch', 'trl', 'transformers', 'matplotlib'}))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--version"])
