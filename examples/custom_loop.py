@@ -15,6 +15,8 @@ import random
 import torch
 from datasets import Dataset
 
+from poise_lab.models.toy import default_cache_dir, evaluate_avg_at_k, load_demo_model, prepare_demo_model
+from poise_lab.tasks.toy import MAX_COMPLETION_LENGTH, REASONING_END, make_sort_splits, task_reward
 from poise_trl import POISEEstimator
 from poise_trl.features import (
     assemble_features,
@@ -24,8 +26,6 @@ from poise_trl.features import (
     pca_blocks,
     resolve_layer_index,
 )
-from poise_trl.models.toy import default_cache_dir, evaluate_avg_at_k, load_demo_model, prepare_demo_model
-from poise_trl.tasks.toy import MAX_COMPLETION_LENGTH, REASONING_END, make_sort_splits, task_reward
 
 BLOCKS, G, POOL = ("prompt", "reasoning", "entropy"), 2, 10
 

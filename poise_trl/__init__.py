@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from .config import PROBE_PRESETS, POISEConfig
     from .estimator import AdvantageResult, POISEEstimator
     from .probe import ValueProbe
+    from .specs import EstimatorSpec
     from .trainer import POISETrainer
 
 __version__ = "0.2.0.dev0"
@@ -19,6 +20,7 @@ _LAZY = {
     **dict.fromkeys(("POISEConfig", "PROBE_PRESETS"), ".config"),
     **dict.fromkeys(("AdvantageResult", "POISEEstimator"), ".estimator"),
     "ValueProbe": ".probe",
+    "EstimatorSpec": ".specs",
     "POISETrainer": ".trainer",
 }
 
@@ -31,4 +33,12 @@ def __getattr__(name: str) -> Any:
 
 # The public API, short on purpose: the trainer and its config, the estimator for loops outside TRL, and what they
 # hand back. Everything else is imported from its module (docs/api-internals.md).
-__all__ = ["POISEConfig", "POISETrainer", "POISEEstimator", "AdvantageResult", "ValueProbe", "PROBE_PRESETS"]
+__all__ = [
+    "POISEConfig",
+    "POISETrainer",
+    "POISEEstimator",
+    "EstimatorSpec",
+    "AdvantageResult",
+    "ValueProbe",
+    "PROBE_PRESETS",
+]

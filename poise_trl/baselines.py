@@ -5,6 +5,7 @@ an invalid rollout is never used as somebody else's partner, so a NaN never cros
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -282,3 +283,20 @@ def shrunk_rloo_line(partner_means: torch.Tensor, rewards: torch.Tensor) -> torc
     weight = torch.where(variance > 1e-12, (dm * dr).sum() / n.clamp(min=1) / variance.clamp(min=1e-300), 0.0)
     line = torch.stack([r_mean - weight * m_mean, weight])
     return torch.where(n > 0, line, torch.tensor([0.0, 1.0], dtype=torch.float64, device=line.device))
+
+
+BOOTSTRAPS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None] = {
+    "rloo": None,
+    "shrunk": shrunk_rloo_line,
+}
+"""`probe_bootstrap` -> the baseline of a row before its probe is trusted: a line [a, w] fitted on earlier steps'
+(partner mean m_i, reward r_i) pairs, whose a + w * m_i is the baseline; None is the paper's RLOO, m_i itself, which
+learns nothing and keeps no pairs. A new bootstrap is one entry: its line's fit."""
+
+REWARD_SCALINGS: dict[str, Callable[[RunningStd], torch.Tensor | None]] = {
+    "none": lambda std: None,
+    "batch": RunningStd.divisor,
+}
+"""`scale_rewards` -> the divisor of a step's advantages from the running std of earlier steps' rewards (None:
+unscaled, the paper's). Never a std the step's own rewards enter ("group" is not an entry), which would bias the
+gradient."""

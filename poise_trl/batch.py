@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .baselines import DIAGNOSTICS, append_reward_column, diagnostic_tensors, leave_one_out_targets
+from .baselines import DIAGNOSTICS, diagnostic_tensors, leave_one_out_targets
 from .files import DEFAULT_DOMAIN
 from .prefix import PrefixBatch
+from .row import FeatureRow
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class PreparedBatch:
     """The per-batch tensors both `advantages` and `observe` need, on the rewards' device; rows in consecutive groups
     of `num_generations`."""
 
-    features: torch.Tensor  # (N, C, D): φ, then the rollout's reward (partner-aware) and its prompt's history columns
+    features: torch.Tensor  # (N, C, D): rows as the estimator's `FeatureRow` lays them out
     rewards: torch.Tensor  # (N,), NaN where unscorable
     has_completion: torch.Tensor  # (N,) bool
     has_features: torch.Tensor  # (N,) a completion and finite features (the reward column included)
@@ -65,14 +66,14 @@ def prepare_batch(
     rewards: torch.Tensor,
     has_completion: torch.Tensor | None,
     num_generations: int,
-    partner_reward: bool,
+    row: FeatureRow,
     domain_rows: dict[str, torch.Tensor],
     named_domains: bool,
     history: torch.Tensor | None = None,
     prompt_ids: torch.Tensor | None = None,
 ) -> PreparedBatch:
-    """Bring a batch to the rewards' device, append the reward column (partner-aware probe) and the (N, H) `history`
-    columns of each row's prompt (its earlier steps' rewards, the same for every rollout of a prompt), and decide
+    """Bring a batch to the rewards' device, assemble each row as `row` lays it out (φ, the partner-aware probe's
+    reward column, the (N, H) `history` columns of each row's prompt from its earlier steps' rewards), and decide
     which rows are usable. A non-finite value anywhere in a row (a feature, or a reward too large for the column's
     dtype) drops it."""
     if features.ndim == 2:
@@ -82,21 +83,15 @@ def prepare_batch(
     has_completion = (
         torch.ones_like(rewards, dtype=torch.bool) if has_completion is None else has_completion.to(device)
     )
-    features = features.to(device)
+    features = row.assemble(features.to(device), rewards, history)
     scorable = torch.isfinite(rewards)
-    if partner_reward:
-        features = append_reward_column(features, torch.where(scorable, rewards, torch.zeros_like(rewards)))
-    if history is not None:
-        dtype = torch.promote_types(features.dtype, torch.float32)
-        columns = history.to(device, dtype).unsqueeze(1).expand(-1, features.size(1), -1)
-        features = torch.cat([features.to(dtype), columns], dim=-1)
     has_features = has_completion & torch.isfinite(features).flatten(1).all(1)
     return PreparedBatch(
         features=features,
         rewards=rewards,
         has_completion=has_completion,
         has_features=has_features,
-        usable=has_features & scorable if partner_reward else has_features,
+        usable=has_features & scorable if row.partner_reward else has_features,
         scorable=scorable,
         targets=leave_one_out_targets(rewards, num_generations, scorable),
         domain_rows=domain_rows,

@@ -1,8 +1,11 @@
-"""`poise-trl`: one command with subcommands (`train`, `demo`, `plot`, `eval`, `probe-bench`, `bench`).
+"""`poise-trl`: one command with subcommands: the library's `train` and `eval`, and those other packages register
+(entry points `poise_trl.commands`, `poise_trl/plugins.py`): the lab's `demo`, `plot`, `probe-bench` and `bench`.
 
 Each tool's `cli` module holds its parsers: a function `add_<name>_parser(subparsers)` registers one and stores its
 handler as `func` (called with the parsed namespace, returning an exit code). Those modules import only argparse and
 light defaults; the handlers import the tool (torch, TRL, the trainer) when they run, so `--help` stays fast.
+A registered subcommand whose package cannot be imported (the lab without its extra) is still listed: running it
+prints that package's error in one line.
 A subcommand whose parser sets `forwards_arguments` (`train`, whose options are `TrlParser`'s) receives the words
 after its name unparsed, as `arguments`.
 
@@ -17,19 +20,10 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from . import __version__
-from .bench.cli import add_bench_parser, add_probe_bench_parser
-from .demo.cli import add_demo_parser, add_plot_parser
+from . import __version__, plugins
 from .rlvr.cli import add_eval_parser, add_train_parser
 
-PARSER_BUILDERS: tuple[Callable[[Any], argparse.ArgumentParser], ...] = (
-    add_train_parser,
-    add_demo_parser,
-    add_plot_parser,
-    add_eval_parser,
-    add_probe_bench_parser,
-    add_bench_parser,
-)
+PARSER_BUILDERS: tuple[Callable[[Any], argparse.ArgumentParser], ...] = (add_train_parser, add_eval_parser)
 
 USAGE_ERROR = 2  # argparse's exit status for a bad command line; used for every user error
 # What handlers raise for input they reject, with a message that says what to change: bad values (ValueError), missing
@@ -90,6 +84,24 @@ def build_parser() -> CommandParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_parser in PARSER_BUILDERS:
         add_parser(subparsers)
+    for name, entry in plugins.registered(plugins.COMMANDS).items():
+        try:
+            add_registered = plugins.load(entry)
+        except ImportError as error:
+            add_unavailable_parser(subparsers, name, error)
+        else:
+            add_registered(subparsers)
+    return parser
+
+
+def add_unavailable_parser(subparsers: Any, name: str, error: ImportError) -> argparse.ArgumentParser:
+    """`poise-trl NAME` for a registered subcommand that cannot be imported: it takes any words and reports `error`."""
+
+    def report(args: argparse.Namespace) -> int:
+        raise error
+
+    parser = subparsers.add_parser(name, help=f"unavailable: {error}".replace("%", "%%"), add_help=False)
+    parser.set_defaults(func=report, forwards_arguments=True)
     return parser
 
 

@@ -1,67 +1,22 @@
-"""`POISEConfig`: `GRPOConfig` plus the probe's fields, with the paper's defaults."""
+"""`POISEConfig`: `GRPOConfig` plus the probe's fields, with the paper's defaults: the fields and their help.
 
-import logging
-import math
-from dataclasses import MISSING, dataclass, field, fields
-from difflib import get_close_matches
-from functools import partial
+What the fields become is elsewhere, where a reader looks for it: the checks at construction (validation.py), the
+estimator they set up (specs.py: one map from these fields to the estimator's spec), the prompt sampler's rules and
+the losses its weights keep unbiased (sampling.py), and the conversion of a TRL script's `GRPOConfig`
+(migration.py). Help texts say what a field does; what it measured is on the docs' pages they link.
+"""
+
+from dataclasses import dataclass, field
 from typing import Any
 
 from trl import GRPOConfig
 
-from .features import (
-    FEATURE_BLOCKS,
-    HIDDEN_BLOCKS,
-    block_slices,
-    layer_candidates,
-    pca_blocks,
-    resolve_layer_index,
-)
-from .sampling import RULES as SAMPLING_RULES
-from .settings import DEFAULT_FLOOR, check_floor, check_settings
-
-logger = logging.getLogger(__name__)
-
-# TRL `loss_type` -> how the importance sampler's weighted step keeps the uniform objective under it. Every loss is
-# positively homogeneous in the advantages, so a row's weight may multiply them; what differs is the normaliser.
-# "constant": the loss divides by something the draw does not change (grpo/sapo: each sequence over its own tokens,
-# then the mean over the micro-batch's rows; dr_grpo: rows x max_completion_length; luspo: the mean over rows), so the
-# weighted step's expectation is the uniform one, exactly. "weighted token count": the loss divides by
-# `num_items_in_batch`, the generation batch's token count, which the trainer replaces by the importance-weighted count
-# (each row's tokens times its weight, the weights rescaled to sum to the rows; unchanged under uniform draws), so
-# numerator and denominator both estimate the uniform batch's; the ratio's finite-batch difference from the uniform
-# step is measured by exact enumeration in docs/prompt-selection.md. A loss missing here (TRL's "bnpo": the
-# micro-batch's own token count, computed inside TRL's loss) is refused.
-IMPORTANCE_LOSS_TYPES = {
-    "grpo": "constant",
-    "dr_grpo": "constant",
-    "sapo": "constant",
-    "luspo": "constant",
-    "dapo": "weighted token count",
-    "cispo": "weighted token count",
-    "vespo": "weighted token count",
-}
-
-# `POISEEstimator` argument -> the POISEConfig field that sets it: both are checked by `check_settings`.
-ESTIMATOR_FIELDS = {
-    "num_generations": "num_generations",
-    "scale_rewards": "scale_rewards",
-    "bootstrap": "probe_bootstrap",
-    "alpha": "probe_alpha",
-    "clip": "probe_clip_range",
-    "head": "probe_head",
-    "buffer_size": "probe_buffer_size",
-    "domain_buffer_sizes": "probe_domain_buffer_sizes",
-    "max_domains": "probe_max_domains",
-    "warmup_steps": "probe_warmup_steps",
-    "layer_select_every": "probe_layer_select_every",
-    "layer_switch_margin": "probe_layer_switch_margin",
-    "layer_folds": "probe_layer_folds",
-    "granularity": "probe_granularity",
-    "history": "probe_history",
-    "history_size": "probe_history_size",
-    "history_decay": "probe_history_decay",
-}
+from . import migration
+from .features import FEATURE_BLOCKS
+from .heads import HEADS, own_settings
+from .settings import DEFAULT_FLOOR
+from .specs import check_num_generations
+from .validation import validate
 
 PROBE_PRESETS: dict[str, tuple[float, list[int]]] = {
     "release": (100.0, [32, 64]),  # holi-lab/POISE release, Qwen3-4B
@@ -69,54 +24,8 @@ PROBE_PRESETS: dict[str, tuple[float, list[int]]] = {
 }
 """`probe_preset` -> (ridge alpha, [prompt PCA dims, reasoning PCA dims]); 0 dims means no PCA on that block."""
 
-
-def conversion_message(config: GRPOConfig, converted: GRPOConfig, changed: list[str]) -> str:
-    """What `from_grpo_config` changed, what that does to each optimizer step and epoch, and how to keep a value."""
-    message = [
-        f"Converted {type(config).__name__} to POISEConfig. A GRPOConfig does not record which values a script set, "
-        "so a field holding TRL's default counts as unset and takes POISE's: "
-        + (", ".join(changed) or "no field held one")
-        + "."
-    ]
-    before, after = config.num_generations, converted.num_generations
-    if before != after:
-        completions = config.per_device_train_batch_size * config.gradient_accumulation_steps * config.world_size
-        message.append(
-            f"Each optimizer step still trains {completions} completions (per_device_train_batch_size x "
-            f"gradient_accumulation_steps x {config.world_size} process(es)), now {completions / after:g} prompts x "
-            f"{after} rollouts instead of {completions / before:g} x {before}: {before / after:g}x the prompts per "
-            f"step, so an epoch takes {before / after:g}x fewer optimizer steps. The learning rate and schedule are "
-            "kept."
-        )
-    message.append(
-        "To keep a value (e.g. TRL's G), pass it: POISEConfig.from_grpo_config(config, num_generations=8), or "
-        "build a POISEConfig."
-    )
-    return " ".join(message)
-
-
-def _probe_settings(blocks: list[str], hidden_size: int, probe: Any) -> str:
-    """A value head's refit settings in POISEConfig's terms, for the estimator's error messages (an ensemble's from
-    its first child: POISEConfig builds every child from the same settings)."""
-    head, probe = probe.name, getattr(probe, "children", [probe])[0]
-    pca = probe.pca_dims
-    if isinstance(pca, list | tuple):
-        slices = block_slices(blocks, hidden_size)
-        ks = {int(start): int(k) for start, _, k in pca}
-        pca = [ks.get(slices[name][0], 0) if name in slices else 0 for name in HIDDEN_BLOCKS]
-    clip = None if probe.clip == "observed" else list(probe.clip) if probe.clip is not None else "no clipping"
-    return f"probe_head={head!r}, probe_alpha={probe.alpha}, probe_pca_dims={pca}, probe_clip_range={clip}"
-
-
-def changed_defaults() -> dict[str, tuple[Any, Any]]:
-    """Field -> (GRPOConfig's default, POISEConfig's) for the defaults POISE changes."""
-
-    def default(f):
-        return f.default_factory() if f.default_factory is not MISSING else f.default
-
-    trl = {f.name: default(f) for f in fields(GRPOConfig)}
-    poise = {f.name: default(f) for f in fields(POISEConfig) if f.name in trl}
-    return {name: (trl[name], value) for name, value in poise.items() if trl[name] != value}
+_HEAD_SETTINGS = "; ".join(f"{name!r}: {', '.join(own_settings(name))}" for name in HEADS if own_settings(name))
+"""Each value head's own settings (`probe_head_kwargs`), from the head table, for the help text."""
 
 
 @dataclass
@@ -137,7 +46,7 @@ class POISEConfig(GRPOConfig):
     """
 
     # JSON strings given for these fields (command line, YAML) are parsed into dicts, as TRL does for its own.
-    _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["probe_domain_buffer_sizes"]
+    _VALID_DICT_FIELDS = GRPOConfig._VALID_DICT_FIELDS + ["probe_domain_buffer_sizes", "probe_head_kwargs"]
 
     num_generations: int | None = field(
         default=2,
@@ -252,13 +161,20 @@ class POISEConfig(GRPOConfig):
     probe_head: str = field(
         default="ridge",
         metadata={
-            "help": "The value head fitted on the probe's features, for the baseline and the prompt values "
-            "`prompt_selection` reads: 'ridge' (paper), 'logistic' (sigmoid link trained to cross-entropy, "
-            "scikit-learn's LogisticRegression(C=1/probe_alpha)), 'mlp' (one hidden layer of 64, as "
-            "holi-lab/POISE's) or 'ensemble' (the mean of ridge and logistic). Every head uses probe_alpha as its L2 "
-            "penalty and the same scaler and PCA. Ridge stays the default: measured with the exact gradient "
-            "instrument, no other head is better on SmolLM2 and the others pay more after training (docs: other "
-            "value heads). The per-prefix value (probe_granularity='prefix') needs 'ridge'.",
+            "help": "The value head fitted on the probe's features, for the baseline, the prompt values "
+            f"`prompt_selection` reads and the per-prefix value: a key of the head table, one of {sorted(HEADS)}; "
+            "'ridge' is the paper's. Every head uses probe_alpha as its L2 penalty and the same scaler and PCA; its "
+            "own settings are `probe_head_kwargs`. What each fits: docs, How POISE works (other value heads); which "
+            "pays, measured: docs, Choosing settings. probe_granularity='prefix' needs a head with an affine map of "
+            "the features.",
+        },
+    )
+    probe_head_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "The value head's own settings, beside probe_alpha and the PCA: a dict, or a JSON string on the "
+            f"command line, e.g. '{{\"hidden\": 128}}' for 'mlp'. The heads' own settings: {_HEAD_SETTINGS} "
+            "(the ensemble's children by name). A key the head does not take is refused when the config is built.",
         },
     )
     probe_buffer_size: int = field(
@@ -289,9 +205,8 @@ class POISEConfig(GRPOConfig):
             "(0 where unseen), outside any PCA block, and so does the prompt-only value `prompt_selection` reads "
             "before generating. Earlier steps' rewards do not depend on this step's rollouts, so the baseline stays "
             "unbiased; the step's own rewards enter the history only after its advantages. Worth it where prompts "
-            "repeat across steps and many settle: on two trained SmolLM2 runs it cut the probe's error by a fifth "
-            "to a third; on the toys it changes nothing measurable, hence off by default (docs: beyond the paper). "
-            "Needs probe_granularity='sequence'.",
+            "repeat across steps and many settle; what it changed where measured: docs, Choosing settings. Needs a "
+            "granularity whose value reads the feature row (probe_granularity='sequence').",
         },
     )
     probe_history_size: int = field(
@@ -381,45 +296,11 @@ class POISEConfig(GRPOConfig):
     )
 
     def __post_init__(self):
-        check_settings({"num_generations": self.num_generations})  # before TRL divides batches by it
+        check_num_generations(self.num_generations)  # before TRL divides batches by it
         super().__post_init__()
-        if self.multi_objective_aggregation != "sum_then_normalize":
-            raise ValueError(
-                f"multi_objective_aggregation={self.multi_objective_aggregation!r} is not supported by POISE: it "
-                "normalises each reward within its group, own reward included, so a rollout's reward would depend on "
-                "its partners. POISE needs the raw weighted reward sum: set "
-                "multi_objective_aggregation='sum_then_normalize'."
-            )
-        if self.probe_pool_tokens <= 0:
-            raise ValueError(f"probe_pool_tokens={self.probe_pool_tokens} must be a positive number of tokens.")
         if self.probe_capture not in ("auto", "pass"):
             raise ValueError(f"probe_capture={self.probe_capture!r}: choose 'auto' (no extra forward pass) or 'pass'.")
-        if self.reasoning_end_marker == "":
-            raise ValueError("reasoning_end_marker='' matches nothing; use None to declare that there is no marker.")
-        unknown = sorted(set(self.probe_features) - set(FEATURE_BLOCKS))
-        if unknown or not self.probe_features or len(set(self.probe_features)) != len(self.probe_features):
-            raise ValueError(
-                f"probe_features={self.probe_features}: give a non-empty subset of {list(FEATURE_BLOCKS)} without "
-                f"repeats (unknown: {unknown})."
-            )
-        self.probe_features = [b for b in FEATURE_BLOCKS if b in self.probe_features]
-        if self.probe_preset not in PROBE_PRESETS:
-            raise ValueError(f"probe_preset={self.probe_preset!r}: choose one of {list(PROBE_PRESETS)}.")
-        preset_alpha, preset_dims = PROBE_PRESETS[self.probe_preset]
-        # A preset's PCA dims are capped at the block width of a small model; explicit dims are taken as given.
-        self.pca_dims_from_preset = self.probe_pca_dims is None
-        self.probe_alpha = preset_alpha if self.probe_alpha is None else float(self.probe_alpha)
-        self.probe_pca_dims = list(preset_dims if self.probe_pca_dims is None else self.probe_pca_dims)
-        if len(self.probe_pca_dims) != 2 or any(int(k) < 0 for k in self.probe_pca_dims):
-            raise ValueError(
-                f"probe_pca_dims={self.probe_pca_dims}: give two non-negative ints, [prompt dims, reasoning dims]; "
-                "0 disables PCA on a block."
-            )
-        self.probe_pca_dims = [int(k) for k in self.probe_pca_dims]
-        self._check_layer_fields()
-        self._check_domain_fields()
-        self._check_beyond_paper_fields()
-        check_settings({name: getattr(self, field) for name, field in ESTIMATOR_FIELDS.items()}, ESTIMATOR_FIELDS)
+        validate(self, PROBE_PRESETS)
 
     @classmethod
     def from_grpo_config(cls, config: GRPOConfig, **overrides: Any) -> "POISEConfig":
@@ -429,189 +310,4 @@ class POISEConfig(GRPOConfig):
         cover 4x the prompts, and an epoch takes 4x fewer steps. One warning says what changed and what it does per
         step and per epoch. `overrides` (any `POISEConfig` field, e.g. `num_generations=8` to keep TRL's G) are
         applied last and never changed."""
-        names = {f.name for f in fields(config) if f.init}
-        foreign = sorted(names - {f.name for f in fields(cls)})
-        if foreign:
-            raise TypeError(f"{type(config).__name__} fields {foreign} have no POISEConfig counterpart.")
-        values = {name: getattr(config, name) for name in names}
-        # GRPOConfig.__post_init__ fills both of these from whichever was given, and refuses both given: passing the
-        # steps alone rebuilds the same pair. Deprecated aliases were already copied to their successors.
-        del values["generation_batch_size"]
-        if values["steps_per_generation"] == values["gradient_accumulation_steps"]:
-            values["steps_per_generation"] = None
-        values.update(vllm_importance_sampling_cap=None, use_transformers_paged=False)
-        if isinstance(config, POISEConfig) and config.pca_dims_from_preset:
-            values["probe_pca_dims"] = None  # filled in from the preset: filled in (and capped) again
-        if isinstance(config, POISEConfig):
-            return cls(**{**values, **overrides})
-        changed = []
-        for name, (trl_default, poise_default) in changed_defaults().items():
-            if name not in overrides and values[name] == trl_default:
-                values[name] = poise_default
-                changed.append(f"{name} {trl_default!r} -> {poise_default!r}")
-        converted = cls(**{**values, **overrides})
-        logger.warning(conversion_message(config, converted, changed))
-        return converted
-
-    def estimator_settings(self, num_layers: int, hidden_size: int) -> dict[str, Any]:
-        """`POISEEstimator` keyword arguments for a model with `num_layers` decoder layers of width `hidden_size`."""
-        default_layer = resolve_layer_index(None, num_layers)
-        auto = self.probe_layer == "auto"
-        # Layers hooked in every captured pass; buffered rows hold one feature vector per entry, in this order.
-        layers = (
-            layer_candidates(self.probe_layer_candidates, num_layers)
-            if auto
-            else [resolve_layer_index(self.probe_layer, num_layers)]
-        )
-        pca = pca_blocks(self.probe_features, hidden_size, self.probe_pca_dims, cap_at_width=self.pca_dims_from_preset)
-        return dict(
-            alpha=self.probe_alpha,
-            pca_dims=pca,
-            clip=None if self.probe_clip_range is None else tuple(self.probe_clip_range),
-            head=self.probe_head,
-            buffer_size=self.probe_buffer_size,
-            domain_buffer_sizes=self.probe_domain_buffer_sizes,
-            max_domains=self.probe_max_domains,
-            warmup_steps=self.probe_warmup_steps,
-            partner_reward=self.probe_partner_reward,
-            bootstrap=self.probe_bootstrap,
-            scale_rewards=self.scale_rewards,
-            layers=layers,
-            # auto mode starts at the candidate nearest the fixed default
-            layer_index=min(range(len(layers)), key=lambda i: abs(layers[i] - default_layer)),
-            layer_select_every=self.probe_layer_select_every if auto else None,
-            layer_switch_margin=self.probe_layer_switch_margin,
-            layer_folds=self.probe_layer_folds,
-            prompt_columns=block_slices(self.probe_features, hidden_size).get("prompt"),
-            prompt_pca_dims=self.probe_pca_dims[0],
-            feature_config={
-                "probe_layer": "auto" if auto else layers[0],
-                "probe_layer_candidates": list(layers),
-                "probe_pool_tokens": self.probe_pool_tokens,
-                "probe_features": list(self.probe_features),
-                "reasoning_end_marker": self.reasoning_end_marker,
-                "hidden_size": hidden_size,
-                "probe_partner_reward": self.probe_partner_reward,
-                "probe_domain_column": self.probe_domain_column,
-            },
-            describe=partial(_probe_settings, list(self.probe_features), hidden_size),
-            history=self.probe_history,
-            history_size=self.probe_history_size,
-            history_decay=self.probe_history_decay,
-            granularity=self.probe_granularity,
-            prefix_pca_dims=tuple(self.probe_pca_dims),  # [prompt k, prefix k], capped at the width
-        )
-
-    def _check_layer_fields(self) -> None:
-        layer = self.probe_layer
-        if isinstance(layer, str):
-            text = layer.strip().lower()
-            try:
-                layer = "auto" if text == "auto" else None if text in ("none", "null") else int(text)
-            except ValueError:
-                raise ValueError(
-                    f"probe_layer={self.probe_layer!r}: give a layer index (e.g. 19 or -1), 'auto', or None."
-                ) from None
-        if isinstance(layer, bool) or not (layer is None or layer == "auto" or isinstance(layer, int)):
-            raise ValueError(f"probe_layer={self.probe_layer!r}: give a layer index (e.g. 19 or -1), 'auto', or None.")
-        self.probe_layer = layer
-        if layer == "auto" and self.probe_granularity == "prefix":
-            raise ValueError(
-                "probe_granularity='prefix' needs one fixed probe_layer (its buffer holds one layer's states): set "
-                "probe_layer to an index or None, or probe_granularity='sequence'."
-            )
-        if self.probe_layer_candidates is not None:
-            if layer != "auto":
-                raise ValueError(
-                    f"probe_layer_candidates={self.probe_layer_candidates} is only used with probe_layer='auto' "
-                    f"(got probe_layer={layer!r})."
-                )
-            if not self.probe_layer_candidates or any(isinstance(c, bool) for c in self.probe_layer_candidates):
-                raise ValueError(
-                    f"probe_layer_candidates={self.probe_layer_candidates}: give a non-empty list of ints."
-                )
-            self.probe_layer_candidates = [int(c) for c in self.probe_layer_candidates]
-
-    def _check_domain_fields(self) -> None:
-        if self.probe_domain_column == "":
-            raise ValueError("probe_domain_column='' names no column; use None for a single probe.")
-        sizes = self.probe_domain_buffer_sizes
-        if sizes is None:
-            return
-        if self.probe_domain_column is None:
-            raise ValueError(
-                "probe_domain_buffer_sizes needs probe_domain_column: name the column holding the domain."
-            )
-        if not isinstance(sizes, dict):
-            raise ValueError(
-                f"probe_domain_buffer_sizes={sizes!r}: give a dict or a JSON object, e.g. '{{\"math\": 4096}}'."
-            )
-        self.probe_domain_buffer_sizes = {str(name): size for name, size in sizes.items()}  # sizes: check_settings
-
-    def _check_beyond_paper_fields(self) -> None:
-        if not isinstance(self.probe_partner_reward, bool):  # a string such as "no" would count as True
-            raise ValueError(
-                f"probe_partner_reward={self.probe_partner_reward!r}: give True (partner-aware probe) or False "
-                "(the paper's g(φ))."
-            )
-        oversample = self.prompt_selection_oversample
-        if not (isinstance(oversample, int | float) and 1 < oversample < math.inf):
-            raise ValueError(
-                f"prompt_selection_oversample={oversample!r} must be a finite number > 1: it is the number of "
-                "candidate prompts drawn per kept prompt (2.0 draws twice as many as are kept)."
-            )
-        check_floor(self.prompt_selection_floor)
-        if self.prompt_selection is not None and self.prompt_selection not in SAMPLING_RULES:
-            close = get_close_matches(str(self.prompt_selection), SAMPLING_RULES, n=1)
-            rules = " or ".join(map(repr, SAMPLING_RULES)) + (f" (did you mean {close[0]!r}?)" if close else "")
-            raise ValueError(f"prompt_selection={self.prompt_selection!r}: choose None (paper) or {rules}.")
-        if self.prompt_selection is None:
-            return
-        if self.prompt_selection == "importance":
-            self._check_importance_objective()
-        if "prompt" not in self.probe_features:
-            raise ValueError(
-                f"prompt_selection={self.prompt_selection!r} predicts from the prompt hidden states: add 'prompt' to "
-                f"probe_features (got {self.probe_features})."
-            )
-        rows = self.per_device_train_batch_size * self.steps_per_generation
-        if rows % self.num_generations:
-            raise ValueError(
-                f"prompt_selection={self.prompt_selection!r} keeps whole prompts on each process, so "
-                f"per_device_train_batch_size x steps_per_generation ({rows}) must be a multiple of num_generations "
-                f"({self.num_generations})."
-            )
-
-    def _check_importance_objective(self) -> None:
-        """The importance weights multiply the advantages only: refuse the loss terms and normalisers they cannot
-        reach, which would average over the q-tilted prompts instead of the uniform ones."""
-        if self.loss_type not in IMPORTANCE_LOSS_TYPES:
-            working = ", ".join(map(repr, IMPORTANCE_LOSS_TYPES))
-            raise ValueError(
-                f"prompt_selection='importance' with loss_type={self.loss_type!r}: the importance weights keep the "
-                "uniform objective only where the loss divides by a constant or by the generation batch's token "
-                "count, which the trainer weights ('bnpo' divides by the micro-batch's, counted inside TRL's loss). "
-                f"Use one of {working} (the default 'dapo' included), or set prompt_selection=None."
-            )
-        unseen = "does not see the advantages, which carry the importance weights"
-        terms = {
-            "beta": (self.beta != 0.0, "beta=0.0", f"the KL penalty {unseen}"),
-            "entropy_coef": (self.entropy_coef != 0.0, "entropy_coef=0.0", f"the entropy bonus {unseen}"),
-            "use_adaptive_entropy": (
-                self.use_adaptive_entropy,
-                "use_adaptive_entropy=False",
-                f"the entropy bonus {unseen}",
-            ),
-            "top_entropy_quantile": (
-                self.top_entropy_quantile < 1.0,
-                "top_entropy_quantile=1.0",
-                "the top-entropy token mask takes its quantile over the drawn batch's tokens",
-            ),
-        }
-        for name, (active, fix, why) in terms.items():
-            if active:
-                raise ValueError(
-                    f"prompt_selection='importance' with {name}={getattr(self, name)!r}: {why}, so it averages over "
-                    "prompts drawn in proportion to q instead of uniform ones and the step no longer targets the "
-                    f"uniform objective. Set {fix}, or prompt_selection=None."
-                )
+        return migration.from_grpo_config(cls, config, **overrides)

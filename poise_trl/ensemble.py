@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .logistic import LogisticProbe
 from .probe import PCABlock, ValueProbe, clip_range, clipped_output
 
 COMBINES = ("mean", "stack")
@@ -24,10 +25,10 @@ class EnsembleProbe:
     """Children heads combined by `combine` (module docstring).
 
     Args:
-        alpha, pca_dims: settings of the children named by a string (each built as `HEADS[name](alpha, pca_dims,
-            clip)`); a child given as a head keeps its own.
-        clip: None, a (low, high) pair, or "observed": the range the combined prediction is clipped to.
-        children: head names or unfitted heads (`heads.HEADS`).
+        alpha, pca_dims: the default children's settings (ridge and logistic); children given keep their own.
+        clip: None, a (low, high) pair, or "observed": the range the combined prediction is clipped to (and the
+            default children's).
+        children: unfitted heads, cloned (`heads.make_head` builds them from names); None: ridge and logistic.
         combine: "mean" or "stack".
         folds: K of the stacker's out-of-fold predictions (capped at half the rows).
         stack_alpha: the stacker's ridge penalty.
@@ -40,27 +41,22 @@ class EnsembleProbe:
         alpha: float = 1.0,
         pca_dims: int | Sequence[PCABlock] | None = None,
         clip: tuple[float, float] | str | None = "observed",
-        children: Sequence[Any] = ("ridge", "logistic"),
+        children: Sequence[Any] | None = None,
         combine: str = "mean",
         folds: int = 5,
         stack_alpha: float = 1.0,
     ):
-        from .heads import HEADS  # the table lists this class: imported when an ensemble is built
-
+        if children is None:
+            children = [head(alpha=alpha, pca_dims=pca_dims, clip=clip) for head in (ValueProbe, LogisticProbe)]
         if not children:
             raise ValueError("An ensemble needs at least one child head.")
-        unknown = [c for c in children if isinstance(c, str) and c not in HEADS]
-        if unknown:
-            raise ValueError(f"Unknown child heads {unknown}: choose from {sorted(HEADS)}.")
         if combine not in COMBINES:
             raise ValueError(f"combine={combine!r}: choose one of {list(COMBINES)}.")
         if isinstance(folds, bool) or not isinstance(folds, int) or folds < 2:
             raise ValueError(f"folds={folds!r} must be an int >= 2.")
         if isinstance(clip, str) and clip != "observed":
             raise ValueError(f"clip={clip!r}: use None, (low, high) or 'observed'.")
-        self.children = [
-            HEADS[c](alpha=alpha, pca_dims=pca_dims, clip=clip) if isinstance(c, str) else c.clone() for c in children
-        ]
+        self.children = [child.clone() for child in children]
         self.clip, self.combine, self.folds = clip, combine, folds
         self.stacker = ValueProbe(alpha=stack_alpha, clip=None)  # validates stack_alpha
         self._clip: torch.Tensor | None = None
@@ -123,14 +119,12 @@ class EnsembleProbe:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "EnsembleProbe":
-        """Inverse of `config()`: each child rebuilt from its name and settings."""
-        from .heads import head_from_config
-
+        """Inverse of `config()` once its children are heads again (`heads.head_from_config` rebuilds them by name:
+        this module knows no table of heads)."""
         clip = config["clip"]
-        children = [head_from_config(child["config"], child["name"]) for child in config["children"]]
         return cls(
             clip=tuple(clip) if isinstance(clip, list) else clip,
-            children=children,
+            children=config["children"],
             combine=config["combine"],
             folds=config["folds"],
             stack_alpha=config["stack_alpha"],
@@ -138,7 +132,13 @@ class EnsembleProbe:
 
     def clone(self) -> "EnsembleProbe":
         """An unfitted ensemble with the same settings."""
-        return EnsembleProbe.from_config(self.config())
+        return EnsembleProbe(
+            clip=self.clip,
+            children=self.children,
+            combine=self.combine,
+            folds=self.folds,
+            stack_alpha=self.stacker.alpha,
+        )
 
     def _parts(self) -> list[tuple[str, Any]]:
         """(key prefix, head) of every fitted part: the children in order, then the stacker when it is used."""

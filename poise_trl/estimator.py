@@ -2,18 +2,18 @@
 
 The contract (the one TRL's `POISETrainer`, verl, OpenRLHF or a hand-written loop relies on):
 
-    estimator = POISEEstimator(num_generations=2)          # G rollouts per prompt, consecutive in the batch
+    estimator = POISEEstimator(num_generations=2)          # G rollouts per prompt; settings: EstimatorSpec (specs.py)
     result = estimator.advantages(features, rewards)       # features (N, D) or (N, C, D), rewards (N,)
     loss = policy_loss(..., result.advantages)             # A_i = r_i - b_i, b_i from rollout i's partners only
     estimator.observe(group_ids=group_ids, result=result)  # the ONLY learning method: buffers, refit, bootstrap
-    # with history=True: advantages(features, rewards, prompt_ids=ids) and prompt_values(states, prompt_ids=ids)
+    # with a history spec: advantages(features, rewards, prompt_ids=ids), prompt_values(states, prompt_ids=ids)
     print(result.metrics())                                # diagnostics (paper App. C), fetched with observe's
     estimator.save("poise.safetensors")                    # one file, no pickle, written atomically
 
 - `advantages` uses only what earlier `observe` calls taught it, so a rollout's baseline never depends on its own
-  reward or features and the policy gradient stays unbiased. Before the probe is trusted (`warmup_steps` observed
-  steps) the baseline is the bootstrap: RLOO, the partners' mean reward m_i, or the shrunk a + w * m_i. It changes
-  nothing, and neither does `predict`, each row's probe value.
+  reward or features and the policy gradient stays unbiased. Before the probe is trusted (`BufferSpec.warmup_steps`
+  observed steps) the baseline is the bootstrap: RLOO, the partners' mean reward m_i, or the shrunk a + w * m_i. It
+  changes nothing, and neither does `predict`, each row's probe value.
 - `observe` appends the step's leave-one-out examples (features of j, mean reward of j's partners) to the sliding
   buffer of each domain, refits the ridge probe, the shrunk bootstrap's line, the running reward std and (with
   several candidate layers) the layer choice. Handed the step's `result`, it reuses the batch `advantages` prepared
@@ -21,39 +21,44 @@ The contract (the one TRL's `POISETrainer`, verl, OpenRLHF or a hand-written loo
   (`observe(features, rewards, group_ids)`) it prepares the batch itself.
 - `prompt_values` predicts a prompt's success rate from its prompt block; which prompts to draw from it is
   sampling.py's.
-- With `history`, each row's input also holds its prompt's history (history.py: seen, log(1 + count), mean reward of
-  the prompt's rollouts at earlier steps), looked up by the `prompt_ids` the caller hands `advantages` (and
+- With a `HistorySpec`, each row's input also holds its prompt's history (history.py: seen, log(1 + count), mean
+  reward of the prompt's rollouts at earlier steps), looked up by the `prompt_ids` the caller hands `advantages` (and
   `prompt_values`), and updated by `observe` once the step's advantages were taken.
 - `state_dict`/`load_state_dict` round-trip bit for bit; `save`/`load` also read the two-file layout of poise-trl 0.1
-  (`poise_probe.safetensors` + `.json`, `poise_bootstrap.safetensors`).
+  (`poise_probe.safetensors` + `.json`, `poise_bootstrap.safetensors`). The file holds the spec: `from_file` rebuilds
+  a saved estimator, and `refit` makes one with another spec (another head, no history) from its buffered rows.
 
 Features may hold one vector per candidate layer, (N, C, D); `layer_index` says which slice the probes use. Rows are
 grouped as G consecutive rollouts of one prompt. `domains` (one name per row) gives each domain its own probe.
 
-What it is made of, each in a module of its own: the value head (heads.py, probe.py), the online learner that buffers,
-trusts and persists a head (learner.py; one per domain, and one more for the per-prefix value), the granularity's
-token baseline (granularity.py), the layer choice (layer_choice.py), the sampler's prompt values (prompt_value.py),
-the prompts' history (history.py) and the file format (files.py).
+What it is made of, each in a module of its own: its settings (specs.py), the feature row's layout (row.py), the
+value head (heads.py, probe.py), the online learner that buffers, trusts and persists a head (learner.py; one per
+domain, and one more for the per-prefix value), the granularity's token baseline (granularity.py), the layer choice
+(layer_choice.py), the sampler's prompt values (prompt_value.py), the prompts' history (history.py) and the file
+format (files.py).
 """
 
 import json
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from .baselines import RunningStd, cross_rollout_baselines, poise_advantages, shrunk_rloo_line
+from .baselines import BOOTSTRAPS, REWARD_SCALINGS, RunningStd, cross_rollout_baselines, poise_advantages
 from .batch import AdvantageResult, PreparedBatch, prepare_batch, scale_advantages, split_domains, step_statistics
 from .buffer import ProbeBuffer
-from .files import EstimatorFile
+from .files import EstimatorFile, read_state
 from .granularity import GRANULARITIES, PrefixBatch
-from .heads import HEADS, ValueHead
-from .history import HISTORY_COLUMNS, PromptHistory
+from .heads import ValueHead
+from .history import PromptHistory
 from .layer_choice import select_layer
 from .learner import OnlineLearner
 from .prompt_value import fit_prompt_values, target_range
-from .settings import check_settings
+from .row import FeatureRow
+from .specs import EstimatorSpec, check_num_generations, estimator_spec, feature_config, head_settings
 
 __all__ = ["POISEEstimator", "AdvantageResult", "PreparedBatch"]  # the result types live in batch.py
 
@@ -62,137 +67,144 @@ class POISEEstimator(EstimatorFile):
     """POISE's value baseline, learned online (paper Algorithm 1). See the module docstring for the contract.
 
     The constructor stores its arguments as given (scikit-learn's rule): what derives from them (the probe template,
-    each domain's capacity) is computed where it is used, and what is learned (probes, buffers, bootstrap lines,
-    reward std, step count, the layer in use) lives beside them. `state_dict`/`load_state_dict`/`save`/`load` are
-    `files.EstimatorFile`'s, beside the file format.
+    each domain's capacity, the feature row) is computed where it is used, and what is learned (probes, buffers,
+    bootstrap lines, reward std, step count, the layer in use) lives beside them. `state_dict`/`load_state_dict`/
+    `save`/`load` are `files.EstimatorFile`'s, beside the file format; the file holds the spec too (`from_file`).
 
     Args:
         num_generations: G, rollouts per prompt (>= 2).
-        alpha, pca_dims, clip: the value head's settings (`probe.ScaledHead`); clip None means the observed reward
-            range. The partner-reward column (`partner_reward`) and the history columns (`history`) are never part
-            of a PCA block, whatever `pca_dims` says.
-        head: the value head of the sequence value and of the sampler's prompt values, a key of `heads.HEADS`
-            ("ridge", the paper's; "logistic", "mlp", "ensemble"). The per-prefix value is always ridge's.
-        buffer_size: rows in each domain's sliding buffer; `domain_buffer_sizes` overrides it per domain.
-        max_domains: distinct domains a run may have; each holds its own probe and buffer (the buffer grows with its
-            rows, up to buffer_size x candidate layers x (width + 1) float32 on the features' device).
-        warmup_steps: observed steps before a domain's probe is trusted.
-        partner_reward: the probe input of rollout j is [φ_j, r_j] (beyond the paper) instead of φ_j.
-        bootstrap: "rloo" (paper) or "shrunk" (a + w * RLOO fitted on earlier steps).
-        scale_rewards: "none" (paper) or "batch" (divide by the std of earlier steps' rewards).
-        layers: the candidate layer ids whose features the (N, C, D) rows hold, in order; `layer_index` is the
-            slice in use at the start. `layer_select_every` (None: fixed) re-chooses it by prompt-grouped K-fold error.
-        prompt_columns: (start, stop) feature columns of the prompt block, for `prompt_values`; `prompt_pca_dims`
-            its PCA size (0: none).
+        spec: everything the estimator is set up with (specs.py: the value head and its settings, the prompt history
+            or none, the layers, the buffers, the granularity, the partner-aware probe, the bootstrap, the reward
+            scaling, the prompt block); None: `EstimatorSpec()`, the paper's and the release's defaults.
+            `POISEConfig` builds it (`from_config`).
         feature_config: how the caller extracts features; a saved state loads only into the same configuration.
         broadcast: makes every process agree (e.g. accelerate's `broadcast` from rank 0); None in one process.
-        describe: text for a probe's refit settings in error messages (the trainer passes POISEConfig's terms).
-        history: append each prompt's history (history.py; beyond the paper) to its rows' inputs, after the
-            partner-reward column: the rollouts of a prompt at earlier steps, so the baseline stays unbiased.
-            `history_size` prompts are remembered (the least recently seen leave first); `history_decay` weighs a
-            step-older reward in the mean. Sequence granularity only.
-        granularity: "sequence" (paper) or "prefix": a key of `granularity.GRANULARITIES`, resolved once into
-            `token_baseline`. "prefix" learns a per-prefix value of one fixed layer (PCA `prefix_pca_dims`,
-            [prompt k, prefix k]) and, once trusted, gives token advantages r - V(x, y_<t) from the `PrefixBatch`es
-            the caller hands in.
+        describe: text for a probe's refit settings in error messages (`from_config` passes POISEConfig's terms).
     """
 
     def __init__(
         self,
         num_generations: int = 2,
+        spec: EstimatorSpec | None = None,
         *,
-        alpha: float = 100.0,
-        pca_dims: int | Sequence[tuple[int, int, int]] | None = None,
-        clip: tuple[float, float] | None = None,
-        head: str = "ridge",
-        buffer_size: int = 4096,
-        domain_buffer_sizes: dict[str, int] | None = None,
-        max_domains: int = 64,
-        warmup_steps: int = 16,
-        partner_reward: bool = True,
-        bootstrap: str = "shrunk",
-        scale_rewards: str = "none",
-        layers: Sequence[int] = (0,),
-        layer_index: int = 0,
-        layer_select_every: int | None = None,
-        layer_switch_margin: float = 0.05,
-        layer_folds: int = 5,
-        prompt_columns: tuple[int, int] | None = None,
-        prompt_pca_dims: int = 0,
         feature_config: dict[str, Any] | None = None,
         broadcast: Callable[[torch.Tensor], torch.Tensor] | None = None,
         describe: Callable[[ValueHead], str] | None = None,
-        history: bool = False,
-        history_size: int = 65536,
-        history_decay: float = 1.0,
-        granularity: str = "sequence",
-        prefix_pca_dims: tuple[int, int] = (0, 0),
     ):
-        check_settings({k: v for k, v in locals().items() if k not in ("self", "broadcast", "describe")})  # the args
+        check_num_generations(num_generations)
+        spec = EstimatorSpec() if spec is None else spec
+        spec.buffer.check(num_generations)
         self.num_generations = num_generations
-        self.alpha = alpha
-        self.pca_dims = pca_dims
-        self.clip = clip
-        self.head = head
-        self.buffer_size = buffer_size
-        self.domain_buffer_sizes = domain_buffer_sizes
-        self.max_domains = max_domains
-        self.warmup_steps = warmup_steps
-        self.partner_reward = partner_reward
-        self.bootstrap = bootstrap
-        self.scale_rewards = scale_rewards
-        self.layers = layers
-        self.layer_index = layer_index  # the automatic layer choice moves it
-        self.layer_select_every = layer_select_every
-        self.layer_switch_margin = layer_switch_margin
-        self.layer_folds = layer_folds
-        self.prompt_columns = prompt_columns
-        self.prompt_pca_dims = prompt_pca_dims
+        self.spec = spec
         self.feature_config = feature_config
         self.broadcast = broadcast
         self.describe = describe
-        self.history = history
-        self.history_size = history_size
-        self.history_decay = history_decay
-        self.granularity = granularity
-        self.prefix_pca_dims = prefix_pca_dims
         # What the estimator learns.
         self.probes: dict[str, OnlineLearner] = {}  # per domain: the sequence value
         self.bootstrap_pairs: dict[str, ProbeBuffer] = {}  # per domain: (partner mean, reward) of earlier steps
         self.bootstrap_lines: dict[str, torch.Tensor] = {}  # per domain: [a, w] fitted on those pairs
         self.reward_std = RunningStd()
         self.steps = 0  # observed (training) steps
-        self.prompt_history = PromptHistory(history_size, history_decay) if history else None
-        self.token_baseline = GRANULARITIES[granularity](
-            alpha=alpha, pca_dims=prefix_pca_dims, clip=clip, buffer_size=buffer_size, warmup_steps=warmup_steps
+        self.layer_index = spec.layers.index  # the automatic layer choice moves it
+        history = spec.history
+        self.prompt_history = None if history is None else PromptHistory(history.size, history.decay)
+        self.token_baseline = GRANULARITIES[spec.granularity.name](
+            head=spec.head.build,
+            pca_dims=spec.granularity.pca_dims,
+            buffer_size=spec.buffer.size,
+            warmup_steps=spec.buffer.warmup_steps,
         )
 
+    @classmethod
+    def from_config(
+        cls,
+        config: Any,
+        num_layers: int,
+        hidden_size: int,
+        broadcast: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> "POISEEstimator":
+        """The estimator a `POISEConfig` sets up for a model of `num_layers` decoder layers of width `hidden_size`
+        (`specs.estimator_spec`, the one map from the config's fields), its errors in the config's terms."""
+        spec = estimator_spec(config, num_layers, hidden_size)
+        return cls(
+            config.num_generations,
+            spec,
+            feature_config=feature_config(config, spec, hidden_size),
+            broadcast=broadcast,
+            describe=partial(head_settings, list(config.probe_features), hidden_size),
+        )
+
+    @classmethod
+    def from_file(
+        cls, path: str | Path, broadcast: Callable[[torch.Tensor], torch.Tensor] | None = None, **kwargs: Any
+    ) -> "POISEEstimator":
+        """The estimator a file holds, built from the spec and feature configuration saved in it and then loaded
+        (`load`'s keywords pass on); files written before the spec was saved are refused: build the estimator
+        with their settings and `load` them."""
+        info = read_state(path)["info"]
+        if "spec" not in info:
+            raise ValueError(
+                f"{path} was written before estimator files held their spec: build the POISEEstimator it was "
+                "written with (e.g. POISEEstimator.from_config) and call its load."
+            )
+        spec = EstimatorSpec.from_dict(info["spec"])
+        estimator = cls(info["num_generations"], spec, feature_config=info["feature_config"], broadcast=broadcast)
+        estimator.load(path, **kwargs)
+        return estimator
+
+    def refit(self, spec: EstimatorSpec) -> "POISEEstimator":
+        """A new estimator with `spec` (e.g. another head, or no history) that learned what this one learned: its
+        probes are fitted on this estimator's buffered rows, projected onto the new feature row (`FeatureRow.project`
+        may leave out the history or the partner's reward, never add them), with the same step counts, bootstrap,
+        reward std, layer and, where both keep one, prompt history. Compares heads and input sets on exactly the data
+        a run's probe learned from."""
+        settings = dict(feature_config=self.feature_config, broadcast=self.broadcast, describe=self.describe)
+        refitted = type(self)(self.num_generations, spec, **settings)
+        state = self.state_dict()
+        tensors, info = dict(state["tensors"]), {**state["info"], "domains": []}
+        for i, domain in enumerate(state["info"]["domains"]):
+            probe = refitted.new_probe(domain["name"]).probe  # unfitted: its state is dropped below
+            info["domains"].append({**domain, "head": probe.name, "probe": probe.config()})
+            tensors = {key: value for key, value in tensors.items() if not key.startswith(f"domain.{i}.probe.")}
+            key = f"domain.{i}.buffer.features"
+            if key in tensors:
+                tensors[key] = self.row.project(tensors[key], refitted.row)
+        if refitted.prompt_history is None:
+            tensors = {key: value for key, value in tensors.items() if not key.startswith("history.")}
+            info.pop("history", None)
+        refitted.load_state_dict({"tensors": tensors, "info": info}, source="the estimator refitted")
+        for online in refitted.probes.values():
+            if online.can_fit:
+                online.fit(refitted.layer_index)
+        return refitted
+
     # ------------------------------------------------------------------------------------------------- structure
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The candidate layer ids whose features the rows hold, in order."""
+        return self.spec.layers.ids
+
     @property
     def layer(self) -> int:
         """The layer id the probes use now (fixed, or the latest automatic choice)."""
         return self.layers[self.layer_index]
 
     @property
-    def extra_columns(self) -> int:
-        """Columns appended to the features: the partner's reward, then the prompt's history."""
-        return int(self.partner_reward) + len(HISTORY_COLUMNS) * int(self.history)
+    def row(self) -> FeatureRow:
+        """The probe's input row, [φ | partner reward | history]."""
+        return FeatureRow(self.spec.partner_reward, self.spec.history is not None)
 
     @property
     def probe_template(self) -> ValueHead:
-        """An unfitted head with this estimator's refit settings: an integer `pca_dims` is the PCA of every feature
-        column, the appended columns (partner's reward, history) staying outside."""
-        pca = self.pca_dims
-        if self.extra_columns and isinstance(pca, int) and pca > 0:
-            pca = [(0, -self.extra_columns, pca)]
-        return HEADS[self.head](alpha=self.alpha, pca_dims=pca, clip="observed" if self.clip is None else self.clip)
+        """An unfitted head with this estimator's refit settings, PCA laid on the feature row."""
+        return self.spec.head.build(self.row.pca_dims(self.spec.head.pca_dims))
 
     def capacity(self, domain: str) -> int:
-        return (self.domain_buffer_sizes or {}).get(domain, self.buffer_size)
+        return self.spec.buffer.capacity(domain)
 
     def new_probe(self, domain: str) -> OnlineLearner:
         """A domain's learner of the sequence value, unfitted, with this estimator's settings."""
-        return OnlineLearner(self.probe_template, self.capacity(domain), self.warmup_steps)
+        return OnlineLearner(self.probe_template, self.capacity(domain), self.spec.buffer.warmup_steps)
 
     def describe_probe(self, probe: ValueHead) -> str:
         """A probe's refit settings as the caller names them (error messages)."""
@@ -210,30 +222,13 @@ class POISEEstimator(EstimatorFile):
         """The batch as `advantages`, `predict` and `observe` use it (arguments as `advantages` takes them)."""
         if rewards.shape != features.shape[:1]:
             raise ValueError(f"Got {rewards.shape[0]} rewards for {features.shape[0]} feature rows.")
-        blocks, width = self.pca_dims, features.size(-1)
-        if (
-            self.extra_columns
-            and not isinstance(blocks, int | None)
-            and any(k > 0 and int(b) > width for _, b, k in blocks)
-        ):
-            appended = "the partner-reward column" if self.partner_reward else "the first history column"
-            raise ValueError(
-                f"pca_dims={blocks} covers column {width}, {appended}: PCA blocks must lie within the {width} "
-                "feature columns."
-            )
-        domain_rows = split_domains(domains, rewards.numel(), rewards.device, self.probes, self.max_domains)
+        self.row.check_pca(self.spec.head.pca_dims, features.size(-1))
+        max_domains = self.spec.buffer.max_domains
+        domain_rows = split_domains(domains, rewards.numel(), rewards.device, self.probes, max_domains)
         g = num_generations or self.num_generations
         history = self.history_columns(prompt_ids, rewards.numel(), rewards.device)
         return prepare_batch(
-            features,
-            rewards,
-            has_completion,
-            g,
-            self.partner_reward,
-            domain_rows,
-            domains is not None,
-            history,
-            prompt_ids,
+            features, rewards, has_completion, g, self.row, domain_rows, domains is not None, history, prompt_ids
         )
 
     def history_columns(
@@ -279,7 +274,7 @@ class POISEEstimator(EstimatorFile):
 
     def _fallback(self, batch: PreparedBatch) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """The bootstrap baseline of each row (None: RLOO, `poise_advantages`' own) and the lines it used."""
-        if self.bootstrap != "shrunk":
+        if BOOTSTRAPS[self.spec.bootstrap] is None:
             return None, []
         fallback, lines = batch.targets.clone(), []
         identity = torch.tensor([0.0, 1.0], dtype=torch.float64)
@@ -325,7 +320,7 @@ class POISEEstimator(EstimatorFile):
             rewards, values, g, usable, batch.has_completion, trusted, fallback
         )
         tokens = self.token_baseline.advantages(prefix, rewards, receives, advantages)
-        divisor = self.reward_std.divisor() if self.scale_rewards == "batch" else None  # of earlier steps' rewards
+        divisor = REWARD_SCALINGS[self.spec.scale_rewards](self.reward_std)  # of earlier steps' rewards
         from_probe = trusted & ~torch.isnan(cross_rollout_baselines(values, g, usable))
         extra = {  # the share of rows whose baseline really is the bootstrap's (untrusted, or no usable partner)
             "bootstrap": (receives & ~from_probe).double().sum() / receives.sum().clamp(min=1),
@@ -410,7 +405,7 @@ class POISEEstimator(EstimatorFile):
             if name not in self.probes:
                 self.probes[name] = self.new_probe(name)
             self.probes[name].add(batch.features, targets, group_ids.to(targets.device), keep=rows & examples)
-            if self.bootstrap == "shrunk":
+            if BOOTSTRAPS[self.spec.bootstrap] is not None:
                 pairs = self.bootstrap_pairs.setdefault(name, ProbeBuffer(self.capacity(name)))
                 pairs.add(targets.unsqueeze(1), batch.rewards, keep=rows & scorable & torch.isfinite(targets))
         prefix = result.prefix if prefix is None and result is not None else prefix
@@ -431,14 +426,15 @@ class POISEEstimator(EstimatorFile):
         if pending:
             result.receive_host(host[2 * len(rings) :])
         metrics: dict[str, float] = {}
-        if self.layer_select_every and self.steps % self.layer_select_every == 0:
+        layers = self.spec.layers
+        if layers.select_every and self.steps % layers.select_every == 0:
             learners = list(self.probes.values())
             self.layer_index, chosen = select_layer(
                 learners,
-                self.layers,
+                layers.ids,
                 self.layer_index,
-                self.layer_switch_margin,
-                self.layer_folds,
+                layers.switch_margin,
+                layers.folds,
                 targets.device,
                 self.broadcast,
             )
@@ -463,9 +459,12 @@ class POISEEstimator(EstimatorFile):
             learner.probe.map_state(self.broadcast)
 
     def fit_bootstrap_lines(self) -> dict[str, torch.Tensor]:
-        """Each domain's shrunk-bootstrap line [a, w], fitted on its buffered (partner mean, reward) pairs."""
+        """Each domain's bootstrap line [a, w], fitted on its buffered (partner mean, reward) pairs."""
+        fit = BOOTSTRAPS[self.spec.bootstrap]
+        if fit is None:
+            return {}
         return {
-            name: shrunk_rloo_line(pairs.features[:, 0], pairs.targets)
+            name: fit(pairs.features[:, 0], pairs.targets)
             for name, pairs in self.bootstrap_pairs.items()
             if len(pairs)
         }
@@ -483,23 +482,19 @@ class POISEEstimator(EstimatorFile):
         layer) and, with `history`, its prompt's history (by its (M,) `prompt_ids`; only steps already observed, so
         before this step's generation), by a prompt-only probe on the buffers (prompt_value.py); None until a probe
         is trusted and at least two groups are buffered. What to draw from these values is `sampling.py`'s business."""
-        if self.prompt_columns is None or not self.trusted:
+        prompt = self.spec.prompt
+        if prompt is None or not self.trusted:
             return None
-        start, stop = self.prompt_columns
-        pca = [(0, stop - start, self.prompt_pca_dims)] if self.prompt_pca_dims else None  # the history stays out
-        head = HEADS[self.head](alpha=self.alpha, pca_dims=pca, clip="observed")
-        learners = list(self.probes.values())
+        head = self.spec.head.build(self.row.prompt_pca_dims(prompt.columns, prompt.pca_dims), observed_clip=True)
         history = self.history_columns(prompt_ids, prompt_features.size(0), prompt_features.device)
-        if history is not None:
-            prompt_features = torch.cat([prompt_features, history.to(prompt_features.dtype)], dim=1)
         return fit_prompt_values(
-            learners,
-            self.prompt_columns,
+            list(self.probes.values()),
+            prompt.columns,
             self.layer_index,
             head,
             2 * self.num_generations,
-            prompt_features,
-            0 if history is None else history.size(1),
+            self.row.assemble_prompt(prompt_features, history),
+            self.row,
         )
 
     def target_range(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -94,7 +94,9 @@ class EstimatorFile:
     """The estimator's persistence (a mixin of `POISEEstimator`, which holds the attributes it reads): its state as
     tensors and JSON, and the one safetensors file. Tensors are keyed `domain.<i>.*` (each domain's learner),
     `bootstrap.<i>.*` (its shrunk-bootstrap pairs) and `<granularity>.*` (a token baseline's learner); the JSON names
-    them in order, so names may hold any character; `history.*` is the prompt history's table (history.py)."""
+    them in order, so names may hold any character; `history.*` is the prompt history's table (history.py). The JSON
+    also holds the estimator's spec (specs.py, "spec"), which `POISEEstimator.from_file` builds it from; files
+    written without one still load into an estimator built with their settings."""
 
     def state_dict(self, include_buffer: bool = True) -> dict[str, Any]:
         """{"tensors": CPU tensors, "info": JSON-able dict}: everything `load_state_dict` needs, no pickle."""
@@ -109,12 +111,13 @@ class EstimatorFile:
             "format": FORMAT,
             "num_generations": self.num_generations,
             "feature_config": dict(self.feature_config or {}),
-            "bootstrap": self.bootstrap,
+            "bootstrap": self.spec.bootstrap,
             "domains": domains,
             "bootstrap_domains": pairs,
             "probe_steps": self.steps,
             "layer": self.layer,
             "reward_std": self.reward_std.state_dict(),
+            "spec": self.spec.to_dict(),
         }
         tokens = self.token_baseline
         if tokens.info() is not None:
@@ -139,10 +142,10 @@ class EstimatorFile:
         estimator's."""
         tensors, info = state["tensors"], state["info"]
         check_feature_config(info.get("feature_config") or {}, self.feature_config or {}, source)
-        if not warm_start and info.get("bootstrap") not in (None, self.bootstrap):
+        if not warm_start and info.get("bootstrap") not in (None, self.spec.bootstrap):
             raise ValueError(
                 f"{source} was written by a run with probe_bootstrap={info['bootstrap']!r}, but this run sets "
-                f"probe_bootstrap={self.bootstrap!r}. Resume with the setting the run was started with."
+                f"probe_bootstrap={self.spec.bootstrap!r}. Resume with the setting the run was started with."
             )
         self.check_history(info.get("history"), warm_start, source)
         probes = {}
@@ -185,10 +188,11 @@ class EstimatorFile:
     def check_history(self, saved: dict[str, Any] | None, warm_start: bool, source: str) -> None:
         """Refuse a state whose probes read other inputs (history on in one, off in the other: files written before
         the history have none), and on resume a table of another size or decay."""
-        if (saved is not None) != self.history:
+        history = self.prompt_history is not None
+        if (saved is not None) != history:
             raise ValueError(
                 f"{source} was written by a run with probe_history={saved is not None}, but this run sets "
-                f"probe_history={self.history}: {'this run' if self.history else 'the file'}'s probes read the "
+                f"probe_history={history}: {'this run' if history else 'the file'}'s probes read the "
                 "history columns and the other's do not. Resume or warm-start with the setting the file was written "
                 "with."
             )

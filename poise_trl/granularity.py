@@ -6,9 +6,13 @@ rollout and, once a head is fitted, every token's value from that head folded in
 (prefix.py). Its head is an `OnlineLearner` like the sequence value's (target: the rollout's own reward), so trust,
 warm start and persistence are the learner's. Until it is trusted the caller keeps the sequence-level advantages.
 
-Both entries answer the same calls, so the estimator and the trainer never ask which granularity runs.
+Both entries answer the same calls, so the estimator and the trainer never ask which granularity runs. Each says
+what it can work with, which the estimator's spec checks (specs.py) instead of names: whether its value reads the
+prompt history's columns (`takes_history`), whether it needs one fixed layer (`one_layer`), and which methods its
+head must have (`head_methods`: the per-prefix value folds its head into an affine map applied inside the hook).
 """
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +21,10 @@ import torch
 from .baselines import prefix_advantages
 from .learner import OnlineLearner
 from .prefix import PREFIX_SAMPLES, STATS, PrefixBatch, PrefixCapture, PrefixMap, prefix_pca_blocks, prefix_spans
-from .probe import ValueProbe
+from .probe import PCABlock, ValueProbe
+
+HeadFactory = Callable[[Sequence[PCABlock] | None], Any]
+"""The unfitted value head for some PCA blocks (`specs.HeadSpec.build`)."""
 
 QUARTERS = ("q1", "q2", "q3", "q4")  # poise/prefix/variance_explained/<quarter of the completion>
 
@@ -36,6 +43,9 @@ class SequenceBaseline:
     """The paper's granularity: one baseline per rollout, nothing per token."""
 
     name = "sequence"
+    takes_history = True  # the sequence value reads the whole feature row
+    one_layer = False
+    head_methods: tuple[str, ...] = ()
     learners: tuple[OnlineLearner, ...] = ()
 
     def __init__(self, **settings: Any):
@@ -74,37 +84,41 @@ class PrefixBaseline:
     """The per-prefix value V(x, y_<t): an `OnlineLearner` over sampled tokens' feature rows, and its folded map.
 
     Args:
-        alpha, pca_dims, clip: the ridge head's settings; pca_dims is [prompt k, prefix k] (0: no PCA), resolved
-            against the model's width when the first rows arrive; clip None is the observed reward range.
+        head: builds the unfitted head for some PCA blocks (the estimator's value head, which must have an `affine`
+            map); None: ridge with alpha 100, clipped to the observed reward range.
+        pca_dims: [prompt k, prefix k] (0: no PCA), resolved against the model's width when the first rows arrive.
         buffer_size: rows buffered (`PREFIX_SAMPLES` per rollout).
         warmup_steps: observed steps before the head is trusted.
     """
 
     name = "prefix"
+    takes_history = False  # the folded map has no input for a prompt's history
+    one_layer = True  # its buffer holds one layer's states
+    head_methods = ("affine",)
 
     def __init__(
         self,
-        alpha: float = 100.0,
+        head: HeadFactory | None = None,
         pca_dims: tuple[int, int] = (0, 0),
-        clip: tuple[float, float] | None = None,
         buffer_size: int = 4096,
         warmup_steps: int = 16,
     ):
-        self.alpha, self.pca_dims, self.clip = alpha, tuple(pca_dims), clip
+        self.head = head or (lambda blocks: ValueProbe(100.0, blocks))
+        self.pca_dims = tuple(pca_dims)
         self.learner = OnlineLearner(self._head(None), buffer_size, warmup_steps)
         self._map: PrefixMap | None = None
 
-    def _head(self, width: int | None) -> ValueProbe:
+    def _head(self, width: int | None) -> Any:
         """The unfitted head for rows of `width` columns (its PCA blocks need the model's width; None: not known)."""
         blocks = None if width is None else prefix_pca_blocks((width - len(STATS)) // 2, self.pca_dims) or None
-        return ValueProbe(self.alpha, blocks, "observed" if self.clip is None else tuple(self.clip))
+        return self.head(blocks)
 
     @property
     def learners(self) -> tuple[OnlineLearner, ...]:
         return (self.learner,)
 
     @property
-    def probe(self) -> ValueProbe:
+    def probe(self) -> Any:
         return self.learner.probe
 
     @property

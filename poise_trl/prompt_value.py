@@ -11,6 +11,7 @@ import torch
 
 from .heads import ValueHead
 from .learner import OnlineLearner
+from .row import FeatureRow
 
 
 def fit_prompt_values(
@@ -20,22 +21,18 @@ def fit_prompt_values(
     head: ValueHead,
     min_rows: int,
     prompt_features: torch.Tensor,
-    last_columns: int = 0,
+    row: FeatureRow | None = None,
 ) -> torch.Tensor | None:
-    """(M,) predicted success value of each candidate prompt from its (M, width + last_columns) `prompt_features`, the
-    prompt block and then the prompt's own `last_columns` (its history): the unfitted `head` (settings for those
-    columns) fitted on every learner's buffered prompt-block columns [start, stop) of slice `layer_index` beside its
-    last `last_columns` columns. None with fewer than `min_rows` rows buffered."""
+    """(M,) predicted success value of each candidate prompt from its (M, ...) `prompt_features`, laid out as
+    `row.prompt_inputs` lays out a buffered row (the prompt block [start, stop), then its history if the row holds
+    one): the unfitted `head` (settings for those columns) fitted on every learner's buffered rows of slice
+    `layer_index`. None with fewer than `min_rows` rows buffered."""
     buffers = [learner.buffer for learner in learners if len(learner.buffer)]
     if sum(map(len, buffers)) < min_rows:
         return None
-    start, stop = columns
+    row = FeatureRow() if row is None else row
     device = prompt_features.device
-    x = torch.cat([b.features[:, layer_index, start:stop] for b in buffers])
-    if last_columns:
-        last = torch.cat([b.features[:, layer_index, -last_columns:] for b in buffers])
-        x = torch.cat([x, last], dim=1)
-    x = x.to(device)
+    x = torch.cat([row.prompt_inputs(b.features[:, layer_index], columns) for b in buffers]).to(device)
     y = torch.cat([b.targets for b in buffers]).to(device)
     return head.fit(x, y, check_finite=False).predict(prompt_features)  # buffered rows are finite
 

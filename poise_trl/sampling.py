@@ -1,10 +1,11 @@
 """Prompt sampling: which of a generation batch's candidate prompts to generate for, from predicted prompt values.
 Pure torch; the trainer's mixin (selection.py) and the benches call it, and it knows nothing of either.
 
-A rule is one entry of `RULES` (the name `prompt_selection` takes): it maps the candidates' predicted values (None
-while no probe is trusted), the observed reward range, how many to keep, a seeded generator and the floor (the share
-of uniform probability a rule that draws in proportion keeps on every candidate) to a `Draw`, the kept candidates with
-their importance weights. Draws are seeded from (seed, rank, step) alone (`draw_generator`), so a
+A rule is one entry of `RULES` (the name `prompt_selection` takes): a frozen dataclass whose fields are its own
+settings (each naming the `POISEConfig` field that sets it), called with the candidates' predicted values (None while
+no probe is trusted), the observed reward range, how many to keep and a seeded generator, and returning a `Draw`, the
+kept candidates with their importance weights. `check_objective` refuses the trainer settings under which the rule
+would not train on the objective it claims. Draws are seeded from (seed, rank, step) alone (`draw_generator`), so a
 resumed run draws what the uninterrupted one drew without saving a counter.
 
 - "value" (beyond the paper, biased): the `keep` candidates of highest predicted reward variance v(1 - v), v the
@@ -30,8 +31,9 @@ error and for the prediction's own error (a prompt predicted at v = 0 may still 
 1 / floor.
 """
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol
 
 import torch
 
@@ -48,10 +50,20 @@ class Draw:
     scores: list[float] | None = None
 
 
-Rule = Callable[
-    [int, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None, int, torch.Generator, float], Draw
-]
-"""(candidates, predicted values (M,) or None, observed reward range or None, keep, generator, floor) -> Draw."""
+class Rule(Protocol):
+    """A sampling rule with its own settings. Until a probe predicts, every rule draws uniformly (`draw`)."""
+
+    def __call__(
+        self,
+        values: torch.Tensor,
+        reward_range: tuple[torch.Tensor, torch.Tensor],
+        keep: int,
+        generator: torch.Generator,
+    ) -> Draw:
+        """(predicted values (M,) of the candidates, observed reward range, keep, generator) -> Draw."""
+
+    def check_objective(self, config: Any) -> None:
+        """Refuse a trainer configuration (POISEConfig's loss fields) under which the rule misses its objective."""
 
 
 def draw_generator(seed: int, rank: int, step: int) -> torch.Generator:
@@ -95,43 +107,126 @@ def importance_weights(probabilities: torch.Tensor) -> torch.Tensor:
     return 1 / (probabilities.numel() * probabilities)
 
 
-def highest_variance(
-    candidates: int,
-    values: torch.Tensor | None,
-    reward_range: tuple[torch.Tensor, torch.Tensor] | None,
-    keep: int,
-    generator: torch.Generator,
-    floor: float,
-) -> Draw:
-    """The "value" rule: top-k by predicted reward variance; uniform while there is no prediction. Biased."""
-    if values is None or reward_range is None:
-        return Draw(uniform(candidates, keep, generator))
-    scores = reward_variance(values, *reward_range).tolist()  # the draw's one transfer: decided on the host
-    return Draw(top_k(scores, keep), scores=scores)
+@dataclass(frozen=True)
+class HighestVariance:
+    """The "value" rule: top-k by predicted reward variance. Biased: it claims no objective, so it refuses nothing."""
+
+    def __call__(
+        self,
+        values: torch.Tensor,
+        reward_range: tuple[torch.Tensor, torch.Tensor],
+        keep: int,
+        generator: torch.Generator,
+    ) -> Draw:
+        scores = reward_variance(values, *reward_range).tolist()  # the draw's one transfer: decided on the host
+        return Draw(top_k(scores, keep), scores=scores)
+
+    def check_objective(self, config: Any) -> None:
+        return None
 
 
-def importance(
-    candidates: int,
-    values: torch.Tensor | None,
-    reward_range: tuple[torch.Tensor, torch.Tensor] | None,
-    keep: int,
-    generator: torch.Generator,
-    floor: float,
-) -> Draw:
-    """The "importance" rule: `keep` draws with replacement from `importance_probabilities`, with their weights;
-    uniform without replacement, weights 1, while there is no prediction."""
-    if values is None or reward_range is None:
-        return Draw(uniform(candidates, keep, generator))
-    bounds = torch.stack([torch.as_tensor(b, device=values.device).reshape(()) for b in reward_range])
-    host = torch.cat([values.detach().flatten(), bounds.to(values.dtype)]).double().cpu()  # the draw's one transfer
-    values, (low, high) = host[:-2], host[-2:].tolist()
-    q = importance_probabilities(values, low, high, floor)
-    indices = sorted(torch.multinomial(q, keep, replacement=True, generator=generator).tolist())
-    weights = importance_weights(q)[indices].tolist()
-    return Draw(indices, weights, reward_variance(values, low, high).tolist())
+# TRL `loss_type` -> how the importance sampler's weighted step keeps the uniform objective under it. Every loss is
+# positively homogeneous in the advantages, so a row's weight may multiply them; what differs is the normaliser.
+# "constant": the loss divides by something the draw does not change (grpo/sapo: each sequence over its own tokens,
+# then the mean over the micro-batch's rows; dr_grpo: rows x max_completion_length; luspo: the mean over rows), so the
+# weighted step's expectation is the uniform one, exactly. "weighted token count": the loss divides by
+# `num_items_in_batch`, the generation batch's token count, which the trainer replaces by the importance-weighted count
+# (each row's tokens times its weight, the weights rescaled to sum to the rows; unchanged under uniform draws), so
+# numerator and denominator both estimate the uniform batch's; the ratio's finite-batch difference from the uniform
+# step is measured by exact enumeration in docs/prompt-selection.md. A loss missing here (TRL's "bnpo": the
+# micro-batch's own token count, computed inside TRL's loss) is refused.
+IMPORTANCE_LOSS_TYPES = {
+    "grpo": "constant",
+    "dr_grpo": "constant",
+    "sapo": "constant",
+    "luspo": "constant",
+    "dapo": "weighted token count",
+    "cispo": "weighted token count",
+    "vespo": "weighted token count",
+}
 
 
-RULES: dict[str, Rule] = {"value": highest_variance, "importance": importance}
+@dataclass(frozen=True)
+class Importance:
+    """The "importance" rule: `keep` draws with replacement from `importance_probabilities` at `floor`, with their
+    weights."""
+
+    floor: float = field(default=DEFAULT_FLOOR, metadata={"config": "prompt_selection_floor"})
+
+    def __post_init__(self):
+        check_floor(self.floor)
+
+    def __call__(
+        self,
+        values: torch.Tensor,
+        reward_range: tuple[torch.Tensor, torch.Tensor],
+        keep: int,
+        generator: torch.Generator,
+    ) -> Draw:
+        bounds = torch.stack([torch.as_tensor(b, device=values.device).reshape(()) for b in reward_range])
+        host = (
+            torch.cat([values.detach().flatten(), bounds.to(values.dtype)]).double().cpu()
+        )  # the draw's one transfer
+        values, (low, high) = host[:-2], host[-2:].tolist()
+        q = importance_probabilities(values, low, high, self.floor)
+        indices = sorted(torch.multinomial(q, keep, replacement=True, generator=generator).tolist())
+        weights = importance_weights(q)[indices].tolist()
+        return Draw(indices, weights, reward_variance(values, low, high).tolist())
+
+    def check_objective(self, config: Any) -> None:
+        """The importance weights multiply the advantages only: refuse the loss terms and normalisers they cannot
+        reach, which would average over the q-tilted prompts instead of the uniform ones."""
+        if config.loss_type not in IMPORTANCE_LOSS_TYPES:
+            working = ", ".join(map(repr, IMPORTANCE_LOSS_TYPES))
+            raise ValueError(
+                f"prompt_selection='importance' with loss_type={config.loss_type!r}: the importance weights keep the "
+                "uniform objective only where the loss divides by a constant or by the generation batch's token "
+                "count, which the trainer weights ('bnpo' divides by the micro-batch's, counted inside TRL's loss). "
+                f"Use one of {working} (the default 'dapo' included), or set prompt_selection=None."
+            )
+        unseen = "does not see the advantages, which carry the importance weights"
+        terms = {
+            "beta": (config.beta != 0.0, "beta=0.0", f"the KL penalty {unseen}"),
+            "entropy_coef": (config.entropy_coef != 0.0, "entropy_coef=0.0", f"the entropy bonus {unseen}"),
+            "use_adaptive_entropy": (
+                config.use_adaptive_entropy,
+                "use_adaptive_entropy=False",
+                f"the entropy bonus {unseen}",
+            ),
+            "top_entropy_quantile": (
+                config.top_entropy_quantile < 1.0,
+                "top_entropy_quantile=1.0",
+                "the top-entropy token mask takes its quantile over the drawn batch's tokens",
+            ),
+        }
+        for name, (active, fix, why) in terms.items():
+            if active:
+                raise ValueError(
+                    f"prompt_selection='importance' with {name}={getattr(config, name)!r}: {why}, so it averages over "
+                    "prompts drawn in proportion to q instead of uniform ones and the step no longer targets the "
+                    f"uniform objective. Set {fix}, or prompt_selection=None."
+                )
+
+
+RULES: dict[str, type] = {"value": HighestVariance, "importance": Importance}
+
+
+def make_rule(name: str, settings: Mapping[str, Any]) -> Rule:
+    """The rule `name` with its own settings, each taken from `settings` where present (a pool, e.g. every rule's
+    settings at once: each rule reads only its own)."""
+    if name not in RULES:
+        raise ValueError(f"prompt_selection={name!r} is not a sampling rule: choose one of {sorted(RULES)}.")
+    unknown = sorted(set(settings) - {f.name for rule in RULES.values() for f in fields(rule)})
+    if unknown:
+        raise TypeError(f"{unknown} are settings of no sampling rule.")
+    rule = RULES[name]
+    return rule(**{f.name: settings[f.name] for f in fields(rule) if f.name in settings})
+
+
+def rule_from_config(config: Any) -> Rule:
+    """The rule `config.prompt_selection` names, its settings read from the config fields its fields name."""
+    rule = RULES[config.prompt_selection]
+    return rule(**{f.name: getattr(config, f.metadata["config"]) for f in fields(rule)})
 
 
 def draw(
@@ -144,10 +239,12 @@ def draw(
     seed: int,
     rank: int,
     step: int,
-    floor: float = DEFAULT_FLOOR,
+    **settings: Any,
 ) -> Draw:
     """One process's draw of `keep` of its `candidates` prompts under the rule named `rule`, seeded by (seed, rank,
-    step); `floor` is the importance rule's share of uniform probability."""
-    if rule not in RULES:
-        raise ValueError(f"prompt_selection={rule!r} is not a sampling rule: choose one of {sorted(RULES)}.")
-    return RULES[rule](candidates, values, reward_range, keep, draw_generator(seed, rank, step), floor)
+    step); `settings` may hold every rule's (e.g. `floor`, the importance rule's): the rule takes its own. Without
+    predicted `values` (no trusted probe yet) every rule draws uniformly without replacement, weights 1."""
+    chosen, generator = make_rule(rule, settings), draw_generator(seed, rank, step)
+    if values is None or reward_range is None:
+        return Draw(uniform(candidates, keep, generator))
+    return chosen(values, reward_range, keep, generator)

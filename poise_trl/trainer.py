@@ -140,9 +140,10 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
             self.marker_ids = self._tokenizer(args.reasoning_end_marker, add_special_tokens=False)["input_ids"]
             if not self.marker_ids:
                 raise ValueError(f"reasoning_end_marker={args.reasoning_end_marker!r} tokenizes to no tokens.")
-        self.estimator = POISEEstimator(
-            self.num_generations,
-            **args.estimator_settings(len(find_decoder_layers(base)), self.hidden_size),
+        self.estimator = POISEEstimator.from_config(
+            args,
+            len(find_decoder_layers(base)),
+            self.hidden_size,
             broadcast=(lambda t: broadcast(t, from_process=0)) if self.accelerator.num_processes > 1 else None,
         )
         if args.probe_domain_column is None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from datasets import Dataset
 
-from poise_trl.models.tiny import save_tiny
+from poise_lab.models.tiny import save_tiny
 
 CPU_ARGS = dict(
     use_cpu=True,
@@ -95,7 +95,7 @@ def spy_batch_advantages(trainer: Any, monkeypatch: Any, record: Callable[[tuple
 def demo_cache(tmp_path_factory) -> Path:
     """An `$XDG_CACHE_HOME` holding the demo's warm-started model as `make demo` leaves it, built once per session;
     tests set the variable to it, so user-facing code that reuses the demo's cache finds the model there."""
-    from poise_trl.models.toy import prepare_demo_model
+    from poise_lab.models.toy import prepare_demo_model
 
     xdg_cache_home = tmp_path_factory.mktemp("xdg_cache")
     prepare_demo_model(xdg_cache_home / "poise-trl")
@@ -106,6 +106,6 @@ def demo_cache(tmp_path_factory) -> Path:
 def real_model_path(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct from its PyPI package, converted once per session (about 20 s on 2 cores) into a temporary
     cache; `make test` installs the package."""
-    from poise_trl.models.real import prepare_real_model
+    from poise_lab.models.real import prepare_real_model
 
     return prepare_real_model("smollm2-135m", tmp_path_factory.mktemp("real"))

@@ -6,7 +6,7 @@ import torch
 
 from poise_trl.estimator import POISEEstimator
 
-from .test_estimator import G, _batch, _trained
+from .test_estimator import SPEC, G, _batch, _trained, spec
 
 
 def test_bootstrap_counts_the_rows_that_really_got_the_fallback():
@@ -34,18 +34,18 @@ def test_unscorable_rows_are_counted_apart_from_dropped_features():
 
 def test_the_partner_reward_column_stays_outside_an_integer_pca():
     """pca_dims=4 is the PCA of the 6 feature columns; the reward (column 7) passes through it untouched."""
-    estimator = _trained(steps=2, pca_dims=4)
+    estimator = _trained(steps=2, settings=spec(head={"pca_dims": 4}))
     probe = estimator.probes["default"].probe
     assert probe._pca_blocks == [(0, 6)] and probe.fitted_pca_dims == [4]
     with pytest.raises(ValueError, match=r"covers column 6, the partner-reward column"):
-        _trained(steps=1, pca_dims=[(0, 7, 4)])
+        _trained(steps=1, settings=spec(head={"pca_dims": [(0, 7, 4)]}))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_reward_column_keeps_fp32_whatever_the_features_dtype(dtype):
     x, r, groups, _ = _batch(0)
     r = torch.where(r > 0, 70_000.3, 0.3)  # 0.3 reads 0.30078125 in bf16; 70,000 overflows fp16
-    estimator = POISEEstimator(G, alpha=1.0, warmup_steps=1)
+    estimator = POISEEstimator(G, SPEC)
     result = estimator.advantages(x.to(dtype), r)
     estimator.observe(x.to(dtype), r, groups)
     buffered = estimator.probes["default"].buffer.features[:, 0, -1]
@@ -57,7 +57,7 @@ def test_rows_whose_reward_overflows_the_column_are_dropped_and_counted():
     x, r, groups, _ = _batch(0)
     r = r.double()
     r[0] = 1e39  # finite in float64, inf in the fp32 column
-    estimator = POISEEstimator(G, alpha=1.0, warmup_steps=1)
+    estimator = POISEEstimator(G, SPEC)
     metrics = estimator.advantages(x, r).metrics()
     estimator.observe(x, r, groups)
     assert metrics["feature_rows_dropped"] == 1.0

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from poise_lab.bench.value.resolve import load_reward_fn
 from poise_trl import cli
-from poise_trl.bench.value.resolve import load_reward_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_OPTIONS = (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)
@@ -65,6 +65,19 @@ def test_help_pages_have_no_placeholder_defaults_or_internal_wording(parser):
         assert internal not in text, f"{parser.prog} --help says {internal!r}"
 
 
+def test_parsing_every_subcommand_imports_no_heavy_library():
+    """`--help` stays fast: the parsers, the lab's registered ones included, load neither torch nor TRL nor the
+    lab's plotting; the handlers import them when they run."""
+    code = (
+        "import sys\nfrom poise_trl import cli\nparser = cli.build_parser()\n"
+        "assert {'bench', 'demo', 'eval', 'train'} <= set(parser._subparsers._group_actions[0].choices)\n"
+        "print(sorted({name.split('.')[0] for name in sys.modules} & {'torch', 'trl', 'transformers', 'matplotlib'}))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--version"])
@@ -87,7 +100,7 @@ def test_plot_on_a_missing_folder(tmp_path, capsys):
 
 
 def test_probe_bench_k_1_fails_before_any_model_loads(tmp_path, capsys, monkeypatch):
-    from poise_trl.bench.value import report  # the handler, which holds its own reference to the collection step
+    from poise_lab.bench.value import report  # the handler, which holds its own reference to the collection step
 
     monkeypatch.setattr(report, "collect_from_args", lambda *a: pytest.fail("loaded the model before checking --k"))
     assert cli.main(["probe-bench", "--k", "1", "--output-dir", str(tmp_path)]) == 2

@@ -61,8 +61,32 @@ def test_paper_preset_and_explicit_overrides():
             dict(probe_history=True, probe_granularity="prefix"),
             "probe_history=True with probe_granularity='prefix': the per-prefix value is applied inside the forward",
         ),
+        (dict(probe_head="mlp", probe_head_kwargs={"width": 8}), r"names \['width'\], not settings of the head 'mlp'"),
+        (dict(probe_head_kwargs="[1]"), r"probe_head_kwargs='\[1\]' must be a dict or a JSON object"),
+        (
+            dict(probe_bootstrap="mean"),
+            r"probe_bootstrap='mean' is not a bootstrap: choose one of \['rloo', 'shrunk'\]",
+        ),
     ],
 )
 def test_bad_values_raise_with_what_to_change(kwargs, message):
     with pytest.raises(ValueError, match=message):
         _config(**kwargs)
+
+
+def test_head_kwargs_parse_from_json_as_trls_dict_fields_do():
+    c = _config(probe_head="ensemble", probe_head_kwargs='{"children": ["ridge", "mlp"], "combine": "stack"}')
+    assert c.probe_head_kwargs == {"children": ["ridge", "mlp"], "combine": "stack"}
+    assert _config().probe_head_kwargs is None
+
+
+def test_the_help_texts_hold_no_measured_figure():
+    """What a setting measured lives on the docs' pages, which the help links (and which are rewritten when rerun)."""
+    import dataclasses
+    import re
+
+    for field in dataclasses.fields(POISEConfig):
+        text = field.metadata.get("help", "")
+        assert not re.search(
+            r"\d+(\.\d+)?x (GRPO|fewer|faster)|\bW\b|cut the probe's error|measured with the", text
+        ), field.name

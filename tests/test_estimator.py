@@ -3,6 +3,7 @@ learner), the sampler's prompt values and draws on resume, and one device->host 
 
 import json
 import shutil
+from dataclasses import is_dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -11,11 +12,25 @@ from safetensors.torch import load_file
 
 from poise_trl import sampling
 from poise_trl.estimator import POISEEstimator
+from poise_trl.specs import BufferSpec, EstimatorSpec, HeadSpec, LayerSpec, PromptSpec
 
 from .host_sync import HostSyncCounter
 
 LEGACY = Path(__file__).parent / "fixtures" / "legacy"
 G = 2
+SPEC = EstimatorSpec(head=HeadSpec(alpha=1.0), buffer=BufferSpec(warmup_steps=1))
+"""The tests' estimator: ridge alpha 1, trusted after one observed step."""
+
+
+def spec(base: EstimatorSpec = SPEC, **changes) -> EstimatorSpec:
+    """`base` with `changes`: a field, or a part's fields as a dict (`head={"name": "mlp"}`)."""
+    parts = {
+        key: replace(getattr(base, key), **value)
+        if isinstance(value, dict) and is_dataclass(getattr(base, key))
+        else value
+        for key, value in changes.items()
+    }
+    return replace(base, **parts)
 
 
 def _batch(step: int, n: int = 16, width: int = 6, domains: bool = False, rewards: tuple = (0.0, 1.0)):
@@ -29,10 +44,10 @@ def _batch(step: int, n: int = 16, width: int = 6, domains: bool = False, reward
     return x, r, groups, names
 
 
-def _trained(steps: int = 4, **settings) -> POISEEstimator:
-    estimator = POISEEstimator(G, alpha=1.0, warmup_steps=1, **settings)
+def _trained(steps: int = 4, settings: EstimatorSpec = SPEC, domains: bool = False) -> POISEEstimator:
+    estimator = POISEEstimator(G, settings)
     for step in range(steps):
-        x, r, groups, names = _batch(step, domains="domain" in settings.get("feature_config", {}))
+        x, r, groups, names = _batch(step, domains=domains)
         estimator.advantages(x, r, domains=names)
         estimator.observe(x, r, groups, domains=names)
     return estimator
@@ -77,12 +92,13 @@ def test_the_random_selection_stream_resumes_where_the_checkpoint_left_it(tmp_pa
         estimator.observe(*_batch(estimator.steps)[:3])
         return drawn
 
-    estimator = POISEEstimator(G, warmup_steps=100)
+    never_trusted = spec(EstimatorSpec(), buffer={"warmup_steps": 100})
+    estimator = POISEEstimator(G, never_trusted)
     uninterrupted = [choice(estimator) for _ in range(5)]
-    first = POISEEstimator(G, warmup_steps=100)
+    first = POISEEstimator(G, never_trusted)
     [choice(first) for _ in range(2)]
     first.save(tmp_path / "e.safetensors")
-    resumed = POISEEstimator(G, warmup_steps=100)
+    resumed = POISEEstimator(G, never_trusted)
     resumed.load(tmp_path / "e.safetensors")
     assert [choice(resumed) for _ in range(3)] == uninterrupted[2:]
     assert len({tuple(c) for c in uninterrupted}) > 1
@@ -101,7 +117,7 @@ def test_a_resumed_estimator_draws_the_importance_samplers_prompts_and_weights_e
         return drawn
 
     def estimator() -> POISEEstimator:
-        return POISEEstimator(G, alpha=1.0, warmup_steps=2, prompt_columns=(0, 6))
+        return POISEEstimator(G, spec(buffer={"warmup_steps": 2}, prompt=PromptSpec((0, 6))))
 
     full = estimator()
     uninterrupted = [choice(full) for _ in range(6)]
@@ -118,7 +134,7 @@ def test_a_resumed_estimator_draws_the_importance_samplers_prompts_and_weights_e
 def test_selection_scores_the_reward_variance_on_the_observed_reward_range(low, high):
     """q(1 - q) with q the predicted value mapped from the observed [low, high] to [0, 1]: with ±1 rewards a
     prompt predicted at 0 (50% success) scores highest, not one at 0.5 (75% success) as p(1 - p) would say."""
-    estimator = POISEEstimator(G, alpha=1.0, warmup_steps=1, prompt_columns=(0, 6))
+    estimator = POISEEstimator(G, spec(prompt=PromptSpec((0, 6))))
     for step in range(3):
         x, r, groups, _ = _batch(step, rewards=(low, high))
         estimator.observe(x, r, groups)
@@ -128,19 +144,20 @@ def test_selection_scores_the_reward_variance_on_the_observed_reward_range(low, 
 
 
 def test_selection_waits_for_a_trusted_probe_and_a_warm_start_is_trusted(tmp_path):
-    cold = POISEEstimator(G, alpha=1.0, warmup_steps=5, prompt_columns=(0, 6))
+    slow = spec(buffer={"warmup_steps": 5}, prompt=PromptSpec((0, 6)))
+    cold = POISEEstimator(G, slow)
     x, r, groups, _ = _batch(0)
     cold.observe(x, r, groups)
     assert not cold.trusted and cold.prompt_values(torch.zeros(3, 6)) is None
-    _trained(3, prompt_columns=(0, 6)).save(tmp_path / "e.safetensors")
-    warm = POISEEstimator(G, alpha=1.0, warmup_steps=5, prompt_columns=(0, 6))
+    _trained(3, spec(prompt=PromptSpec((0, 6)))).save(tmp_path / "e.safetensors")
+    warm = POISEEstimator(G, slow)
     warm.load(tmp_path / "e.safetensors", warm_start=True)
     assert warm.trusted and warm.prompt_values(torch.zeros(3, 6)).shape == (3,)
 
 
 def test_one_host_transfer_per_step():
     """`advantages`, `observe` and reading the metrics and logged rows cost one device->host transfer together."""
-    estimator = POISEEstimator(G, alpha=1.0, warmup_steps=1, scale_rewards="batch")
+    estimator = POISEEstimator(G, spec(scale_rewards="batch"))
     counter = HostSyncCounter()
     for step in range(5):
         x, r, groups, _ = _batch(step)
@@ -159,19 +176,13 @@ def test_one_host_transfer_per_step():
 def _legacy_estimator() -> POISEEstimator:
     """Configured as tests/fixtures/legacy/make_legacy.py's run (its probe file's settings)."""
     info = json.loads((LEGACY / "probe.safetensors.json").read_text())
-    return POISEEstimator(
-        G,
-        alpha=100.0,
-        pca_dims=[(0, 16, 16), (16, 32, 16)],
-        warmup_steps=1,
-        layers=[1],
-        feature_config={**info["feature_config"], "probe_domain_column": None},
-    )
+    settings = spec(head={"alpha": 100.0, "pca_dims": [(0, 16, 16), (16, 32, 16)]}, layers=LayerSpec(ids=(1,)))
+    return POISEEstimator(G, settings, feature_config={**info["feature_config"], "probe_domain_column": None})
 
 
 def test_the_trainer_resumes_a_0_1_checkpoint_and_warns_without_one(tmp_path):
+    from poise_lab.models.tiny import save_tiny
     from poise_trl import POISETrainer
-    from poise_trl.models.tiny import save_tiny
 
     from .conftest import digit_dataset, digit_reward, short_args
 

@@ -16,21 +16,22 @@ from poise_trl.estimator import POISEEstimator
 from poise_trl.files import load_probe_file, read_state, save_probe_file
 from poise_trl.heads import HEADS
 from poise_trl.probe import ValueProbe
+from poise_trl.specs import PromptSpec
 
-from .test_estimator import LEGACY, G, _batch, _legacy_estimator, _trained
+from .test_estimator import LEGACY, G, _batch, _legacy_estimator, _trained, spec
 from .test_probe import _data
 
 
 def test_state_round_trips_bit_for_bit_through_one_atomic_file(tmp_path):
-    settings = dict(scale_rewards="batch", domain_buffer_sizes={"code": 8}, feature_config={"domain": True})
-    estimator = _trained(6, **settings)
+    settings = spec(scale_rewards="batch", buffer={"domain_sizes": {"code": 8}})
+    estimator = _trained(6, settings, domains=True)
     path = tmp_path / "poise.safetensors"
     estimator.save(path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["poise.safetensors"]  # one file, no temporary left
     with safe_open(str(path), framework="pt") as f:
         assert json.loads(f.metadata()["poise"])["format"] == "poise-estimator/1"
 
-    loaded = POISEEstimator(G, alpha=1.0, warmup_steps=1, **settings)
+    loaded = POISEEstimator(G, settings)
     loaded.load(path)
     saved, restored = estimator.state_dict(), loaded.state_dict()
     assert saved["info"] == restored["info"]
@@ -66,10 +67,10 @@ def test_an_interrupted_write_keeps_the_previous_file(tmp_path, monkeypatch):
 
 
 def test_resume_refuses_another_bootstrap_and_warm_start_accepts_it(tmp_path):
-    _trained(2, bootstrap="shrunk").save(tmp_path / "e.safetensors")
+    _trained(2, spec(bootstrap="shrunk")).save(tmp_path / "e.safetensors")
     with pytest.raises(ValueError, match="probe_bootstrap='shrunk'.*this run sets probe_bootstrap='rloo'"):
-        POISEEstimator(G, alpha=1.0, bootstrap="rloo").load(tmp_path / "e.safetensors")
-    warm = POISEEstimator(G, alpha=1.0, bootstrap="rloo")
+        POISEEstimator(G, spec(bootstrap="rloo")).load(tmp_path / "e.safetensors")
+    warm = POISEEstimator(G, spec(bootstrap="rloo"))
     warm.load(tmp_path / "e.safetensors", warm_start=True)
     assert warm.trusted and warm.steps == 0
 
@@ -117,10 +118,10 @@ def test_state_file_round_trip_predicts_identically(tmp_path):
 @pytest.mark.parametrize("head", sorted(HEADS))
 def test_every_head_resumes_exactly_from_the_file(tmp_path, head):
     """The sequence value and the sampler's prompt values continue bit for bit after a save and load."""
-    settings = dict(head=head, prompt_columns=(0, 4))
-    estimator = _trained(3, **settings)
+    settings = spec(head={"name": head}, prompt=PromptSpec((0, 4)))
+    estimator = _trained(3, settings)
     estimator.save(tmp_path / "e.safetensors")
-    loaded = POISEEstimator(G, alpha=1.0, warmup_steps=1, **settings)
+    loaded = POISEEstimator(G, settings)
     loaded.load(tmp_path / "e.safetensors")
     assert loaded.state_dict()["info"]["domains"][0]["head"] == head
     assert type(loaded.probes["default"].probe) is HEADS[head]
@@ -137,10 +138,10 @@ def test_a_file_without_head_names_holds_ridge_and_another_head_is_refused(tmp_p
     state = _trained(2).state_dict()
     for domain in state["info"]["domains"]:
         del domain["head"]  # as written before heads had names
-    old = POISEEstimator(G, alpha=1.0, warmup_steps=1)
+    old = POISEEstimator(G, spec())
     old.load_state_dict(state)
     assert type(old.probes["default"].probe) is ValueProbe and old.probes["default"].trusted
     with pytest.raises(ValueError, match="refits with head 'ridge' .*, but this run sets head 'logistic'"):
-        POISEEstimator(G, alpha=1.0, head="logistic").load_state_dict(state)
+        POISEEstimator(G, spec(head={"name": "logistic"})).load_state_dict(state)
     with pytest.raises(ValueError, match="is a 'ridge' head, but this run's head is 'mlp'"):
-        POISEEstimator(G, alpha=1.0, head="mlp").load_state_dict(state, warm_start=True)
+        POISEEstimator(G, spec(head={"name": "mlp"})).load_state_dict(state, warm_start=True)

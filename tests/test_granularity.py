@@ -5,8 +5,10 @@ import torch
 
 from poise_trl.granularity import GRANULARITIES, PrefixBaseline, SequenceBaseline
 from poise_trl.prefix import STATS, PrefixBatch, feature_width
+from poise_trl.specs import HeadSpec
 
 D = 6  # hidden size of the made-up rows
+RIDGE = HeadSpec(alpha=1.0).build  # the per-prefix head for some PCA blocks
 
 
 def _batch(n: int = 4, k: int = 4, t: int = 5, seed: int = 0, values: bool = False) -> PrefixBatch:
@@ -27,10 +29,12 @@ def test_the_table_maps_each_name_to_an_entry_with_the_same_calls():
         assert entry.name == name
         for call in (*calls, "load_state"):
             assert callable(getattr(entry, call)), (name, call)
+        assert isinstance(entry.takes_history, bool) and isinstance(entry.one_layer, bool)
+        assert all(isinstance(method, str) for method in entry.head_methods)
 
 
 def test_the_sequence_granularity_adds_nothing_per_token():
-    sequence = SequenceBaseline(alpha=1.0, pca_dims=(2, 2))
+    sequence = SequenceBaseline(head=RIDGE, pca_dims=(2, 2))
     rewards, receives = torch.rand(4), torch.ones(4, dtype=torch.bool)
     assert sequence.capturer(torch.ones(4, 3), torch.ones(4, 5), None, 2, torch.Generator()) is None
     assert sequence.advantages(None, rewards, receives, rewards) is None and sequence.diagnostics(None) == {}
@@ -38,7 +42,7 @@ def test_the_sequence_granularity_adds_nothing_per_token():
 
 
 def test_the_prefix_head_is_sized_by_the_first_rows_and_refits_only_after_a_capture():
-    prefix = PrefixBaseline(alpha=1.0, pca_dims=(2, 3), warmup_steps=1)
+    prefix = PrefixBaseline(RIDGE, pca_dims=(2, 3), warmup_steps=1)
     assert prefix.probe.pca_dims is None and not prefix.trusted and prefix.map() is None
     rewards, keep = torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([True, True, True, False])
     prefix.observe(_batch(), rewards, keep)
@@ -52,14 +56,14 @@ def test_the_prefix_head_is_sized_by_the_first_rows_and_refits_only_after_a_capt
 
 
 def test_the_prefix_state_round_trips_and_sizes_the_head_from_the_file():
-    prefix = PrefixBaseline(alpha=1.0, pca_dims=(2, 3), warmup_steps=1)
+    prefix = PrefixBaseline(RIDGE, pca_dims=(2, 3), warmup_steps=1)
     prefix.observe(_batch(), torch.rand(4), torch.ones(4, dtype=torch.bool))
     prefix.fit(_batch())
-    resumed = PrefixBaseline(alpha=1.0, pca_dims=(2, 3), warmup_steps=1)
+    resumed = PrefixBaseline(RIDGE, pca_dims=(2, 3), warmup_steps=1)
     resumed.load_state(prefix.state_dict(), prefix.info())
     assert resumed.probe.pca_dims == prefix.probe.pca_dims and resumed.trusted
     rows = _batch(seed=3).rows.flatten(0, 1)
     assert torch.equal(resumed.probe.predict(rows), prefix.probe.predict(rows))
-    fresh = PrefixBaseline(alpha=1.0, pca_dims=(2, 3))
+    fresh = PrefixBaseline(RIDGE, pca_dims=(2, 3))
     fresh.load_state({}, {})  # a sequence-level run's file: the per-prefix head starts afresh
     assert not fresh.probe.is_fitted and len(fresh.buffer) == 0

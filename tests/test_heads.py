@@ -1,11 +1,12 @@
-"""The value-head table: every entry satisfies the head interface, is built from a run's probe settings, survives
-settled buffers, round-trips exactly through its state and a learner's, and a saved head is rebuilt by name."""
+"""The value-head table: every entry satisfies the head interface, is built from a run's probe settings and its own
+(read from its constructor), survives settled buffers, round-trips exactly through its state and a learner's, and a
+saved head is rebuilt by name."""
 
 import pytest
 import torch
 
 from poise_trl.ensemble import EnsembleProbe
-from poise_trl.heads import HEADS, ValueHead, head_from_config
+from poise_trl.heads import HEADS, ValueHead, head_from_config, make_head, own_settings
 from poise_trl.learner import OnlineLearner
 from poise_trl.logistic import LogisticProbe
 from poise_trl.mlp import MLPProbe
@@ -24,6 +25,18 @@ def test_every_head_in_the_table_has_the_interface_and_its_name():
     assert HEADS == {"ridge": ValueProbe, "logistic": LogisticProbe, "mlp": MLPProbe, "ensemble": EnsembleProbe}
     for name, head in HEADS.items():
         assert head.name == name and isinstance(head(), ValueHead) and isinstance(head(**SETTINGS), ValueHead)
+
+
+def test_a_heads_own_settings_are_its_constructors_keywords_and_make_head_refuses_others():
+    assert {name: own_settings(name) for name in HEADS} == {
+        "ridge": [],
+        "logistic": [],
+        "mlp": ["hidden", "iterations", "learning_rate", "seed"],
+        "ensemble": ["children", "combine", "folds", "stack_alpha"],
+    }
+    assert make_head("mlp", **SETTINGS, hidden=7).hidden == 7
+    with pytest.raises(ValueError, match="The value head 'ridge' has no setting hidden: its own settings are none"):
+        make_head("ridge", hidden=7)
 
 
 @pytest.mark.parametrize("name", sorted(HEADS))

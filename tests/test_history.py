@@ -1,5 +1,5 @@
 """history.py with plain tensors (counts, decayed means, the cap and its eviction, keys every process computes alike,
-the state), and the estimator with `history=True`: a step's rewards never reach its own baselines but do reach the
+the state), and the estimator with a `HistorySpec`: a step's rewards never reach its own baselines but do reach the
 next step's, the sampler's prompt values read only earlier steps, and a resume from the file is exact."""
 
 import copy
@@ -14,8 +14,10 @@ import torch
 from poise_trl.buffer import prompt_group_ids
 from poise_trl.estimator import POISEEstimator
 from poise_trl.history import PromptHistory, segmented_sums
+from poise_trl.specs import EstimatorSpec, GranularitySpec, HistorySpec, PromptSpec
 
 from .host_sync import HostSyncCounter
+from .test_estimator import spec
 
 G = 2
 NAN = float("nan")
@@ -129,8 +131,11 @@ def _batch(step: int, n: int = 16, width: int = 6):
     return x, r, ids
 
 
-def _estimator(steps: int = 4, **settings) -> POISEEstimator:
-    estimator = POISEEstimator(G, alpha=1.0, warmup_steps=1, history=True, **settings)
+HISTORY = spec(history=HistorySpec())
+
+
+def _estimator(steps: int = 4, settings: EstimatorSpec = HISTORY) -> POISEEstimator:
+    estimator = POISEEstimator(G, settings)
     for step in range(steps):
         x, r, ids = _batch(step)
         estimator.observe(group_ids=ids, result=estimator.advantages(x, r, prompt_ids=ids))
@@ -142,7 +147,7 @@ def test_a_steps_rewards_never_reach_its_own_baselines_but_reach_the_next_steps(
     """Score one batch from the same state with its rewards perturbed: every baseline of the step stays bit for bit
     (without the partner's reward as input; with it, each rollout's own), while the history the next step reads,
     and so its baselines, move."""
-    estimator = _estimator(partner_reward=partner_reward)
+    estimator = _estimator(settings=spec(HISTORY, partner_reward=partner_reward))
     x, r, ids = _batch(10)
     flipped = torch.where(torch.arange(r.numel()) % 2 == 0, 1 - r, r)  # the first rollout of every prompt
     follow = _batch(11)
@@ -179,7 +184,7 @@ def test_without_prompt_ids_the_history_refuses_and_a_step_reads_only_earlier_on
 def test_the_samplers_prompt_values_read_the_history_before_the_step():
     """The prompt-only value of a candidate moves with its history alone (the same prompt states), and only
     `observe` changes that history."""
-    estimator = _estimator(steps=6, prompt_columns=(0, 3))
+    estimator = _estimator(steps=6, settings=spec(HISTORY, prompt=PromptSpec((0, 3))))
     states, ids = torch.zeros(2, 3), torch.tensor([17, 123456789])  # one seen prompt, one never seen
     before = estimator.prompt_values(states, ids)
     assert before.shape == (2,) and before[0] != before[1]
@@ -192,10 +197,10 @@ def test_the_samplers_prompt_values_read_the_history_before_the_step():
 def test_a_resume_from_the_file_is_exact_and_files_without_history_still_load(tmp_path):
     """Save after 3 steps, load into a fresh estimator, run 3 more on both: identical states, bit for bit. A file
     without history loads into an estimator without it; across the setting, a clear error."""
-    settings = dict(prompt_columns=(0, 3), history_decay=0.9, history_size=5)
-    first = _estimator(steps=3, **settings)
+    settings = spec(prompt=PromptSpec((0, 3)), history=HistorySpec(decay=0.9, size=5))
+    first = _estimator(steps=3, settings=settings)
     first.save(tmp_path / "e.safetensors")
-    resumed = POISEEstimator(G, alpha=1.0, warmup_steps=1, history=True, **settings)
+    resumed = POISEEstimator(G, settings)
     resumed.load(tmp_path / "e.safetensors")
     for step in range(3, 6):
         x, r, ids = _batch(step)
@@ -205,27 +210,29 @@ def test_a_resume_from_the_file_is_exact_and_files_without_history_still_load(tm
     assert a["info"] == b["info"] and a["tensors"].keys() == b["tensors"].keys()
     assert all(torch.equal(v, b["tensors"][k]) for k, v in a["tensors"].items())
     assert a["info"]["history"] == {"size": 5, "decay": 0.9, "steps": 6} and "history.keys" in a["tensors"]
-    plain = POISEEstimator(G, alpha=1.0, warmup_steps=1)
+    plain = POISEEstimator(G, spec())
     plain.observe(*_batch(0)[:2])
     plain.save(tmp_path / "plain.safetensors")
-    POISEEstimator(G, alpha=1.0).load(tmp_path / "plain.safetensors")
+    POISEEstimator(G, spec()).load(tmp_path / "plain.safetensors")
     with pytest.raises(ValueError, match=r"probe_history=False, but this run sets probe_history=True"):
-        POISEEstimator(G, history=True).load(tmp_path / "plain.safetensors")
+        POISEEstimator(G, EstimatorSpec(history=HistorySpec())).load(tmp_path / "plain.safetensors")
     with pytest.raises(ValueError, match=r"probe_history=True, but this run sets probe_history=False"):
         POISEEstimator(G).load(tmp_path / "e.safetensors", warm_start=True)
     with pytest.raises(ValueError, match=r"probe_history_size=5, probe_history_decay=0.9, but this run sets 8"):
-        POISEEstimator(G, alpha=1.0, history=True, history_size=8, history_decay=0.9).load(tmp_path / "e.safetensors")
+        POISEEstimator(G, spec(history=HistorySpec(size=8, decay=0.9))).load(tmp_path / "e.safetensors")
 
 
 @pytest.mark.parametrize(
-    ("settings", "message"),
+    ("build", "message"),
     [
-        (dict(history="yes"), r"history='yes' must be True"),
-        (dict(history=True, history_size=0), r"history_size=0 must be an int >= 1"),
-        (dict(history=True, history_decay=0.0), r"history_decay=0.0 must be in \(0, 1\]"),
-        (dict(history=True, granularity="prefix"), r"history=True with granularity='prefix': the per-prefix value"),
+        (lambda: HistorySpec(size=0), r"HistorySpec.size=0 must be an int >= 1"),
+        (lambda: HistorySpec(decay=0.0), r"HistorySpec.decay=0.0 must be in \(0, 1\]"),
+        (
+            lambda: EstimatorSpec(history=HistorySpec(), granularity=GranularitySpec("prefix")),
+            r"EstimatorSpec.history=True with GranularitySpec.name='prefix': the per-prefix value",
+        ),
     ],
 )
-def test_bad_history_settings_are_refused(settings, message):
+def test_bad_history_settings_are_refused(build, message):
     with pytest.raises(ValueError, match=message):
-        POISEEstimator(G, **settings)
+        build()

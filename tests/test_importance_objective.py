@@ -16,8 +16,7 @@ from trl import GRPOTrainer
 
 from poise_trl import POISEConfig, POISETrainer
 from poise_trl import selection as selection_module
-from poise_trl.config import IMPORTANCE_LOSS_TYPES
-from poise_trl.sampling import importance_probabilities, importance_weights
+from poise_trl.sampling import IMPORTANCE_LOSS_TYPES, importance_probabilities, importance_weights
 
 from .conftest import CPU_ARGS, digit_dataset, digit_reward, poise_args, spy_batch_advantages
 

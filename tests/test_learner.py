@@ -6,6 +6,7 @@ import torch
 from poise_trl.estimator import POISEEstimator
 from poise_trl.learner import OnlineLearner
 from poise_trl.probe import ValueProbe
+from poise_trl.specs import EstimatorSpec, GranularitySpec
 
 
 def _rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +67,7 @@ def test_a_buffer_saved_as_n_by_d_loads_as_one_slice():
 
 
 def test_one_learner_class_serves_both_granularities():
-    estimator = POISEEstimator(2, granularity="prefix")
+    estimator = POISEEstimator(2, EstimatorSpec(granularity=GranularitySpec("prefix")))
     estimator.observe(torch.randn(4, 3), torch.rand(4))
     assert all(type(online) is OnlineLearner for online in estimator.probes.values())
     assert [type(learner) for learner in estimator.token_baseline.learners] == [OnlineLearner]

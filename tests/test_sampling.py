@@ -6,8 +6,10 @@ import torch
 
 from poise_trl import sampling
 from poise_trl.estimator import POISEEstimator
+from poise_trl.specs import BufferSpec, EstimatorSpec
 
 UNIT = (torch.tensor(0.0), torch.tensor(1.0))
+NEVER_TRUSTED = EstimatorSpec(buffer=BufferSpec(warmup_steps=100))  # the bootstrap baseline throughout
 
 
 def test_the_value_rule_keeps_the_highest_predicted_variance_or_draws_uniformly_without_a_prediction():
@@ -101,7 +103,7 @@ def test_weighted_advantages_give_the_uniform_prompt_gradient_in_expectation(gro
     g, keep, trials = torch.Generator().manual_seed(1), 4, 3000
     p = torch.tensor([0.01, 0.03, 0.1, 0.3, 0.5, 0.7, 0.95, 0.99]).double()
     values = (p + 0.05 * torch.randn(8, generator=g, dtype=torch.float64)).clamp(0, 1)  # an imperfect prediction
-    estimator = POISEEstimator(group, warmup_steps=100)
+    estimator = POISEEstimator(group, NEVER_TRUSTED)
 
     def gradients(draws: list[sampling.Draw], weighted: bool) -> torch.Tensor:
         prompts = torch.tensor([i for d in draws for i in d.indices]).repeat_interleave(group)
@@ -125,8 +127,20 @@ def test_weighted_advantages_give_the_uniform_prompt_gradient_in_expectation(gro
 
 
 def test_weights_that_are_not_finite_and_positive_are_refused():
-    estimator = POISEEstimator(2, warmup_steps=100)
+    estimator = POISEEstimator(2, NEVER_TRUSTED)
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
     for weights in (torch.tensor([1.0, float("nan"), 1.0, 1.0]), torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.ones(3)):
         with pytest.raises(ValueError, match="weights must be \\(4,\\) finite and positive"):
             estimator.advantages(torch.randn(4, 3), rewards, weights=weights)
+
+
+def test_each_rule_takes_only_its_own_settings():
+    """A rule's settings are its fields: the value rule has none, the importance rule its floor (set by
+    `prompt_selection_floor`); a setting no rule has is refused."""
+    assert sampling.make_rule("value", {"floor": 0.2}) == sampling.HighestVariance()
+    assert sampling.make_rule("importance", {"floor": 0.2}) == sampling.Importance(floor=0.2)
+    assert sampling.make_rule("importance", {}).floor == sampling.DEFAULT_FLOOR
+    with pytest.raises(TypeError, match=r"\['temperature'\] are settings of no sampling rule"):
+        sampling.make_rule("value", {"temperature": 2.0})
+    with pytest.raises(ValueError, match=r"prompt_selection_floor=0 must be in \(0, 1\]"):
+        sampling.Importance(floor=0)

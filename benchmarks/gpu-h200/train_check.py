@@ -5,9 +5,9 @@ import sys
 
 import torch
 
+from poise_lab.bench.overhead.timing import any_text_reward
+from poise_lab.tasks.arith import make_arith_splits
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl.bench.overhead.timing import any_text_reward
-from poise_trl.tasks.arith import make_arith_splits
 
 model, out = sys.argv[1], sys.argv[2]
 cuda = torch.cuda.is_available()

@@ -1,5 +1,5 @@
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl.models.toy import default_cache_dir, prepare_demo_model
+from poise_lab.models.toy import default_cache_dir, prepare_demo_model
 from poise_trl.tasks.math_data import load_math_dataset
 from poise_trl.tasks.math_reward import math_answer_reward
 

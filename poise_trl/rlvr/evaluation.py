@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from poise_trl.models.avg_at_k import hf_sampler, resolve_backend, score_benchmark, vllm_sampler
+from poise_trl.rlvr.avg_at_k import hf_sampler, resolve_backend, score_benchmark, vllm_sampler
 from poise_trl.tasks.math_data import DEFAULT_BENCHMARKS, load_math_dataset, resolve_benchmark
 from poise_trl.tasks.math_reward import math_answer_reward
 

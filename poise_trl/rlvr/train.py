@@ -18,9 +18,7 @@ from pathlib import Path
 import yaml
 from trl import GRPOConfig, GRPOTrainer, ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
-from poise_trl import POISEConfig, POISETrainer
-from poise_trl.models.real import resolve_model
-from poise_trl.tasks.arith import ARITH_DATASET, arith_reward, make_arith_splits
+from poise_trl import POISEConfig, POISETrainer, plugins
 from poise_trl.tasks.math_data import dataset_hub_id, load_math_dataset
 from poise_trl.tasks.math_reward import math_answer_reward
 
@@ -45,7 +43,8 @@ class ScriptArguments:
         default="DAPO-Math-17k-en",
         metadata={
             "help": "A `poise_trl.tasks.math_data.BENCHMARKS` key, a Hub dataset id, a local .jsonl/.json/.parquet "
-            "file, or 'arith' (the offline arithmetic task of `poise_trl.tasks.arith`, with its first-number reward)."
+            "file, or a training task registered as an entry point `poise_trl.datasets` (the lab's 'arith': offline "
+            "chat arithmetic, with its first-number reward)."
         },
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})
@@ -119,8 +118,9 @@ def parse_args(
 
 
 def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: ModelConfig) -> GRPOTrainer:
-    """Train with the binary math-answer reward (arith's own on `arith`), then save the model and its card (and push
-    them when asked). A real model's name (`smollm2-135m`) is prepared from its package first."""
+    """Train with the binary math-answer reward (a registered task's own on its name, e.g. the lab's `arith`), then
+    save the model and its card (and push them when asked). A registered model name (entry points
+    `poise_trl.named_models`, e.g. the lab's `smollm2-135m`) is prepared first."""
     training_args.model_init_kwargs = {
         "revision": model_args.model_revision,
         "trust_remote_code": training_args.trust_remote_code,
@@ -128,8 +128,9 @@ def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: Mo
         "dtype": model_args.dtype,
         **(training_args.model_init_kwargs or {}),
     }
-    if script_args.dataset_name == ARITH_DATASET:
-        dataset, reward = make_arith_splits(script_args.max_train_samples or 2000)[0], arith_reward
+    tasks, models = plugins.registered(plugins.DATASETS), plugins.registered(plugins.MODELS)
+    if script_args.dataset_name in tasks:
+        dataset, reward = plugins.load(tasks[script_args.dataset_name])(script_args.max_train_samples)
     else:
         dataset, reward = (
             load_math_dataset(
@@ -143,8 +144,11 @@ def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: Mo
             math_answer_reward,
         )
     trainer_cls = TRAINERS[script_args.trainer][0]
+    model = model_args.model_name_or_path
+    if model in models:
+        model = str(plugins.load(models[model])(model))
     trainer = trainer_cls(
-        model=resolve_model(model_args.model_name_or_path),
+        model=model,
         reward_funcs=reward,
         args=training_args,
         train_dataset=dataset,
@@ -156,7 +160,7 @@ def main(script_args: ScriptArguments, training_args: GRPOConfig, model_args: Mo
         raise ValueError(zero_steps_reason(len(dataset), training_args))
 
     trainer.save_model(training_args.output_dir)
-    dataset_id = None if script_args.dataset_name == ARITH_DATASET else dataset_hub_id(script_args.dataset_name)
+    dataset_id = None if script_args.dataset_name in tasks else dataset_hub_id(script_args.dataset_name)
     trainer.create_model_card(model_name=Path(training_args.output_dir).name, dataset_name=dataset_id)
     trainer.accelerator.print(f"Model and model card saved to {training_args.output_dir}.")
     if training_args.push_to_hub:

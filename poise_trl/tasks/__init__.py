@@ -1,7 +1,4 @@
-"""The tasks the tools train and score on: prompts, answers and verifiable rewards.
-
-`toy` (sort, hops: offline, for the tiny model), `arith` (chat arithmetic for real instruct models), `math_data` (the
-paper's math datasets with the DAPO template) and `math_reward` (its math-verify reward). Used by `demo`, `bench`
-and `rlvr`; imports no tool. `toy`, `arith` and `math_data` import `datasets` only where they build one, so the
-command line reads their names and defaults cheaply.
+"""The RLVR kit's math tasks: `math_data` (the paper's math datasets with the DAPO template) and `math_reward` (its
+math-verify reward). Used by `rlvr` and by users' scripts; imports no tool. `math_data` imports `datasets` only where
+it builds one, so the command line reads its registry cheaply.
 """

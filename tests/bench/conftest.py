@@ -2,7 +2,7 @@
 
 import argparse
 
-from poise_trl.bench.cli import add_bench_parser
+from poise_lab.bench.cli import add_bench_parser
 
 
 def parse_bench(argv: list[str]) -> argparse.Namespace:

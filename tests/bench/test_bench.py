@@ -11,11 +11,11 @@ import threading
 import pytest
 import torch
 
-from poise_trl.bench.common import CONTENDERS, summarize
-from poise_trl.bench.efficiency import micro_batching
-from poise_trl.bench.overhead.timing import Baton
-from poise_trl.bench.settings import EfficiencySettings
-from poise_trl.bench.trainers import DynamicSampling
+from poise_lab.bench.common import CONTENDERS, summarize
+from poise_lab.bench.efficiency import micro_batching
+from poise_lab.bench.overhead.timing import Baton
+from poise_lab.bench.settings import EfficiencySettings
+from poise_lab.bench.trainers import DynamicSampling
 
 from .conftest import parse_bench
 
@@ -134,7 +134,7 @@ def test_efficiency_smoke_with_a_model_and_dataset(tmp_path, tiny_model_path, ca
 
 
 def test_probe_fit_times_each_head_against_ridge_and_reports_a_row_for_it():
-    from poise_trl.bench.overhead import format_report, probe_fit_benchmark
+    from poise_lab.bench.overhead import format_report, probe_fit_benchmark
 
     results = probe_fit_benchmark(1, hidden=80, rows=96, heads=["logistic", "ensemble"])
     for preset in results:

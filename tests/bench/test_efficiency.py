@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import poise_trl
-from poise_trl.bench import study as study_module
-from poise_trl.bench.cli import add_efficiency_parser
-from poise_trl.bench.common import (
+from poise_lab.bench import study as study_module
+from poise_lab.bench.cli import add_efficiency_parser
+from poise_lab.bench.common import (
     ABLATIONS,
     CONTENDERS,
     PAPER_PINS,
@@ -24,12 +24,12 @@ from poise_trl.bench.common import (
     paired_references,
     smallest_p_holm,
 )
-from poise_trl.bench.efficiency import HeldOutCurve, _config, micro_batching, task_factory
-from poise_trl.bench.report import _log_ratio, _wilcoxon, goal, holm, summarize_task, verdict, write_report
-from poise_trl.bench.settings import EfficiencySettings
-from poise_trl.bench.study import run_path, validate
-from poise_trl.bench.summary import completions_to_gain, normalized_auc
-from poise_trl.bench.trainers import DynamicSampling, _TrainedAccounting, unavailable_reason
+from poise_lab.bench.efficiency import HeldOutCurve, _config, micro_batching, task_factory
+from poise_lab.bench.report import _log_ratio, _wilcoxon, goal, holm, summarize_task, verdict, write_report
+from poise_lab.bench.settings import EfficiencySettings
+from poise_lab.bench.study import run_path, validate
+from poise_lab.bench.summary import completions_to_gain, normalized_auc
+from poise_lab.bench.trainers import DynamicSampling, _TrainedAccounting, unavailable_reason
 
 from .conftest import parse_bench
 
@@ -418,7 +418,7 @@ def test_peer_contenders_charge_every_completion(tmp_path):
     """A*-PO's Stage-1 value samples are charged before its first step (the curve holds the starting score until
     they are spent) and C-GRPO's calibration rollouts with its budget increments; neither counts what it does not
     generate (C-GRPO's padding rows)."""
-    from poise_trl.bench.trainers import TRAINERS
+    from poise_lab.bench.trainers import TRAINERS
 
     if "cgrpo" not in TRAINERS:
         pytest.fail("trl-cgrpo is not installed: `make install` installs it (pip install --no-deps trl-cgrpo==0.2.0)")
@@ -442,7 +442,7 @@ def test_peer_contenders_charge_every_completion(tmp_path):
 
 
 def test_a_peer_that_is_not_installed_is_reported_with_its_install_command(monkeypatch):
-    from poise_trl.bench import trainers
+    from poise_lab.bench import trainers
 
     monkeypatch.delitem(trainers.TRAINERS, "cgrpo", raising=False)
     assert "pip install --no-deps trl-cgrpo==0.2.0" in unavailable_reason(CONTENDERS["cgrpo"])

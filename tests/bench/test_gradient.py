@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from poise_trl import cli
-from poise_trl.bench.exact import (
+from poise_lab.bench.exact import (
     STD_EPS,
     PoolGram,
     bootstrap_counts,
@@ -19,7 +18,7 @@ from poise_trl.bench.exact import (
     summarize,
     truth_weights,
 )
-from poise_trl.bench.gradient import (
+from poise_lab.bench.gradient import (
     fitted_probe,
     measure,
     new_estimator,
@@ -30,7 +29,8 @@ from poise_trl.bench.gradient import (
     separate_prompts,
     unstable_rules,
 )
-from poise_trl.bench.value.collect import Collection
+from poise_lab.bench.value.collect import Collection
+from poise_trl import cli
 from poise_trl.sampling import DEFAULT_FLOOR, importance_probabilities
 from poise_trl.trainer import ESTIMATOR_FILE
 

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from poise_trl import cli
-from poise_trl.bench.exact import (
+from poise_lab.bench.exact import (
     PoolGram,
     bootstrap_counts,
     distinct_pairs,
@@ -20,9 +19,10 @@ from poise_trl.bench.exact import (
     summarize,
     truth_weights,
 )
-from poise_trl.bench.prefix_gradient import PREFIX_ROWS, rollout_gradients
-from poise_trl.bench.value.collect import Collection
-from poise_trl.bench.value.prefix import prefix_probe_settings
+from poise_lab.bench.prefix_gradient import PREFIX_ROWS, rollout_gradients
+from poise_lab.bench.value.collect import Collection
+from poise_lab.bench.value.prefix import prefix_probe_settings
+from poise_trl import cli
 
 TYPES, TOKENS, DIM, K = 10, 4, 4, 12
 RNG = np.random.default_rng(0)

@@ -12,15 +12,15 @@ from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from poise_lab.bench.cli import add_probe_bench_parser
+from poise_lab.bench.critic import load_critic, predict_critic, train_critic
+from poise_lab.bench.value.collect import Collection, collect
+from poise_lab.bench.value.resolve import load_prompts
+from poise_lab.bench.value.score import ValueBenchmark, split_by_prompt
+from poise_lab.tasks.arith import make_arith_splits
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl.bench.cli import add_probe_bench_parser
-from poise_trl.bench.critic import load_critic, predict_critic, train_critic
-from poise_trl.bench.value.collect import Collection, collect
-from poise_trl.bench.value.resolve import load_prompts
-from poise_trl.bench.value.score import ValueBenchmark, split_by_prompt
 from poise_trl.buffer import prompt_group_ids
 from poise_trl.files import read_state
-from poise_trl.tasks.arith import make_arith_splits
 
 from ..conftest import CPU_ARGS
 
@@ -279,8 +279,8 @@ def test_command_end_to_end_refit_without_generation_and_export_warm_starts_the_
 def test_beyond_the_paper_tables_on_a_collection_with_a_value_signal():
     """Rewards follow a per-prompt success rate that the prompt block carries: the value-guided choice must keep
     prompts of higher true p(1 - p) than random ones, and each VR row must be the split's own number."""
-    from poise_trl.bench.value.beyond import format_beyond, run_beyond, selection_trials
-    from poise_trl.bench.value.score import ValueBenchmark
+    from poise_lab.bench.value.beyond import format_beyond, run_beyond, selection_trials
+    from poise_lab.bench.value.score import ValueBenchmark
 
     collection = _synthetic(num_prompts=40, k=4)
     g = torch.Generator().manual_seed(1)
@@ -304,7 +304,7 @@ def test_beyond_the_paper_tables_on_a_collection_with_a_value_signal():
 def test_variance_reduction_interval_pools_the_resampled_prompts_rollouts():
     """Each resample's VR is the pooled formula over its prompts' rollouts: the identity resample gives the point
     estimate exactly, a resample of one prompt twice gives that prompt's own VR, and the interval holds the point."""
-    from poise_trl.bench.value.score import ValueBenchmark
+    from poise_lab.bench.value.score import ValueBenchmark
 
     collection = _synthetic(num_prompts=40, k=4)
     g = torch.Generator().manual_seed(2)
@@ -330,7 +330,7 @@ def test_variance_reduction_interval_pools_the_resampled_prompts_rollouts():
 def test_variance_reduction_bound_is_the_true_value_baselines_on_held_out_prompts():
     """With rewards drawn from known per-prompt rates, the bound matches 1 - mean p(1-p) / Var(r) on the held-out
     prompts, and a probe given the true rates gets no more than it (up to sampling noise)."""
-    from poise_trl.bench.value.score import ValueBenchmark
+    from poise_lab.bench.value.score import ValueBenchmark
 
     collection = _synthetic(num_prompts=400, k=8)
     g = torch.Generator().manual_seed(3)
@@ -347,8 +347,8 @@ def test_variance_reduction_bound_is_the_true_value_baselines_on_held_out_prompt
 def test_pair_fitted_probe_learns_from_partner_rewards_as_the_online_buffer_does(monkeypatch):
     """One pair a prompt: the fit sees 2 rows per train prompt (the first two rollouts), each with its partner's
     reward as target; all pairs: K rows per prompt with partner targets, never the mean of the K - 1 others."""
-    from poise_trl.bench.value.beyond import pair_fitted_probe
-    from poise_trl.bench.value.score import ValueBenchmark
+    from poise_lab.bench.value.beyond import pair_fitted_probe
+    from poise_lab.bench.value.score import ValueBenchmark
     from poise_trl.probe import ValueProbe
 
     collection = _synthetic(num_prompts=20, k=4)
@@ -365,7 +365,7 @@ def test_pair_fitted_probe_learns_from_partner_rewards_as_the_online_buffer_does
 
 
 def test_probe_heads_default_to_every_other_head_and_refuse_unknown_names():
-    from poise_trl.bench.common import other_heads as probe_heads
+    from poise_lab.bench.common import other_heads as probe_heads
 
     assert probe_heads(None) == ["logistic", "mlp", "ensemble"] and probe_heads([]) == []
     assert probe_heads(["ridge", "mlp"]) == ["mlp"]  # ridge is the preset row already

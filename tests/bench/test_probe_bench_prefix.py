@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from poise_trl.bench.value.collect import Collection
-from poise_trl.bench.value.prefix import (
+from poise_lab.bench.value.collect import Collection
+from poise_lab.bench.value.prefix import (
     _rho,
     _squared_errors,
     fit_prefix,
@@ -17,8 +17,8 @@ from poise_trl.bench.value.prefix import (
     rollout_token_values,
     sampled_rows,
 )
+from poise_lab.models.tiny import build_tiny_model, build_tiny_tokenizer
 from poise_trl.features import find_decoder_layers
-from poise_trl.models.tiny import build_tiny_model, build_tiny_tokenizer
 from poise_trl.prefix import PrefixMap
 from tests.test_prefix import N_POOL, D, _batch, _example, _fitted_map, _pass, _rows
 

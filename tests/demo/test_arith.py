@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from poise_trl.tasks.arith import DEFAULT_FAMILIES, FAMILIES, arith_reward, first_number, make_arith_splits
+from poise_lab.tasks.arith import DEFAULT_FAMILIES, FAMILIES, arith_reward, first_number, make_arith_splits
 
 
 def test_splits_are_deterministic_disjoint_and_balanced():

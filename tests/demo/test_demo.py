@@ -5,9 +5,9 @@ import json
 import pytest
 from datasets import load_from_disk
 
+from poise_lab.demo import run
+from poise_lab.demo.plots import load_log_history
 from poise_trl import cli
-from poise_trl.demo import run
-from poise_trl.demo.plots import load_log_history
 from poise_trl.resume import ESTIMATOR_FILE
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from poise_trl.demo.plots import PANELS, load_log_history, plot_training_dynamics, series, training_dynamics_figure
+from poise_lab.demo.plots import PANELS, load_log_history, plot_training_dynamics, series, training_dynamics_figure
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

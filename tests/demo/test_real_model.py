@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from poise_lab.bench.value.report import SECTION_TITLES
+from poise_lab.models import real
+from poise_lab.models.real import INFO_FILE, prepare_real_model, resolve_model
+from poise_lab.tasks.arith import make_arith_splits
 from poise_trl import POISEConfig, POISETrainer, cli
-from poise_trl.bench.value.report import SECTION_TITLES
-from poise_trl.models import real
-from poise_trl.models.real import INFO_FILE, prepare_real_model, resolve_model
-from poise_trl.tasks.arith import make_arith_splits
 from tests.conftest import CPU_ARGS
 from tests.conftest import digit_reward as text_digit_reward
 

@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from poise_trl.models import toy as demo_model
-from poise_trl.models.tiny import build_tiny_model, build_tiny_tokenizer
-from poise_trl.models.toy import evaluate_avg_at_k, load_demo_model, prepare_demo_model, warm_start
-from poise_trl.tasks.toy import (
+from poise_lab.models import toy as demo_model
+from poise_lab.models.tiny import build_tiny_model, build_tiny_tokenizer
+from poise_lab.models.toy import evaluate_avg_at_k, load_demo_model, prepare_demo_model, warm_start
+from poise_lab.tasks.toy import (
     MAX_COMPLETION_LENGTH,
     REASONING_END,
     extract_answer,

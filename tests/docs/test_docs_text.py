@@ -13,7 +13,7 @@ MACHINE_PATH = re.compile(r"(?<![\w.])/(?:root|home|tmp|work|Users)/")
 def test_committed_results_name_models_and_relative_paths_not_a_machines_folders():
     """Results files (JSON, markdown) under benchmarks/ name the model and paths relative to their run, not the
     folders of the machine that made them. Raw logs (*.log) are kept as printed. `bench gradient`'s folders are
-    written by poise_trl/bench/gradient.py, which still records its collection's path: not checked here yet."""
+    written by poise_lab/bench/gradient.py, which still records its collection's path: not checked here yet."""
     files = [
         path
         for path in sorted((ROOT / "benchmarks").rglob("*"))

@@ -73,7 +73,7 @@ def test_gpu_snippet_is_the_cpu_variant_at_gpu_scale():
     cpu_imports, cpu = _parts("usage_cpu.py")
     assert list(gpu) == list(cpu) == ["dataset", "model", "args", "trainer", "train"]
     assert gpu_imports < cpu_imports
-    assert all("poise_trl.models.toy" in extra for extra in cpu_imports - gpu_imports)
+    assert all("poise_lab.models.toy" in extra for extra in cpu_imports - gpu_imports)
     # The same loader on another source; any model; the same trainer and train call.
     for dataset in (gpu["dataset"].value, cpu["dataset"].value):
         assert ast.unparse(dataset.func) == "load_math_dataset" and isinstance(dataset.args[0].value, str)

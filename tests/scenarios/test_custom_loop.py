@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from poise_trl.models.toy import prepare_demo_model
-from poise_trl.tasks.toy import make_sort_splits
+from poise_lab.models.toy import prepare_demo_model
+from poise_lab.tasks.toy import make_sort_splits
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "custom_loop.py"
 STEPS, PROBE_WARMUP, PROMPTS = 6, 2, 8

@@ -11,6 +11,7 @@ from poise_trl.estimator import POISEEstimator
 from poise_trl.files import read_state
 from poise_trl.learner import OnlineLearner
 from poise_trl.probe import ValueProbe
+from poise_trl.specs import BufferSpec, EstimatorSpec, HeadSpec
 from poise_trl.trainer import ESTIMATOR_FILE, prompt_group_ids
 
 from ..conftest import CPU_ARGS, digit_reward, poise_args
@@ -202,7 +203,8 @@ def test_more_domain_values_than_probe_max_domains_fail_at_start_up(tiny_model_p
 
 
 def test_the_estimator_refuses_a_domain_past_max_domains_and_buffers_grow_with_their_rows():
-    estimator = POISEEstimator(2, alpha=1.0, warmup_steps=0, buffer_size=4096, max_domains=2)
+    buffers = BufferSpec(size=4096, max_domains=2, warmup_steps=0)
+    estimator = POISEEstimator(2, EstimatorSpec(head=HeadSpec(alpha=1.0), buffer=buffers))
     x, r = torch.randn(8, 1, 16), torch.tensor([0.0, 1.0] * 4)
     estimator.observe(x, r, domains=["a"] * 6 + ["b"] * 2)
     assert {name: online.buffer.allocated for name, online in estimator.probes.items()} == {"a": 8, "b": 8}

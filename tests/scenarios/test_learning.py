@@ -10,11 +10,11 @@ reward of the first 30 steps -> last 30 steps 0.428 -> 0.646 (seed 0), 0.444 -> 
 import numpy as np
 import pytest
 
+from poise_lab.bench.value.collect import collect
+from poise_lab.bench.value.score import pearson
+from poise_lab.models.toy import load_demo_model, prepare_demo_model
+from poise_lab.tasks.toy import MAX_COMPLETION_LENGTH, make_sort_splits, task_reward
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl.bench.value.collect import collect
-from poise_trl.bench.value.score import pearson
-from poise_trl.models.toy import load_demo_model, prepare_demo_model
-from poise_trl.tasks.toy import MAX_COMPLETION_LENGTH, make_sort_splits, task_reward
 
 from ..conftest import CPU_ARGS
 

@@ -10,7 +10,7 @@ import pytest
 from trl import GRPOConfig
 
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl.config import changed_defaults
+from poise_trl.migration import changed_defaults
 
 from ..conftest import CPU_ARGS, digit_dataset, digit_reward
 
@@ -42,19 +42,19 @@ def _init_fields(cls) -> list[str]:
 
 
 def _conversion_lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "poise_trl.config"]
+    return [r.getMessage() for r in caplog.records if r.name == "poise_trl.migration"]
 
 
 def test_poise_changes_exactly_the_defaults_its_docstring_names():
     """The docstring and the configuration page say "three defaults"; a new changed default must be named there."""
-    assert changed_defaults() == {
+    assert changed_defaults(POISEConfig) == {
         "num_generations": (8, 2),
         "epsilon_high": (None, 0.28),
         "scale_rewards": ("group", "none"),
     }
     docstring = POISEConfig.__doc__
     assert "changes three defaults" in docstring
-    assert all(f"`{name}=" in docstring for name in changed_defaults())
+    assert all(f"`{name}=" in docstring for name in changed_defaults(POISEConfig))
 
 
 def test_every_value_the_script_set_survives_and_defaults_become_poise_s(caplog):
@@ -62,7 +62,7 @@ def test_every_value_the_script_set_survives_and_defaults_become_poise_s(caplog)
     with caplog.at_level(logging.WARNING):
         poise = POISEConfig.from_grpo_config(grpo)
     assert type(poise) is POISEConfig
-    changed = changed_defaults()
+    changed = changed_defaults(POISEConfig)
     for name in _init_fields(GRPOConfig):
         expected = changed[name][1] if name in changed else getattr(grpo, name)
         assert getattr(poise, name) == expected, name

@@ -8,6 +8,7 @@ from poise_trl import POISETrainer
 from poise_trl.estimator import POISEEstimator
 from poise_trl.prefix import PrefixBatch
 from poise_trl.resume import ESTIMATOR_FILE
+from poise_trl.specs import BufferSpec, EstimatorSpec, GranularitySpec, LayerSpec
 
 from ..conftest import short_args
 from ..docs.test_docs import documented
@@ -16,6 +17,8 @@ from .test_training_options import LOSS_TYPES
 from .test_vision import _args as vision_args
 from .test_vision import _image_prompts as image_prompts
 from .test_vision import vlm_path  # noqa: F401 (a fixture)
+
+PREFIX = EstimatorSpec(buffer=BufferSpec(warmup_steps=2), granularity=GranularitySpec("prefix"))
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +122,7 @@ def test_resume_restores_the_prefix_probe_and_continues_as_the_uninterrupted_run
 
     full = run(tmp_path / "full")
     resumed = run(tmp_path / "full", resume=str(tmp_path / "full" / "out" / "checkpoint-2"))
-    saved = POISEEstimator(2, **full.args.estimator_settings(2, full.hidden_size))
+    saved = POISEEstimator.from_config(full.args, 2, full.hidden_size)
     saved.load(tmp_path / "full" / "out" / "checkpoint-2" / ESTIMATOR_FILE)
     assert saved.token_baseline.steps == 2 and len(saved.token_baseline.buffer) == 32 and saved.token_baseline.trusted
     a, b = full.estimator.token_baseline.state_dict(), resumed.estimator.token_baseline.state_dict()
@@ -129,11 +132,11 @@ def test_resume_restores_the_prefix_probe_and_continues_as_the_uninterrupted_run
 
 
 def test_a_sequence_level_file_loads_into_a_prefix_run(tmp_path):
-    sequence = POISEEstimator(2, warmup_steps=0)
+    sequence = POISEEstimator(2, EstimatorSpec(buffer=BufferSpec(warmup_steps=0)))
     features, rewards = torch.randn(8, 5), torch.rand(8)
     sequence.observe(features, rewards)
     sequence.save(tmp_path / "old.safetensors")
-    prefix = POISEEstimator(2, warmup_steps=0, granularity="prefix")
+    prefix = POISEEstimator(2, EstimatorSpec(buffer=BufferSpec(warmup_steps=0), granularity=GranularitySpec("prefix")))
     prefix.load(tmp_path / "old.safetensors")
     assert not prefix.token_baseline.probe.is_fitted and len(prefix.token_baseline.buffer) == 0 and prefix.steps == 1
 
@@ -152,9 +155,9 @@ def test_bad_settings_fail_early(tmp_path, overrides, message):
 
 def test_bad_estimator_arguments_fail_early():
     with pytest.raises(ValueError, match="needs one fixed layer"):
-        POISEEstimator(2, granularity="prefix", layers=(1, 2))
-    with pytest.raises(ValueError, match="prefix_pca_dims"):
-        POISEEstimator(2, granularity="prefix", prefix_pca_dims=(4,))
+        EstimatorSpec(granularity=GranularitySpec("prefix"), layers=LayerSpec(ids=(1, 2)))
+    with pytest.raises(ValueError, match=r"GranularitySpec.pca_dims=\(4,\) must be two ints"):
+        GranularitySpec("prefix", pca_dims=(4,))
 
 
 def test_environment_tokens_get_no_baseline(model_path, tmp_path, monkeypatch):
@@ -209,18 +212,18 @@ def _prefix_batch(seed: int, rows: int = 4, samples: int = 4, width: int = 21) -
 
 
 def test_prefix_state_round_trips_and_warm_starts(tmp_path):
-    estimator = POISEEstimator(2, warmup_steps=2, granularity="prefix")
+    estimator = POISEEstimator(2, PREFIX)
     for step in range(3):
         estimator.observe(torch.randn(4, 5), torch.rand(4), prefix=_prefix_batch(step))
     assert estimator.token_baseline.trusted and len(estimator.token_baseline.buffer) == 48
     estimator.save(tmp_path / "full.safetensors")
     estimator.save(tmp_path / "probe.safetensors", include_buffer=False)
-    resumed = POISEEstimator(2, warmup_steps=2, granularity="prefix")
+    resumed = POISEEstimator(2, PREFIX)
     resumed.load(tmp_path / "full.safetensors")
     a, b = estimator.token_baseline.state_dict(), resumed.token_baseline.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
     assert (resumed.token_baseline.steps, resumed.token_baseline.trusted) == (3, True)
-    warm = POISEEstimator(2, warmup_steps=2, granularity="prefix")
+    warm = POISEEstimator(2, PREFIX)
     warm.load(tmp_path / "probe.safetensors", warm_start=True)
     assert warm.token_baseline.trusted and len(warm.token_baseline.buffer) == 0
     loaded = warm.token_baseline.map().prefix.clone()

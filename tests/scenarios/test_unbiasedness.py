@@ -15,6 +15,7 @@ no partner to take a cross-rollout baseline from, so it uses the bandit directly
 """
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -32,6 +33,7 @@ from poise_trl.baselines import (
 from poise_trl.estimator import POISEEstimator
 from poise_trl.files import DEFAULT_DOMAIN
 from poise_trl.probe import ValueProbe
+from poise_trl.specs import BufferSpec, EstimatorSpec, HistorySpec
 
 C, A = 3, 4  # contexts, actions
 NOISE_COLUMNS = 4  # feature columns that carry only noise
@@ -128,10 +130,10 @@ def _rollouts(bandit: Bandit, probe: ValueProbe, n: int, m: int, seed: int):
 
 
 def estimator_with(probe: ValueProbe | None, group: int, **settings) -> POISEEstimator:
-    """A `POISEEstimator` (paper settings unless overridden) whose probe is `probe`, trusted as after a warm start;
-    without a probe it is in its bootstrap."""
-    settings = {"partner_reward": False, "bootstrap": "rloo", "warmup_steps": 0, **settings}
-    estimator = POISEEstimator(group, **settings)
+    """A `POISEEstimator` (paper settings unless `settings`, `EstimatorSpec` fields, override them) whose probe is
+    `probe`, trusted as after a warm start; without a probe it is in its bootstrap."""
+    paper = EstimatorSpec(partner_reward=False, bootstrap="rloo", buffer=BufferSpec(warmup_steps=0))
+    estimator = POISEEstimator(group, replace(paper, **settings))
     if probe is not None:
         online = estimator.new_probe(DEFAULT_DOMAIN)
         online.probe, online.warm_started = probe, True
@@ -263,7 +265,7 @@ def test_shrunk_bootstrap_from_earlier_steps_is_unbiased(bandit, group):
     earlier = earlier.reshape(-1)
     intercept, weight = shrunk_rloo_line(leave_one_out_targets(earlier, group), earlier).tolist()
     assert abs(weight - 1) > 0.5  # a real shrinkage, not RLOO in disguise (this bandit: w ≈ 0.02)
-    estimator = estimator_with(None, group, bootstrap="shrunk", warmup_steps=10**6, buffer_size=10**5)
+    estimator = estimator_with(None, group, bootstrap="shrunk", buffer=BufferSpec(size=10**5, warmup_steps=10**6))
     estimator.observe(torch.zeros(earlier.numel(), 1), earlier)
 
     x, a, r = bandit.sample(REPS, 4, group, g)
@@ -284,35 +286,34 @@ def test_shrunk_bootstrap_from_earlier_steps_is_unbiased(bandit, group):
 
 
 def test_history_baseline_is_unbiased_and_one_holding_the_own_rollouts_is_not(bandit):
-    """With `history`, a prompt's (context x's) history columns come from earlier steps only: b_i = mean over j != i
-    of h(φ_j, H(x)) stays unbiased. The same probe fed a history that already holds the prompt's own rollouts (its
-    step's rewards entered before its baselines were taken) is biased, which shows the test can see that leak."""
-    group = 2
+    """With `history`, a prompt's history columns come from earlier steps only: b_i = mean over j != i of h(φ_j, H)
+    stays unbiased. Every group is a prompt of its own, whose history holds one earlier group of its context: were a
+    step's own rewards to reach its history before its baselines, every group's mean would move by half, where ids
+    shared by a context's groups dilute the same leak over the whole batch past detection. The estimator with that
+    leak planted (its history updated with the step's rewards before `advantages`) is biased: the test can see it."""
+    group, prompts = 2, 4
+    reps = REPS // 10  # 20,000 groups, each its own prompt id
     probe_rows = torch.rand(4000, NOISE_COLUMNS + 3, generator=torch.Generator().manual_seed(71))
     probe_rows[:, NOISE_COLUMNS] = 1.0  # seen
     probe = ValueProbe(alpha=1e-3, clip=(0.0, 1.0)).fit(probe_rows, probe_rows[:, -1])  # h reads the mean reward
-    estimator = estimator_with(probe, group, history=True)
-    earlier = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])  # one earlier group per context: any past will do
-    estimator.prompt_history.update(torch.arange(C).repeat_interleave(group), earlier)
-
     g = torch.Generator().manual_seed(72)
-    x, a, r = bandit.sample(REPS, 4, group, g)
-    keys = x.unsqueeze(2).expand_as(a).reshape(-1)
+    x, a, r = bandit.sample(reps, prompts, group, g)
+    keys = torch.arange(reps * prompts).repeat_interleave(group)  # one prompt id per group
+    earlier = torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0]])[x].reshape(-1)  # an earlier group of its context
     noise = FEATURE_NOISE * torch.randn(r.numel(), NOISE_COLUMNS, generator=g)
-    result = estimator.advantages(noise, r.reshape(-1), prompt_ids=keys)
-    gradients = bandit.batch_gradients(x, a, result.advantages.reshape(r.shape))
-    z, statistic, p_value = bias_statistics(gradients, bandit.exact_gradient())
+
+    def bias(*past: torch.Tensor) -> tuple[torch.Tensor, float, float]:
+        """`bias_statistics` of the estimator's advantages, its history holding `past` (a step's rewards each)."""
+        estimator = estimator_with(probe, group, history=HistorySpec())
+        for rewards in past:
+            estimator.prompt_history.update(keys, rewards)
+        advantages = estimator.advantages(noise, r.reshape(-1), prompt_ids=keys).advantages.reshape(r.shape)
+        return bias_statistics(bandit.batch_gradients(x, a, advantages), bandit.exact_gradient())
+
+    z, statistic, p_value = bias(earlier)
     assert z.abs().max() < UNBIASED_Z, f"history z={z}"
     assert p_value > 1e-4, f"history χ²={statistic:.1f}"
-
-    # The leak: the mean column holds the prompt's own G rewards beside the earlier ones.
-    _, count, mean = estimator.prompt_history.lookup(keys)
-    own = r.sum(2, keepdim=True).expand_as(r).reshape(-1)
-    leaked_mean = (mean * count + own) / (count + group)
-    leaked = torch.stack([torch.ones_like(own), torch.log1p((count + group).double()), leaked_mean], dim=1)
-    values = probe.predict(torch.cat([noise, leaked.float()], dim=1)).double()
-    advantages = r - cross_rollout_baselines(values, group).reshape(r.shape)
-    z_leak, _, _ = bias_statistics(bandit.batch_gradients(x, a, advantages), bandit.exact_gradient())
+    z_leak, _, _ = bias(earlier, r.reshape(-1))  # the leak: this step's rewards in its history before its baselines
     assert z_leak.abs().max() > BIASED_Z, f"leaked-history z={z_leak}"
 
 

@@ -18,8 +18,8 @@ from datasets import Dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402
 
+from poise_lab.models.real import prepare_real_model  # noqa: E402
 from poise_trl import POISEConfig, POISETrainer  # noqa: E402
-from poise_trl.models.real import prepare_real_model  # noqa: E402
 
 
 def model_runner(generation: VLLMGeneration):

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from poise_trl.estimator import POISEEstimator
+from poise_trl.specs import BufferSpec, EstimatorSpec, HeadSpec, HistorySpec, LayerSpec
 from tests.host_sync import HostSyncCounter
 from tests.scenarios.distributed.rank_io import finish
 
@@ -27,10 +28,13 @@ def broadcast(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # Three candidate layers, re-chosen every 2 steps: the steps that choose a layer are counted apart.
-estimator = POISEEstimator(
-    2, alpha=1.0, warmup_steps=1, layers=(4, 8, 12), layer_index=1, layer_select_every=2, layer_folds=2,
-    broadcast=broadcast, history=HISTORY,
-)  # fmt: skip
+spec = EstimatorSpec(
+    head=HeadSpec(alpha=1.0),
+    buffer=BufferSpec(warmup_steps=1),
+    layers=LayerSpec(ids=(4, 8, 12), index=1, select_every=2, folds=2),
+    history=HistorySpec() if HISTORY else None,
+)
+estimator = POISEEstimator(2, spec, broadcast=broadcast)
 counts = []
 for step in range(6):
     g = torch.Generator().manual_seed(step)  # the same batch on every rank, as after the trainer's gather

@@ -1,0 +1,140 @@
+"""`POISEConfig`'s checks when it is built: each bad value gets one clear error, early, naming the field and what to
+change. The values the config fills in (a preset's, a parsed layer, the feature blocks in order) are set here too.
+The estimator's settings are checked by building its spec without the model (specs.py: the registries of heads,
+granularities, bootstraps and reward scalings, and each one's capabilities), the prompt sampler's by its rule
+(sampling.py)."""
+
+import math
+from difflib import get_close_matches
+from typing import Any
+
+from .features import FEATURE_BLOCKS
+from .granularity import GRANULARITIES
+from .sampling import RULES, rule_from_config
+from .settings import check_floor
+from .specs import estimator_spec
+
+
+def validate(config: Any, presets: dict[str, tuple[float, list[int]]]) -> None:
+    """Check and complete a `POISEConfig` once TRL's own `__post_init__` ran; `presets` is `PROBE_PRESETS`."""
+    if config.multi_objective_aggregation != "sum_then_normalize":
+        raise ValueError(
+            f"multi_objective_aggregation={config.multi_objective_aggregation!r} is not supported by POISE: it "
+            "normalises each reward within its group, own reward included, so a rollout's reward would depend on "
+            "its partners. POISE needs the raw weighted reward sum: set "
+            "multi_objective_aggregation='sum_then_normalize'."
+        )
+    if config.probe_pool_tokens <= 0:
+        raise ValueError(f"probe_pool_tokens={config.probe_pool_tokens} must be a positive number of tokens.")
+    if config.reasoning_end_marker == "":
+        raise ValueError("reasoning_end_marker='' matches nothing; use None to declare that there is no marker.")
+    unknown = sorted(set(config.probe_features) - set(FEATURE_BLOCKS))
+    if unknown or not config.probe_features or len(set(config.probe_features)) != len(config.probe_features):
+        raise ValueError(
+            f"probe_features={config.probe_features}: give a non-empty subset of {list(FEATURE_BLOCKS)} without "
+            f"repeats (unknown: {unknown})."
+        )
+    config.probe_features = [b for b in FEATURE_BLOCKS if b in config.probe_features]
+    _fill_preset(config, presets)
+    _parse_layer(config)
+    _check_domains(config)
+    if not isinstance(config.probe_history, bool):  # a string such as "no" would count as True
+        raise ValueError(
+            f"probe_history={config.probe_history!r} must be True (append each prompt's history to the probe's "
+            "input) or False."
+        )
+    _check_prompt_selection(config)
+    estimator_spec(config)  # the estimator's settings, without the model's: errors name the config's fields
+    granularity = GRANULARITIES[config.probe_granularity]
+    if config.probe_layer == "auto" and granularity.one_layer:
+        raise ValueError(
+            f"probe_granularity={config.probe_granularity!r} needs one fixed probe_layer (its buffer holds one "
+            "layer's states): set probe_layer to an index or None, or probe_granularity='sequence'."
+        )
+
+
+def _fill_preset(config: Any, presets: dict[str, tuple[float, list[int]]]) -> None:
+    """probe_alpha and probe_pca_dims from `probe_preset` where not set."""
+    if config.probe_preset not in presets:
+        raise ValueError(f"probe_preset={config.probe_preset!r}: choose one of {list(presets)}.")
+    preset_alpha, preset_dims = presets[config.probe_preset]
+    # A preset's PCA dims are capped at the block width of a small model; explicit dims are taken as given.
+    config.pca_dims_from_preset = config.probe_pca_dims is None
+    config.probe_alpha = preset_alpha if config.probe_alpha is None else float(config.probe_alpha)
+    config.probe_pca_dims = list(preset_dims if config.probe_pca_dims is None else config.probe_pca_dims)
+    if len(config.probe_pca_dims) != 2 or any(int(k) < 0 for k in config.probe_pca_dims):
+        raise ValueError(
+            f"probe_pca_dims={config.probe_pca_dims}: give two non-negative ints, [prompt dims, reasoning dims]; "
+            "0 disables PCA on a block."
+        )
+    config.probe_pca_dims = [int(k) for k in config.probe_pca_dims]
+
+
+def _parse_layer(config: Any) -> None:
+    """probe_layer as an int, "auto" or None (the command line gives a string); its candidates with "auto"."""
+    layer = config.probe_layer
+    if isinstance(layer, str):
+        text = layer.strip().lower()
+        try:
+            layer = "auto" if text == "auto" else None if text in ("none", "null") else int(text)
+        except ValueError:
+            raise ValueError(
+                f"probe_layer={config.probe_layer!r}: give a layer index (e.g. 19 or -1), 'auto', or None."
+            ) from None
+    if isinstance(layer, bool) or not (layer is None or layer == "auto" or isinstance(layer, int)):
+        raise ValueError(f"probe_layer={config.probe_layer!r}: give a layer index (e.g. 19 or -1), 'auto', or None.")
+    config.probe_layer = layer
+    candidates = config.probe_layer_candidates
+    if candidates is not None:
+        if layer != "auto":
+            raise ValueError(
+                f"probe_layer_candidates={candidates} is only used with probe_layer='auto' (got "
+                f"probe_layer={layer!r})."
+            )
+        if not candidates or any(isinstance(c, bool) for c in candidates):
+            raise ValueError(f"probe_layer_candidates={candidates}: give a non-empty list of ints.")
+        config.probe_layer_candidates = [int(c) for c in candidates]
+
+
+def _check_domains(config: Any) -> None:
+    if config.probe_domain_column == "":
+        raise ValueError("probe_domain_column='' names no column; use None for a single probe.")
+    sizes = config.probe_domain_buffer_sizes
+    if sizes is None:
+        return
+    if config.probe_domain_column is None:
+        raise ValueError("probe_domain_buffer_sizes needs probe_domain_column: name the column holding the domain.")
+    if not isinstance(sizes, dict):
+        raise ValueError(
+            f"probe_domain_buffer_sizes={sizes!r}: give a dict or a JSON object, e.g. '{{\"math\": 4096}}'."
+        )
+    config.probe_domain_buffer_sizes = {str(name): size for name, size in sizes.items()}  # sizes: the spec's
+
+
+def _check_prompt_selection(config: Any) -> None:
+    oversample = config.prompt_selection_oversample
+    if not (isinstance(oversample, int | float) and 1 < oversample < math.inf):
+        raise ValueError(
+            f"prompt_selection_oversample={oversample!r} must be a finite number > 1: it is the number of "
+            "candidate prompts drawn per kept prompt (2.0 draws twice as many as are kept)."
+        )
+    check_floor(config.prompt_selection_floor)  # refused even before it is used
+    rule = config.prompt_selection
+    if rule is None:
+        return
+    if rule not in RULES:
+        close = get_close_matches(str(rule), RULES, n=1)
+        rules = " or ".join(map(repr, RULES)) + (f" (did you mean {close[0]!r}?)" if close else "")
+        raise ValueError(f"prompt_selection={rule!r}: choose None (paper) or {rules}.")
+    rule_from_config(config).check_objective(config)
+    if "prompt" not in config.probe_features:
+        raise ValueError(
+            f"prompt_selection={rule!r} predicts from the prompt hidden states: add 'prompt' to probe_features (got "
+            f"{config.probe_features})."
+        )
+    rows = config.per_device_train_batch_size * config.steps_per_generation
+    if rows % config.num_generations:
+        raise ValueError(
+            f"prompt_selection={rule!r} keeps whole prompts on each process, so per_device_train_batch_size x "
+            f"steps_per_generation ({rows}) must be a multiple of num_generations ({config.num_generations})."
+        )
