@@ -27,6 +27,8 @@ BENCH_MAX_DIGITS = 9
 DEMO_LEARNING_RATE = 5e-5
 PAPER_LEARNING_RATE = 1e-6  # paper Table 4, for real models
 QWEN3_4B_HIDDEN = 2560
+# `bench overhead` rows: one optimizer step per generation (TRL's default: no log-prob pass), or two (TRL's pass)
+OVERHEAD_LAYOUTS = ("default", "trl-pass")
 PROBE_FIT_ROWS = 4096
 # probe-bench: the model and dataset names that mean "the offline demo", and its sweep defaults.
 DEMO_MODEL = "demo"

@@ -29,7 +29,8 @@ def test_parser_registers_both_subcommands():
     assert parse_bench(["bench", "efficiency", "--no-gradient-checkpointing"]).gradient_checkpointing is False
     overhead = parse_bench(["bench", "overhead"])
     assert overhead.bench_command == "overhead" and callable(overhead.func) and overhead.func is not efficiency.func
-    assert max(overhead.completion_lengths) >= 128 and overhead.extra_passes == [1, 0]
+    assert max(overhead.completion_lengths) >= 128 and overhead.layouts == ["default", "trl-pass"]
+    assert overhead.capture_route is False
     with pytest.raises(SystemExit):
         parse_bench(["bench"])
 
@@ -156,23 +157,26 @@ def test_overhead_smoke(tmp_path, capsys):
         ["bench", "overhead", "--completion-lengths", "4", "--cycles", "1", "--warmup-cycles", "1"]
         + ["--skip-memory", "--completions-per-step", "4", "--per-device-batch-size", "2"]
         + ["--probe-fit-repeats", "1"]
-        + ["--probe-fit-rows", "96", "--probe-fit-hidden", "80", "--output-dir", str(out)]
+        + ["--probe-fit-rows", "96", "--probe-fit-hidden", "80", "--capture-route", "--output-dir", str(out)]
     )
     assert args.func(args) == 0
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[-1].startswith("Summary: POISE/GRPO step time")
+    assert "; own pass/GRPO: 4 tok, TRL default ×" in printed[-1]
+    assert any(line.startswith("| 4 tok, TRL default (own pass) |") for line in printed)
     assert sum(line.startswith("| probe fit ") for line in printed) == 2  # a row per preset, then one per other head
-    assert printed[-2].startswith("| ensemble head fit (release)")
+    assert any(line.startswith("| ensemble head fit (release)") for line in printed)
     result = json.loads((out / "overhead.json").read_text())
     assert set(result) >= {"settings", "environment", "timing", "memory", "memory_method", "probe_fit", "headline"}
     # Folders relative to the run (the file gets committed), not this machine's tmp_path.
     assert (result["settings"]["output_dir"], result["settings"]["cache_dir"]) == (".", "models")
     assert str(tmp_path) not in json.dumps(result)
-    assert [t["name"] for t in result["timing"]] == ["4 tok, +1 pass", "4 tok, +0 pass"]
-    for row, expected_passes in zip(result["timing"], (1, 0), strict=True):
-        assert len(row["poise_seconds"]) == len(row["grpo_seconds"]) == 1
-        assert row["poise_feature_passes_per_cycle"] == [expected_passes]  # POISE's pass only where TRL runs none
-        assert set(row["time_ratio"]) == {"median", "min", "max", "n"}
+    assert [t["name"] for t in result["timing"]] == ["4 tok, TRL default", "4 tok, TRL pass"]
+    for row, own_passes in zip(result["timing"], (1, 0), strict=True):
+        assert len(row["poise_seconds"]) == len(row["grpo_seconds"]) == len(row["poise_pass_seconds"]) == 1
+        assert row["poise_feature_passes_per_cycle"] == [0]  # the loss's forward or TRL's pass: no pass added
+        assert row["poise_pass_feature_passes_per_cycle"] == [own_passes]  # "pass": its own where TRL runs none
+        assert set(row["time_ratio"]) == set(row["own_pass_time_ratio"]) == {"median", "min", "max", "n"}
     assert result["memory"] == []  # measured in the --prefix smoke below: its workers are these contenders' too
     assert [p["preset"] for p in result["probe_fit"]] == ["paper", "release"]
     assert list(result["probe_fit"][0]["heads"]) == ["logistic", "mlp", "ensemble"]  # every head but ridge
@@ -188,14 +192,14 @@ def test_overhead_prefix_times_the_per_prefix_trainer_serving_token_advantages(t
     after one step), and its time and peak memory are reported against GRPO and POISE (default)."""
     out = tmp_path / "ovh"
     args = parse_bench(
-        ["bench", "overhead", "--completion-lengths", "4", "--extra-passes", "1", "0", "--cycles", "1"]
+        ["bench", "overhead", "--completion-lengths", "4", "--layouts", "default", "trl-pass", "--cycles", "1"]
         + ["--warmup-cycles", "1", "--memory-cycles", "2", "--completions-per-step", "4", "--skip-probe-fit"]
         + ["--prefix", "--output-dir", str(out)]
     )
     assert args.func(args) == 0
     printed = capsys.readouterr().out.strip().splitlines()
-    assert "; per-prefix/GRPO: 4 tok, +1 pass ×" in printed[-1] and "; per-prefix/POISE: " in printed[-1]
-    assert any(line.startswith("| 4 tok, +0 pass (per-prefix) |") for line in printed)
+    assert "; per-prefix/GRPO: 4 tok, TRL default ×" in printed[-1] and "; per-prefix/POISE: " in printed[-1]
+    assert any(line.startswith("| 4 tok, TRL pass (per-prefix) |") for line in printed)
     result = json.loads((out / "overhead.json").read_text())
     assert result["settings"]["prefix"] is True
     for row in result["timing"]:
@@ -205,7 +209,7 @@ def test_overhead_prefix_times_the_per_prefix_trainer_serving_token_advantages(t
         assert row["poise_prefix_feature_passes_per_cycle"] == row["poise_feature_passes_per_cycle"]  # same pass
         ratio = row["poise_prefix_seconds"][0] / row["poise_seconds"][0]
         assert row["prefix_poise_time_ratio"]["median"] == pytest.approx(ratio)
-    assert [row["name"] for row in result["memory"]] == ["4 tok, +1 pass", "4 tok, +0 pass"]
+    assert [row["name"] for row in result["memory"]] == ["4 tok, TRL default", "4 tok, TRL pass"]
     for row in result["memory"]:
         for contender in ("poise", "grpo"):
             assert row[contender]["peak_mib"] >= row[contender]["start_mib"] > 0

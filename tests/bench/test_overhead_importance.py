@@ -12,14 +12,15 @@ from .conftest import parse_bench
 def test_overhead_importance_times_the_sampler(tmp_path, capsys):
     out = tmp_path / "ovh"
     args = parse_bench(
-        ["bench", "overhead", "--completion-lengths", "4", "--extra-passes", "1", "--cycles", "2"]
+        ["bench", "overhead", "--completion-lengths", "4", "--layouts", "default", "--cycles", "2"]
         + ["--warmup-cycles", "1", "--completions-per-step", "4", "--skip-probe-fit", "--skip-memory"]
         + ["--importance", "--output-dir", str(out)]
     )
     assert args.func(args) == 0
     printed = capsys.readouterr().out.strip().splitlines()
-    assert "; importance/POISE: 4 tok, +1 pass ×" in printed[-1] and "; sampler share of its cycle: " in printed[-1]
-    assert any(line.startswith("| 4 tok, +1 pass (importance) |") for line in printed)
+    assert "; importance/POISE: 4 tok, TRL default ×" in printed[-1]
+    assert "; sampler share of its cycle: " in printed[-1]
+    assert any(line.startswith("| 4 tok, TRL default (importance) |") for line in printed)
     result = json.loads((out / "overhead.json").read_text())
     assert result["settings"]["importance"] is True
     (row,) = result["timing"]

@@ -4,11 +4,14 @@ Time. POISETrainer and trl.GRPOTrainer, built from the same model with the same 
 length and loss, train in two threads that take turns: A B A B, one generation cycle each, so machine load hits
 both alike; the ratio is taken pair by pair. Completions are forced to exactly `--completion-lengths` tokens
 (`min_new_tokens`) and scored by a reward that accepts any text, so both do the same work; at 128 tokens or more
-generation dominates the step, as it does at real scale. Each length has two rows:
-  - "+1 pass": TRL runs no old-log-prob pass (one optimizer step per generation), so POISE runs one no-grad
-    teacher-forced pass of its own;
-  - "+0 pass": two optimizer steps per generation (`steps_per_generation` twice the accumulation steps), so TRL
+generation dominates the step, as it does at real scale. Each length has two rows (`--layouts`):
+  - "TRL default": one optimizer step per generation, TRL's default configuration: TRL runs no old-log-prob pass,
+    and POISE reads its features from the loss's own forward (each micro-batch holds whole groups), adding none;
+  - "TRL pass": two optimizer steps per generation (`steps_per_generation` twice the accumulation steps), so TRL
     computes old log-probs and POISE captures its features inside that pass.
+  - `--capture-route`: a trainer more, POISE with probe_capture="pass" (a no-grad teacher-forced pass of its own
+    where TRL runs none: the route before the loss's forward served), takes its turn in every row; its time against
+    GRPO, POISE (default)'s against it, and its passes per cycle.
 With `--per-device-batch-size` each optimizer step accumulates micro-batches to the same completions per step.
 A cycle is one generation and its optimizer steps. POISE's probe buffer is filled to capacity after the first
 cycle, so every timed step pays the steady-state refit on a full buffer, and its probe is trusted after one step,
@@ -38,7 +41,7 @@ from typing import Any
 
 from poise_lab.models.real import REAL_MODELS
 
-from ..common import ARITH_DATASET, PROBE_FIT_ROWS, QWEN3_4B_HIDDEN
+from ..common import ARITH_DATASET, OVERHEAD_LAYOUTS, PROBE_FIT_ROWS, QWEN3_4B_HIDDEN
 
 
 def _run_overhead(args: argparse.Namespace) -> int:
@@ -62,12 +65,12 @@ def add_overhead_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="forced completion lengths; each gives a +1-pass and a +0-pass row",
     )
     parser.add_argument(
-        "--extra-passes",
+        "--layouts",
         nargs="+",
-        type=int,
-        choices=[1, 0],
-        default=[1, 0],
-        help="rows per length: 1 = POISE runs its own pass, 0 = it reuses TRL's",
+        choices=list(OVERHEAD_LAYOUTS),
+        default=list(OVERHEAD_LAYOUTS),
+        help="rows per length: default = one optimizer step per generation (TRL runs no log-prob pass), trl-pass = "
+        "two (TRL runs its old-log-prob pass)",
     )
     parser.add_argument("--group-size", type=int, default=2, help="G, the same for POISE and GRPO")
     parser.add_argument("--completions-per-step", type=int, default=32, help="per optimizer step, both trainers")
@@ -122,6 +125,12 @@ def add_overhead_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help='also POISE with probe_granularity="prefix" (a value for every token), taking turns with '
         "POISE and GRPO in every row; its time and peak memory against both",
+    )
+    parser.add_argument(
+        "--capture-route",
+        action="store_true",
+        help='also POISE with probe_capture="pass" (a no-grad pass of its own), taking turns with the others in '
+        "every row; its time against GRPO and POISE (default)'s against it",
     )
     parser.add_argument(
         "--importance",

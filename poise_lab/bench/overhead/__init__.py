@@ -27,7 +27,7 @@ from ..common import (
 )
 from .memory import measure_memory
 from .probe_fit import probe_fit_benchmark
-from .timing import IMPORTANCE, PREFIX, Row, model_and_prompts, time_row
+from .timing import IMPORTANCE, OWN_PASS, PREFIX, Row, model_and_prompts, time_row
 
 __all__ = ["format_report", "headline", "probe_fit_benchmark", "run_overhead"]
 
@@ -96,7 +96,38 @@ def format_report(timing: list[dict], memory: list[dict], probe: list[dict], set
         tables += "\n\n" + prefix_table(timing, memory_by_name)
     if settings.get("importance"):
         tables += "\n\n" + importance_table(timing, memory_by_name)
+    if settings.get("capture_route"):
+        tables += "\n\n" + own_pass_table(timing, memory_by_name)
     return tables + "\n" + headline(timing, memory, probe, settings)
+
+
+def own_pass_table(timing: list[dict], memory_by_name: dict[str, dict]) -> str:
+    """POISE on a no-grad pass of its own (`probe_capture="pass"`, the route before the loss's forward served)
+    beside GRPO and POISE (default), from the same alternated cycles and memory runs."""
+    headers = [
+        "setting",
+        "own pass s/cycle",
+        "time ratio to GRPO",
+        "POISE (default) / own pass",
+        "own passes/cycle",
+        "peak MiB own pass",
+        "peak ratio to GRPO",
+    ]
+    rows = []
+    for t in timing:
+        m = memory_by_name.get(t["name"], {})
+        rows.append(
+            [
+                f"{t['name']} (own pass)",
+                fmt_summary(t[f"{OWN_PASS}_cycle_seconds"]),
+                fmt_summary(t["own_pass_time_ratio"]),
+                fmt_summary(t["poise_own_pass_time_ratio"]),
+                str(t["own_pass_passes_observed"]),
+                f"{m[OWN_PASS]['training_peak_mib']:.0f}" if OWN_PASS in m else "–",
+                fmt(m.get("own_pass_training_peak_ratio")),
+            ]
+        )
+    return format_table(headers, rows)
 
 
 def prefix_table(timing: list[dict], memory_by_name: dict[str, dict]) -> str:
@@ -169,6 +200,9 @@ def headline(timing: list[dict], memory: list[dict], probe: list[dict], settings
         line += "; per-prefix/GRPO: " + ", ".join(parts)
         parts = [f"{t['name']} ×{fmt(t['prefix_poise_time_ratio']['median'])}" for t in timing]
         line += "; per-prefix/POISE: " + ", ".join(parts)
+    if settings.get("capture_route"):
+        parts = [f"{t['name']} ×{fmt(t['own_pass_time_ratio']['median'])}" for t in timing]
+        line += "; own pass/GRPO: " + ", ".join(parts)
     if settings.get("importance"):
         parts = [f"{t['name']} ×{fmt(t['importance_poise_time_ratio']['median'])}" for t in timing]
         line += "; importance/POISE: " + ", ".join(parts)
@@ -212,7 +246,7 @@ def run_overhead(args: argparse.Namespace) -> int:
         key: getattr(args, key)
         for key in (
             "completion_lengths",
-            "extra_passes",
+            "layouts",
             "group_size",
             "completions_per_step",
             "per_device_batch_size",
@@ -232,6 +266,7 @@ def run_overhead(args: argparse.Namespace) -> int:
             "probe_fit_heads",
             "prefix",
             "importance",
+            "capture_route",
         )
     }
     settings.update(
@@ -241,7 +276,7 @@ def run_overhead(args: argparse.Namespace) -> int:
     )
     if args.model is not None and args.train_dataset is None:
         raise SystemExit("--model needs --train-dataset (its prompts)")
-    rows = [Row(length, passes) for length in args.completion_lengths for passes in args.extra_passes]
+    rows = [Row(length, layout) for length in args.completion_lengths for layout in args.layouts]
     start = time.perf_counter()
     model, prompts = model_and_prompts(settings)  # prepares (and caches) the model once, before any worker reads it
     # The memory workers run first, while this process holds no trainer: with a real model, three trainers held here
@@ -262,11 +297,14 @@ def run_overhead(args: argparse.Namespace) -> int:
                 f"; importance to POISE {fmt_summary(timing[-1]['importance_poise_time_ratio'])}, sampler "
                 f"{fmt_summary(timing[-1]['importance_selection_seconds'])} s/cycle"
             )
-        print(line, flush=True)
-        if timing[-1]["extra_passes_observed"] != row.extra_passes:
-            print(
-                f"  warning: POISE ran {timing[-1]['extra_passes_observed']} passes per cycle, not {row.extra_passes}"
+        if args.capture_route:
+            line += (
+                f"; own pass to GRPO {fmt_summary(timing[-1]['own_pass_time_ratio'])}, POISE to own pass "
+                f"{fmt_summary(timing[-1]['poise_own_pass_time_ratio'])}"
             )
+        print(line, flush=True)
+        if timing[-1]["extra_passes_observed"] != 0:
+            print(f"  warning: POISE ran {timing[-1]['extra_passes_observed']} passes of its own per cycle, not 0")
     probe = (
         []
         if args.skip_probe_fit

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..common import device_kind, quiet_libraries, ratio, set_cpu_threads
-from .timing import PREFIX, Row, build_trainer, contenders, model_and_prompts
+from .timing import OWN_PASS, PREFIX, Row, build_trainer, contenders, model_and_prompts
 
 
 def _reset_peak() -> float:
@@ -99,6 +99,8 @@ def measure_memory(rows: list[Row], settings: dict[str, Any]) -> list[dict[str, 
                 {f"prefix_{k}": v for k, v in _ratios(peaks[PREFIX], peaks["grpo"]).items()},
                 **{f"prefix_poise_{k}": v for k, v in _ratios(peaks[PREFIX], peaks["poise"]).items()},
             )
+        if OWN_PASS in peaks:
+            result.update({f"own_pass_{k}": v for k, v in _ratios(peaks[OWN_PASS], peaks["grpo"]).items()})
         results.append(result)
     return results
 

@@ -29,13 +29,14 @@ from ..common import ARITH_DATASET, summarize, trainer_device_args
 
 PREFIX = "poise_prefix"  # POISE with probe_granularity="prefix", timed beside POISE and GRPO with --prefix
 IMPORTANCE = "poise_importance"  # POISE with prompt_selection="importance", timed beside them with --importance
+OWN_PASS = "poise_pass"  # POISE with probe_capture="pass" (a no-grad pass of its own), with --capture-route
 
 
 def contenders(settings: dict[str, Any]) -> tuple[str, ...]:
     """The trainers a row times: POISE and GRPO, POISE per-prefix with `--prefix`, POISE with the importance sampler
-    with `--importance`."""
+    with `--importance`, POISE on its own pass with `--capture-route`."""
     extra = (PREFIX,) * bool(settings.get("prefix")) + (IMPORTANCE,) * bool(settings.get("importance"))
-    return ("poise", "grpo", *extra)
+    return ("poise", "grpo", *extra, *(OWN_PASS,) * bool(settings.get("capture_route")))
 
 
 def any_text_reward(completions: list, **kwargs: Any) -> list[float]:
@@ -46,18 +47,20 @@ def any_text_reward(completions: list, **kwargs: Any) -> list[float]:
 
 @dataclass(frozen=True)
 class Row:
-    """One timed setting: forced completion length and whether POISE needs a forward pass of its own."""
+    """One timed setting: forced completion length and the layout (`common.OVERHEAD_LAYOUTS`): "default", one
+    optimizer step per generation, where TRL runs no log-prob pass (POISE reads the loss's forward; with "pass", its
+    own pass); "trl-pass", two, where TRL runs its old-log-prob pass and POISE captures inside it."""
 
     completion_length: int
-    extra_passes: int  # 1: POISE runs its own feature pass; 0: it captures inside TRL's old-log-prob pass
+    layout: str
 
     @property
     def steps_per_cycle(self) -> int:
-        return 1 if self.extra_passes else 2
+        return 2 if self.layout == "trl-pass" else 1
 
     @property
     def name(self) -> str:
-        return f"{self.completion_length} tok, +{self.extra_passes} pass"
+        return f"{self.completion_length} tok, {'TRL pass' if self.layout == 'trl-pass' else 'TRL default'}"
 
 
 def _config(algorithm: str, row: Row, settings: dict[str, Any], max_steps: int, output_dir: str):
@@ -69,7 +72,7 @@ def _config(algorithm: str, row: Row, settings: dict[str, Any], max_steps: int, 
         output_dir=output_dir,
         per_device_train_batch_size=per_device,
         gradient_accumulation_steps=accumulation,
-        # Generation once per cycle: +1 pass, one optimizer step (TRL needs no old log-probs); +0 pass, two (it does).
+        # Generation once per cycle: "default", one optimizer step (TRL needs no old log-probs); "trl-pass", two.
         steps_per_generation=row.steps_per_cycle * accumulation,
         num_generations=settings["group_size"],
         max_steps=max_steps,
@@ -89,7 +92,14 @@ def _config(algorithm: str, row: Row, settings: dict[str, Any], max_steps: int, 
     # hook included), not only for fitting it.
     granularity = "prefix" if algorithm == PREFIX else "sequence"
     selection = "importance" if algorithm == IMPORTANCE else None
-    return POISEConfig(**common, probe_warmup_steps=1, probe_granularity=granularity, prompt_selection=selection)
+    capture = "pass" if algorithm == OWN_PASS else "auto"
+    return POISEConfig(
+        **common,
+        probe_warmup_steps=1,
+        probe_granularity=granularity,
+        prompt_selection=selection,
+        probe_capture=capture,
+    )
 
 
 def model_and_prompts(settings: dict[str, Any]) -> tuple[str, Dataset]:
@@ -109,7 +119,7 @@ def build_trainer(algorithm: str, row: Row, settings: dict[str, Any], cycles: in
     """One contender's trainer for one row, training `cycles` generation cycles; POISE's probe buffers are filled to
     capacity after the first (`SteadyStateProbe`)."""
     trainer_class = GRPOTrainer if algorithm == "grpo" else POISETrainer
-    output_dir = str(Path(settings["output_dir"]) / "runs" / f"{algorithm}_{row.completion_length}_{row.extra_passes}")
+    output_dir = str(Path(settings["output_dir"]) / "runs" / f"{algorithm}_{row.completion_length}_{row.layout}")
     trainer = trainer_class(
         model=model,
         reward_funcs=any_text_reward,
@@ -129,10 +139,10 @@ def time_selection(trainer: POISETrainer) -> None:
     draw: the sampler's own cost) in `trainer.selection_seconds`."""
     select, trainer.selection_seconds = trainer._select_prompts, []
 
-    def timed(inputs):
+    def timed(inputs, step):
         _synchronize()
         start = time.perf_counter()
-        kept = select(inputs)
+        kept = select(inputs, step)
         _synchronize()
         trainer.selection_seconds.append(time.perf_counter() - start)
         return kept
@@ -298,6 +308,12 @@ def time_row(row: Row, settings: dict[str, Any], model: str, prompts: Dataset) -
             importance_selection_share=summarize(s / c for s, c in zip(selection, seconds[IMPORTANCE], strict=True)),
         )
     result["extra_passes_observed"] = max(result["poise_feature_passes_per_cycle"], default=None)
+    if OWN_PASS in trainers:
+        result.update(
+            own_pass_time_ratio=_paired(seconds[OWN_PASS], seconds["grpo"]),
+            poise_own_pass_time_ratio=_paired(seconds["poise"], seconds[OWN_PASS]),
+            own_pass_passes_observed=max(result[f"{OWN_PASS}_feature_passes_per_cycle"], default=None),
+        )
     if PREFIX in trainers:
         timed = [h["poise/prefix/trusted"] for h in _timed(trainers[PREFIX], "poise/prefix/trusted", warmup_steps)]
         result.update(
