@@ -73,7 +73,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
 
     What changes w.r.t. [`~trl.GRPOTrainer`]: only the advantage. GRPO's group-mean baseline is replaced by
     `b_i = mean_{j != i} g_f(φ_j)`, where φ_j are rollout j's pooled hidden states (one decoder layer, last n prompt
-    and reasoning tokens) plus entropy statistics, captured during the teacher-forced log-prob pass, and g_f is an
+    and reasoning tokens) plus entropy statistics, read during a teacher-forced pass TRL runs anyway, and g_f is an
     online ridge probe fitted on earlier steps only. `A_i = r_i - b_i`, unscaled. Until `probe_warmup_steps` steps
     have been seen the baseline is the bootstrap (`probe_bootstrap`: the shrunk a + w * RLOO by default, the paper's
     RLOO mean of the other rollouts' rewards with "rloo"). Generation, rewards, the clipped loss, vLLM, PEFT,
@@ -82,13 +82,23 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
     yields a value V(x, y_<t) for every generated token (prefix.py), and once that probe is trusted the loss receives
     (B, T) advantages r - V(x, y_<t), which TRL's `_compute_loss` takes as they are.
 
+    Which pass (step.py's capture routes): TRL's own no-grad old-log-prob pass when it runs one; otherwise, in TRL's
+    default configuration, the loss's own forward of each micro-batch: every micro-batch of a generation batch is then
+    trained with the weights that generated it, each holds whole groups, and its advantages are written before TRL's
+    `_compute_loss` reads them, after the forward. A step then runs exactly GRPOTrainer's forwards. Where a group
+    cannot sit in one micro-batch (or with `probe_capture="pass"`), POISE runs a no-grad pass of its own. One record
+    (`step.GenerationStep`) carries a generation batch from its prompts to the estimator's observation.
+
     Overrides (all of them):
     - `_generate_and_score_completions`: choose prompts (`prompt_selection`), then after TRL scored the batch,
       replace its advantages by the estimator's (times the drawn prompts' importance weights, and
       `num_items_in_batch`, the token-count losses' normaliser, by the weighted count), log `poise/*`, and let the
-      estimator learn (training only);
-    - `_get_per_token_logps_and_entropies`: hook the probe layer(s) during TRL's own old-log-prob pass when there is
-      one, so no forward pass is added;
+      estimator learn (training only); on the loss route the advantages come from each micro-batch's forward and the
+      batch is observed after its last;
+    - `_get_per_token_logps_and_entropies`: hook the probe layer(s) during the pass the features come from;
+    - `_compute_loss`: on the loss route, mark the micro-batch whose forward is captured;
+    - `_prepare_inputs`: where TRL runs no log-prob pass and splits a generation batch into micro-batches, its row
+      shuffle becomes a whole-group shuffle (`step.shuffle_groups`, the same random draw), whichever capture route;
     - `_calculate_rewards`: keep the gathered rewards; `_generate`: keep the tool/env mask, so features use only the
       tokens the policy generated;
     - `get_train_dataloader`, `_get_train_sampler`: with `prompt_selection`, draw `prompt_selection_oversample` times
@@ -409,9 +419,9 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
                 step.micro_batch = None
 
     def _prepare_inputs(self, generation_batch):
-        """Where the loss route splits a generation batch into micro-batches, TRL's row shuffle is replaced by
-        `shuffle_groups` (the same draw, whole groups), so that every micro-batch holds whole groups. The pass route
-        of the same configuration shuffles alike, so both train on the same micro-batches."""
+        """Where TRL runs no log-prob pass and splits a generation batch into micro-batches, its row shuffle is
+        replaced by `shuffle_groups` (the same draw, whole groups), so that every micro-batch holds whole groups for
+        the loss route. `probe_capture="pass"` shuffles alike, so both routes train on the same micro-batches."""
         if not self._shuffle_whole_groups:
             return super()._prepare_inputs(generation_batch)
         whole_groups = partial(shuffle_groups, group_size=self.num_generations)

@@ -127,7 +127,7 @@ def test_the_prefill_pools_the_prompt_states_the_training_pass_pools(tiny_model_
     trainer = Capture(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
     trainer.prefilled = []
     trainer.train()
-    start, stop = trainer.estimator.prompt_columns
+    start, stop = trainer.estimator.spec.prompt.columns
     for scored, (states, tokens) in zip(trainer.scored, trainer.prefilled, strict=True):
         features = scored["features"]
         expected = features[::G, trainer.estimator.layer_index, start:stop]

@@ -114,7 +114,7 @@ def test_generated_tables_and_api_page_read_right(site):
     assert 'href="https://huggingface.co/docs/trl/grpo_trainer#trl.GRPOConfig"' in api
     assert 'href="#poise_trl.trainer.POISETrainer"' in api
     overrides = api.split("Overrides (all of them):", 1)[1].split("</ul>", 1)[0]
-    assert overrides.count("<li>") == 7
+    assert overrides.count("<li>") == 9
     assert "Rollouts per prompt" in configuration
 
 
