@@ -17,7 +17,7 @@ from datasets import Dataset
 
 from poise_lab.models.toy import default_cache_dir, evaluate_avg_at_k, load_demo_model, prepare_demo_model
 from poise_lab.tasks.toy import MAX_COMPLETION_LENGTH, REASONING_END, make_sort_splits, task_reward
-from poise_trl import POISEEstimator
+from poise_trl import EstimatorSpec, POISEEstimator
 from poise_trl.features import (
     assemble_features,
     capture_layer,
@@ -26,6 +26,7 @@ from poise_trl.features import (
     pca_blocks,
     resolve_layer_index,
 )
+from poise_trl.specs import BufferSpec, HeadSpec
 
 BLOCKS, G, POOL = ("prompt", "reasoning", "entropy"), 2, 10
 
@@ -55,10 +56,8 @@ def train(model_dir: str, train_set: Dataset, eval_set: Dataset, steps: int = 15
     hidden, layers = model.config.hidden_size, find_decoder_layers(model)
     layer = layers[resolve_layer_index(None, len(layers))]  # about half-way down, the paper's choice
     marker = tokenizer.convert_tokens_to_ids(REASONING_END)
-    estimator = POISEEstimator(  # the release preset: alpha 100, PCA of the prompt and reasoning blocks
-        num_generations=G, alpha=100.0, pca_dims=pca_blocks(BLOCKS, hidden, [32, 64], cap_at_width=True),
-        warmup_steps=probe_warmup_steps,
-    )  # fmt: skip
+    head = HeadSpec(alpha=100.0, pca_dims=pca_blocks(BLOCKS, hidden, [32, 64], cap_at_width=True))  # the release's
+    estimator = POISEEstimator(G, EstimatorSpec(head=head, buffer=BufferSpec(warmup_steps=probe_warmup_steps)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     before = evaluate_avg_at_k(model, tokenizer, eval_set, k=eval_k, seed=seed)["avg_at_k"]
     history = []

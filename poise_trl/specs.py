@@ -118,7 +118,7 @@ class HeadSpec:
             self.build(self.pca_dims)
         except (ValueError, TypeError) as error:  # the head's own check of its values, e.g. the MLP's width
             raise _bad(HeadSpec, "kwargs", self.kwargs, f"is refused by the head {self.name!r}: {error}") from None
-        object.__setattr__(self, "alpha", float(self.alpha))
+        _normalise(self, alpha=float(self.alpha))
 
     def build(self, pca_dims: int | Sequence[PCABlock] | None, observed_clip: bool = False) -> Any:
         """The unfitted head with PCA `pca_dims` (a feature row's blocks: `row.FeatureRow.pca_dims`), clipped to the

@@ -19,6 +19,7 @@ from poise_trl.specs import (
     LayerSpec,
     PromptSpec,
     config_field,
+    estimator_spec,
     spec_name,
 )
 
@@ -204,3 +205,20 @@ def test_refit_with_another_spec_learns_what_an_estimator_of_that_spec_learned_f
     assert torch.equal(saved.refit(with_history).predict(x, r, prompt_ids=ids), saved.predict(x, r, prompt_ids=ids))
     with pytest.raises(ValueError, match="do not hold the columns"):
         direct.refit(with_history)
+
+
+def test_the_specs_defaults_are_the_configs():
+    """`POISEEstimator(num_generations=2)` (a loop outside TRL) runs what a default `POISEConfig` runs, the settings
+    the model decides aside: every field the config sets without the model has the same default in both."""
+    from dataclasses import fields
+
+    built = estimator_spec(_config(probe_history=True), num_layers=4, hidden_size=16)
+    default = EstimatorSpec(history=HistorySpec())
+    compared = 0
+    for path in ("", "head", "history", "layers", "buffer", "granularity"):
+        ours, theirs = (getattr(spec, path) if path else spec for spec in (default, built))
+        for f in fields(ours):
+            if f.metadata.get("config") and not f.metadata["derived"]:
+                assert getattr(ours, f.name) == getattr(theirs, f.name), (path, f.name)
+                compared += 1
+    assert compared == 16

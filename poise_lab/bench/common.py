@@ -345,11 +345,12 @@ def mean_or_none(values: Iterable[float | None]) -> float | None:
 
 
 def other_heads(names: Sequence[str] | None) -> list[str]:
-    """`--probe-heads` of `bench gradient` and `probe-bench`: the value heads measured beside ridge, validated (None:
-    every other head of `heads.HEADS`)."""
+    """`--probe-heads` of `bench gradient` and `probe-bench`: the value heads measured beside POISE (default)'s,
+    validated (None: every other head of `heads.HEADS`)."""
     from poise_trl.heads import HEADS
 
-    names = [head for head in HEADS if head != "ridge"] if names is None else list(names)
+    default = config_default("probe_head")  # the preset row's head
+    names = [head for head in HEADS if head != default] if names is None else list(names)
     if unknown := sorted(set(names) - set(HEADS)):
         raise SystemExit(f"--probe-heads {' '.join(unknown)}: not a value head; choose among {', '.join(HEADS)}")
-    return [head for head in names if head != "ridge"]  # ridge is the preset row
+    return [head for head in names if head != default]

@@ -23,6 +23,7 @@ import hashlib
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +31,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from poise_trl.buffer import ProbeBuffer
 from poise_trl.estimator import POISEEstimator
-from poise_trl.history import HISTORY_COLUMNS
 from poise_trl.settings import DEFAULT_FLOOR, check_floor
 
-from .common import CONTENDERS, format_table, other_heads, resolve_device, write_json
+from .common import CONTENDERS, config_default, format_table, other_heads, resolve_device, write_json
 from .exact import (
     PoolGram,
     RuleMoments,
@@ -168,15 +167,16 @@ def new_estimator(
     rule: str, collection: Collection, head: str | None = None, history: bool = False
 ) -> tuple[POISEEstimator, list[str]]:
     """An empty estimator with `rule`'s settings (with `head`, that value head; with `history`, the prompt history)
-    at the pool's default capture, and the feature blocks its probe reads."""
+    at the pool's default capture, built as the trainer builds it (`POISEEstimator.from_config`), and the feature
+    blocks its probe reads."""
     from poise_trl import POISEConfig
 
-    layer = int(collection.meta["default_layer"])
+    meta = collection.meta
     settings = {**CONTENDERS[rule].overrides, **CONTENDERS[rule].pins, **({"probe_head": head} if head else {})}
-    config = POISEConfig(output_dir="unused", report_to="none", use_cpu=True, probe_history=history, **settings)
-    settings = config.estimator_settings(int(collection.meta["num_layers"]), int(collection.meta["hidden_size"]))
-    settings.update(layers=[layer], layer_index=0)
-    return POISEEstimator(PROBE_K, **settings), list(config.probe_features)
+    settings.update(probe_history=history, probe_layer=int(meta["default_layer"]), num_generations=PROBE_K)
+    config = POISEConfig(output_dir="unused", report_to="none", use_cpu=True, **settings)
+    estimator = POISEEstimator.from_config(config, int(meta["num_layers"]), int(meta["hidden_size"]))
+    return estimator, list(config.probe_features)
 
 
 def fitted_probe(
@@ -188,7 +188,7 @@ def fitted_probe(
     estimator, blocks = new_estimator(rule, collection, head)
     layer, pool = int(collection.meta["default_layer"]), int(collection.meta["default_pool"])
     features = probe.columns(blocks, layer, pool)
-    for chunk in np.array_split(keep, estimator.warmup_steps + 4):
+    for chunk in np.array_split(keep, estimator.spec.buffer.warmup_steps + 4):
         rows = torch.from_numpy((chunk[:, None] * PROBE_K + np.arange(PROBE_K)).ravel())
         estimator.observe(features[rows], probe.rewards[rows].nan_to_num(0.0))
     return estimator, blocks
@@ -197,10 +197,9 @@ def fitted_probe(
 def run_estimator(
     path: Path, collection: Collection, head: str | None = None, history: bool | None = None
 ) -> tuple[POISEEstimator, list[str]]:
-    """The run's saved estimator (the file `POISETrainer.save_probe` wrote), as saved or with every probe refit with
-    `head` on the run's own buffer and, with `history=False` where the run kept a prompt history, on the buffered
-    rows less their history columns (the table dropped): each head and input set on exactly the data the run's
-    own probe learned from."""
+    """The run's saved estimator (the file `POISETrainer.save_probe` wrote), as saved or refit (`POISEEstimator.refit`)
+    with `head` and, with `history=False` where the run kept a prompt history, without it: each head and input set
+    on exactly the rows the run's own probe learned from."""
     from poise_trl.files import read_state
 
     saved_history = "history" in read_state(path)["info"]
@@ -212,17 +211,9 @@ def run_estimator(
     saved_head = next(iter(estimator.probes.values())).probe.name
     if (head or saved_head, history) == (saved_head, saved_history):
         return estimator, blocks
-    estimator.head = head or saved_head
-    if not history and saved_history:
-        estimator.history, estimator.prompt_history = False, None
-        for online in estimator.probes.values():
-            rows = ProbeBuffer(online.buffer.capacity)
-            rows.add(online.buffer.features[..., : -len(HISTORY_COLUMNS)], online.buffer.targets, online.buffer.groups)
-            online.buffer = rows
-    for online in estimator.probes.values():
-        online.probe = estimator.probe_template
-        online.fit(estimator.layer_index)
-    return estimator, blocks
+    spec = estimator.spec
+    spec = replace(spec, head=replace(spec.head, name=head or saved_head), history=spec.history if history else None)
+    return estimator.refit(spec), blocks
 
 
 def row_prompt_keys(collection: Collection) -> torch.Tensor:
@@ -250,7 +241,7 @@ def online_values(
 
     When the model folder holds the run's saved estimator (the file `POISETrainer.save_probe` writes), POISE
     (default) is that estimator and each head row the same refit with that head (`run_estimator`); if the run kept
-    a prompt history, every head (ridge included) is measured again without it (`head_row(head, history=False)`).
+    a prompt history, every head (the default included) is measured again without it (`head_row(head, history=False)`).
     Otherwise every probe is `fitted_probe` on the separate pool."""
     from poise_trl.trainer import ESTIMATOR_FILE
 
@@ -261,14 +252,15 @@ def online_values(
     fits: list[tuple[str, Any]] = [("poise_paper", lambda: fitted_probe("poise_paper", collection, probe, keep))]
     if saved.exists():
         run = run_estimator(saved, collection)
-        with_history = run[0].history
+        with_history = run[0].prompt_history is not None
         fits.append(("poise", lambda: run))
         sources["poise"] = f"the run's saved estimator ({ESTIMATOR_FILE})"
-        for head in ["ridge", *heads] if with_history else heads:
+        default = config_default("probe_head")  # POISE (default)'s head: the "poise" row
+        for head in [default, *heads] if with_history else heads:
             for history in (True, False) if with_history else (None,):  # None: as the run kept it (none)
                 row = head_row(head, history is not False)
-                if row == head_row("ridge"):
-                    continue  # the run's own estimator when it is ridge with history: the "poise" row
+                if row == head_row(default):
+                    continue  # the run's own estimator when it has the default head and history: the "poise" row
                 fits.append((row, lambda h=head, hist=history: run_estimator(saved, collection, h, hist)))
                 sources[row] = f"the run's saved estimator refit with the {head} head on its own buffer" + (
                     ", without the prompt history" if history is False else ""
@@ -281,7 +273,7 @@ def online_values(
         sources.setdefault(row, separate)
         if not estimator.trusted:
             raise RuntimeError(f"{label(row)}: the probe is not trusted; give more --probe-prompts")
-        keys = row_prompt_keys(collection) if estimator.history else None
+        keys = row_prompt_keys(collection) if estimator.prompt_history is not None else None
         features = collection.columns(blocks, layer, pool)
         out = estimator.predict(features, collection.rewards.nan_to_num(0.0), prompt_ids=keys).double().numpy()
         if not np.isfinite(out).all():
@@ -387,22 +379,24 @@ def measure(
 
 def paired_rows(rows: list[str]) -> list[tuple[str, str]]:
     """The (row, reference) pairs whose variance difference is reported over the same bootstrap resamples, which
-    resolve it far more sharply than two separate intervals: each other head against ridge (POISE (default)), with
+    resolve it far more sharply than two separate intervals: each other head against POISE (default)'s, with
     the same inputs, and each head with the prompt history against itself without it (a run that kept one)."""
 
-    def ridge(history: bool) -> str:
-        return "poise" if history else head_row("ridge", history=False)
+    default = config_default("probe_head")
+
+    def reference(history: bool) -> str:
+        return "poise" if history else head_row(default, history=False)
 
     pairs = []
     for row in rows:
         if not row.startswith("poise_head_") or row.endswith("_sampler"):
             continue
         history = not row.endswith("_nohistory")
-        if row != ridge(history) and ridge(history) in rows:
-            pairs.append((row, ridge(history)))
+        if row != reference(history) and reference(history) in rows:
+            pairs.append((row, reference(history)))
         if history and (without := f"{row}_nohistory") in rows:
             pairs.append((row, without))
-    if "poise" in rows and (without := head_row("ridge", history=False)) in rows:
+    if "poise" in rows and (without := head_row(default, history=False)) in rows:
         pairs.append(("poise", without))
     return pairs
 
@@ -562,7 +556,7 @@ def run_gradient(args: argparse.Namespace, log: Log = print) -> int:
             "and the oracle baseline's 3)"
         )
     check_floor(args.prompt_selection_floor)  # before the pool is sampled, not after
-    heads = other_heads(args.probe_heads)  # ridge is POISE (default)'s own row
+    heads = other_heads(args.probe_heads)  # the default head is POISE (default)'s own row
     if args.probe_prompts < 1:
         raise SystemExit(f"--probe-prompts {args.probe_prompts}: the probe needs a pool of its own")
     collection, probe, pool, folder = load_pool(args, log)

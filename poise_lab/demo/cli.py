@@ -117,8 +117,8 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--probe-head",
-        default="ridge",
-        help="the probe's value head (POISEConfig.probe_head): ridge, logistic, mlp or ensemble",
+        default=None,
+        help="the probe's value head, a key of poise_trl.heads.HEADS (POISEConfig.probe_head; default: its default)",
     )
     parser.add_argument(
         "--probe-history",

@@ -168,7 +168,7 @@ def run_demo(
     probe_preset: str = "release",
     paper_rules: bool = False,
     probe_granularity: str = "sequence",
-    probe_head: str = "ridge",
+    probe_head: str | None = None,
     probe_history: bool = False,
     eval_k: int = 8,
     logging_steps: int | None = None,
@@ -242,7 +242,7 @@ def run_demo(
         probe_preset=probe_preset,
         **(dict(probe_partner_reward=False, probe_bootstrap="rloo") if paper_rules else {}),
         probe_granularity=probe_granularity,
-        probe_head=probe_head,
+        **({"probe_head": probe_head} if probe_head else {}),  # None: POISEConfig's default head
         probe_history=probe_history,
     )
     table = DemoTableCallback(write=write, show_progress=show_progress)
@@ -284,7 +284,7 @@ def run_demo(
         "max_completion_length": demo.max_completion_length,
         "probe_warmup_steps": probe_warmup_steps,
         "probe_granularity": probe_granularity,
-        "probe_head": probe_head,
+        "probe_head": config.probe_head,
         "probe_history": probe_history,
         "train_prompts": TRAIN_DIR,
         "avg_at_k_before": before["avg_at_k"],

@@ -269,7 +269,7 @@ def test_command_end_to_end_on_the_tiny_model(tiny_model_path, tmp_path):
     assert keys.unique().numel() == pool.num_prompts  # the trainer's ids, kept with the pool
     run, blocks = new_estimator("poise", pool, history=True)
     probe_keys = row_prompt_keys(probe)
-    for chunk in [*np.array_split(keep, run.warmup_steps), *np.array_split(keep, 4)]:  # two epochs: history
+    for chunk in [*np.array_split(keep, run.spec.buffer.warmup_steps), *np.array_split(keep, 4)]:  # two epochs
         rows = torch.from_numpy((chunk[:, None] * 2 + np.arange(2)).ravel())
         run.observe(probe.columns(blocks, layer, width)[rows], probe.rewards[rows].nan_to_num(0.0), probe_keys[rows])
     earlier = torch.arange(pool.rewards.numel()) % pool.k < 2  # an earlier step's rewards of the measured prompts
@@ -286,7 +286,7 @@ def test_command_end_to_end_on_the_tiny_model(tiny_model_path, tmp_path):
     expected = run.predict(features, pool.rewards.nan_to_num(0.0), prompt_ids=keys).double().numpy()
     assert np.array_equal(values["poise"], expected)
     bare, _ = run_estimator(tmp_path / ESTIMATOR_FILE, pool, "ridge", history=False)
-    assert bare.prompt_history is None and bare.extra_columns == 1  # the partner's reward only
+    assert bare.prompt_history is None and bare.row.appended == 1  # the partner's reward only
     width_saved = run.probes["default"].buffer.features.size(-1)
     assert bare.probes["default"].buffer.features.size(-1) == width_saved - 3
     assert len(bare.probes["default"].buffer) == len(run.probes["default"].buffer)

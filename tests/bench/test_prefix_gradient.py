@@ -216,12 +216,13 @@ def test_the_prefix_probe_settings_are_the_trainers(tiny_model_path, tmp_path):
     meta = {"default_layer": 1, "default_pool": 3, "num_layers": 4, "hidden_size": 16}
     config = POISEConfig(output_dir=str(tmp_path), use_cpu=True, probe_granularity="prefix", probe_layer=1,
                          probe_pool_tokens=3)  # fmt: skip
-    estimator = POISEEstimator(2, **config.estimator_settings(4, 16))
+    estimator = POISEEstimator.from_config(config, 4, 16)
+    head = estimator.token_baseline.probe  # the per-prefix head, unfitted
     settings = prefix_probe_settings(meta)
     assert settings == {
         "samples": PREFIX_SAMPLES,
         "pool_tokens": 3,
-        "alpha": estimator.token_baseline.alpha,
+        "alpha": head.alpha,
         "pca_dims": list(estimator.token_baseline.pca_dims),
-        "clip": estimator.token_baseline.clip,
+        "clip": None if head.clip == "observed" else list(head.clip),
     }

@@ -141,9 +141,9 @@ def test_select_layer_hysteresis_and_logging_in_the_trainer(tiny_model_path, tmp
     estimator = trainer.estimator
 
     def select() -> dict[str, float]:
-        learners, margin = list(estimator.probes.values()), estimator.layer_switch_margin
+        learners, layers = list(estimator.probes.values()), estimator.spec.layers
         estimator.layer_index, metrics = select_layer(
-            learners, estimator.layers, estimator.layer_index, margin, estimator.layer_folds, "cpu"
+            learners, layers.ids, estimator.layer_index, layers.switch_margin, layers.folds, "cpu"
         )
         return metrics
 

@@ -74,9 +74,10 @@ def add_gradient_parser(subparsers: Any) -> argparse.ArgumentParser:
         nargs="+",
         default=[],
         metavar="HEAD",
-        help="POISE (default) again with each of these value heads (POISEConfig.probe_head: logistic, mlp, "
-        "ensemble), fitted on the same probe pool (or, for a run's snapshot, its saved estimator refit on its own "
-        "buffer), alone and with its own probe sampler; from a cached pool the analysis alone",
+        help="POISE (default) again with each of these value heads (keys of poise_trl.heads.HEADS, as "
+        "POISEConfig.probe_head takes them), fitted on the same probe pool (or, for a run's snapshot, its saved "
+        "estimator refit on its own buffer), alone and with its own probe sampler; from a cached pool the analysis "
+        "alone",
     )
     add("--lora-rank", type=int, default=1, help="rank of the LoRA sketch (its B gradients are stored per rollout)")
     add("--output-dir", default="runs/bench/gradient", help="results.json, results.md, gradient.png")

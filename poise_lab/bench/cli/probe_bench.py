@@ -59,8 +59,9 @@ def add_probe_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         nargs="*",
         default=None,
         metavar="HEAD",
-        help="the trainer's other value heads (POISEConfig.probe_head) scored beside ridge at --preset, on the "
-        "same front end (default: every one, logistic, mlp and ensemble; none when given alone)",
+        help="the trainer's other value heads (keys of poise_trl.heads.HEADS, as POISEConfig.probe_head takes them) "
+        "scored beside the default one at --preset, on the same front end (default: every other one; none when "
+        "given alone)",
     )
     add("--no-critic", action="store_true", help="skip the critic baseline")
     add("--critic-epochs", type=int, default=10, help="max epochs (early stopping on 10%% of train prompts)")

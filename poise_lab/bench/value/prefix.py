@@ -25,6 +25,7 @@ from poise_trl.prefix import (
     prefix_stats,
 )
 from poise_trl.probe import ValueProbe
+from poise_trl.specs import estimator_spec
 
 from ..common import format_table
 from .collect import Collection, Log
@@ -46,13 +47,13 @@ def prefix_probe_settings(meta: dict[str, Any]) -> dict[str, Any]:
         probe_layer=layer,
         probe_pool_tokens=pool,
     )
-    settings = config.estimator_settings(int(meta["num_layers"]), int(meta["hidden_size"]))
+    spec = estimator_spec(config, int(meta["num_layers"]), int(meta["hidden_size"]))
     return {
         "samples": PREFIX_SAMPLES,
         "pool_tokens": config.probe_pool_tokens,
-        "alpha": settings["alpha"],
-        "pca_dims": list(settings["prefix_pca_dims"]),
-        "clip": None if settings["clip"] is None else list(settings["clip"]),
+        "alpha": spec.head.alpha,
+        "pca_dims": list(spec.granularity.pca_dims),
+        "clip": None if spec.head.clip is None else list(spec.head.clip),
     }
 
 
