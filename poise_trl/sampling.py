@@ -31,7 +31,7 @@ error and for the prediction's own error (a prompt predicted at v = 0 may still 
 1 / floor.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
@@ -211,26 +211,18 @@ class Importance:
 RULES: dict[str, type] = {"value": HighestVariance, "importance": Importance}
 
 
-def make_rule(name: str, settings: Mapping[str, Any]) -> Rule:
-    """The rule `name` with its own settings, each taken from `settings` where present (a pool, e.g. every rule's
-    settings at once: each rule reads only its own)."""
-    if name not in RULES:
-        raise ValueError(f"prompt_selection={name!r} is not a sampling rule: choose one of {sorted(RULES)}.")
-    unknown = sorted(set(settings) - {f.name for rule in RULES.values() for f in fields(rule)})
-    if unknown:
-        raise TypeError(f"{unknown} are settings of no sampling rule.")
-    rule = RULES[name]
-    return rule(**{f.name: settings[f.name] for f in fields(rule) if f.name in settings})
-
-
 def rule_from_config(config: Any) -> Rule:
     """The rule `config.prompt_selection` names, its settings read from the config fields its fields name."""
+    if config.prompt_selection not in RULES:
+        raise ValueError(
+            f"prompt_selection={config.prompt_selection!r} is not a sampling rule: choose one of {sorted(RULES)}."
+        )
     rule = RULES[config.prompt_selection]
     return rule(**{f.name: getattr(config, f.metadata["config"]) for f in fields(rule)})
 
 
 def draw(
-    rule: str,
+    rule: Rule,
     candidates: int,
     keep: int,
     values: torch.Tensor | None = None,
@@ -239,12 +231,11 @@ def draw(
     seed: int,
     rank: int,
     step: int,
-    **settings: Any,
 ) -> Draw:
-    """One process's draw of `keep` of its `candidates` prompts under the rule named `rule`, seeded by (seed, rank,
-    step); `settings` may hold every rule's (e.g. `floor`, the importance rule's): the rule takes its own. Without
-    predicted `values` (no trusted probe yet) every rule draws uniformly without replacement, weights 1."""
-    chosen, generator = make_rule(rule, settings), draw_generator(seed, rank, step)
+    """One process's draw of `keep` of its `candidates` prompts under `rule` (e.g. `rule_from_config`), seeded by
+    (seed, rank, step). Without predicted `values` (no trusted probe yet) every rule draws uniformly without
+    replacement, weights 1."""
+    generator = draw_generator(seed, rank, step)
     if values is None or reward_range is None:
         return Draw(uniform(candidates, keep, generator))
-    return chosen(values, reward_range, keep, generator)
+    return rule(values, reward_range, keep, generator)

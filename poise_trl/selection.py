@@ -22,7 +22,7 @@ from trl.trainer.utils import pad
 
 from .buffer import prompt_group_ids
 from .features import capture_layer, feature_spans, find_decoder_layers
-from .sampling import draw
+from .sampling import draw, rule_from_config
 from .step import GenerationStep
 
 
@@ -97,7 +97,7 @@ class ValueGuidedSelection:
             values = self.estimator.prompt_values(states, prompt_group_ids(prompts).to(states.device))
             reward_range = None if values is None else self.estimator.target_range()
         drawn = draw(
-            self.args.prompt_selection,
+            rule_from_config(self.args),
             len(groups),
             keep,
             values,
@@ -105,7 +105,6 @@ class ValueGuidedSelection:
             seed=self.args.seed,
             rank=self.accelerator.process_index,
             step=self.estimator.steps,
-            floor=self.args.prompt_selection_floor,
         )
         weights = drawn.weights or [1.0] * len(drawn.indices)
         step.weights = torch.tensor(weights, dtype=torch.float64).repeat_interleave(size)

@@ -88,7 +88,7 @@ def test_the_random_selection_stream_resumes_where_the_checkpoint_left_it(tmp_pa
     """Random draws are seeded by (seed, rank, observed steps), and the step count travels in the estimator's file."""
 
     def choice(estimator: POISEEstimator) -> list[int]:
-        drawn = sampling.draw("value", 10, 4, seed=7, rank=0, step=estimator.steps).indices
+        drawn = sampling.draw(sampling.HighestVariance(), 10, 4, seed=7, rank=0, step=estimator.steps).indices
         estimator.observe(*_batch(estimator.steps)[:3])
         return drawn
 
@@ -112,7 +112,8 @@ def test_a_resumed_estimator_draws_the_importance_samplers_prompts_and_weights_e
     def choice(estimator: POISEEstimator) -> sampling.Draw:
         values = estimator.prompt_values(candidates)
         reward_range = None if values is None else estimator.target_range()
-        drawn = sampling.draw("importance", 10, 4, values, reward_range, seed=7, rank=0, step=estimator.steps)
+        rule = sampling.Importance()
+        drawn = sampling.draw(rule, 10, 4, values, reward_range, seed=7, rank=0, step=estimator.steps)
         estimator.observe(*_batch(estimator.steps)[:3])
         return drawn
 

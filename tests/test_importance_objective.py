@@ -168,7 +168,7 @@ def test_the_estimator_gets_each_rows_1_over_nq_and_the_loss_the_weighted_token_
     draw = selection_module.draw
 
     def recorded_draw(rule, candidates, keep, values=None, reward_range=None, **kwargs):
-        seen.append((None if values is None else values.clone(), reward_range, kwargs["floor"]))
+        seen.append((None if values is None else values.clone(), reward_range, rule.floor))
         return draw(rule, candidates, keep, values, reward_range, **kwargs)
 
     advantages = trainer.estimator.advantages

@@ -1,6 +1,8 @@
 """`poise_trl.sampling`: the prompt-sampling rules as pure functions of (seed, rank, step), and the importance rule's
 unbiasedness: its weighted estimate has the uniform draw's expectation, the top-k "value" rule's does not."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -9,17 +11,18 @@ from poise_trl.estimator import POISEEstimator
 from poise_trl.specs import BufferSpec, EstimatorSpec
 
 UNIT = (torch.tensor(0.0), torch.tensor(1.0))
+VALUE, IMPORTANCE = sampling.HighestVariance(), sampling.Importance(floor=0.2)
 NEVER_TRUSTED = EstimatorSpec(buffer=BufferSpec(warmup_steps=100))  # the bootstrap baseline throughout
 
 
 def test_the_value_rule_keeps_the_highest_predicted_variance_or_draws_uniformly_without_a_prediction():
     values = torch.tensor([0.0, 0.9, 0.5, 1.0, 0.4, 0.2])  # q(1-q): 0, .09, .25, 0, .24, .16
-    drawn = sampling.draw("value", 6, 2, values, (torch.tensor(0.0), torch.tensor(1.0)), seed=0, rank=0, step=3)
+    drawn = sampling.draw(VALUE, 6, 2, values, (torch.tensor(0.0), torch.tensor(1.0)), seed=0, rank=0, step=3)
     assert drawn.indices == [2, 4] and drawn.weights is None and drawn.scores[2] == pytest.approx(0.25)
-    blind = [sampling.draw("value", 6, 3, seed=0, rank=rank, step=step) for rank in (0, 1) for step in range(20)]
+    blind = [sampling.draw(VALUE, 6, 3, seed=0, rank=rank, step=step) for rank in (0, 1) for step in range(20)]
     assert all(len(d.indices) == 3 == len(set(d.indices)) and d.scores is None for d in blind)
     assert len({tuple(d.indices) for d in blind}) > 5  # ranks and steps draw differently
-    again = sampling.draw("value", 6, 3, seed=0, rank=1, step=7)
+    again = sampling.draw(VALUE, 6, 3, seed=0, rank=1, step=7)
     assert again == blind[20 + 7]  # a pure function of (seed, rank, step): a resumed run draws the same
 
 
@@ -27,7 +30,7 @@ def test_an_unknown_rule_is_refused_with_the_rules_there_are():
     with pytest.raises(
         ValueError, match=r"prompt_selection='nope' is not a sampling rule: choose one of \['importance', 'value'\]"
     ):
-        sampling.draw("nope", 4, 2, seed=0, rank=0, step=0)
+        sampling.rule_from_config(SimpleNamespace(prompt_selection="nope"))
 
 
 def test_importance_probabilities_mix_the_predicted_spread_with_uniform_and_weigh_uniform_as_one():
@@ -48,14 +51,14 @@ def test_importance_probabilities_mix_the_predicted_spread_with_uniform_and_weig
 
 def test_the_importance_rule_draws_with_replacement_by_seed_rank_and_step_and_uniformly_without_a_prediction():
     values = torch.tensor([0.0, 0.9, 0.5, 1.0, 0.4, 0.2])
-    drawn = sampling.draw("importance", 6, 5, values, UNIT, seed=0, rank=0, step=3, floor=0.2)
+    drawn = sampling.draw(IMPORTANCE, 6, 5, values, UNIT, seed=0, rank=0, step=3)
     q = sampling.importance_probabilities(values, 0.0, 1.0, 0.2)
     assert drawn.indices == sorted(drawn.indices) and len(drawn.indices) == 5
     assert drawn.weights == [(1 / (6 * q[i])).item() for i in drawn.indices]
-    assert drawn == sampling.draw("importance", 6, 5, values, UNIT, seed=0, rank=0, step=3, floor=0.2)
-    assert drawn != sampling.draw("importance", 6, 5, values, UNIT, seed=0, rank=1, step=3, floor=0.2)
-    blind = sampling.draw("importance", 6, 3, seed=0, rank=0, step=3)
-    assert blind == sampling.draw("value", 6, 3, seed=0, rank=0, step=3)  # before the probe: uniform, weights 1
+    assert drawn == sampling.draw(IMPORTANCE, 6, 5, values, UNIT, seed=0, rank=0, step=3)
+    assert drawn != sampling.draw(IMPORTANCE, 6, 5, values, UNIT, seed=0, rank=1, step=3)
+    blind = sampling.draw(IMPORTANCE, 6, 3, seed=0, rank=0, step=3)
+    assert blind == sampling.draw(VALUE, 6, 3, seed=0, rank=0, step=3)  # before the probe: uniform, weights 1
 
 
 @pytest.mark.parametrize(
@@ -68,10 +71,10 @@ def test_the_importance_rule_draws_with_replacement_by_seed_rank_and_step_and_un
 )
 def test_bad_importance_inputs_are_refused(values, floor, message):
     with pytest.raises(ValueError, match=message):
-        sampling.draw("importance", 2, 2, values, UNIT, seed=0, rank=0, step=0, floor=floor)
+        sampling.draw(sampling.Importance(floor=floor), 2, 2, values, UNIT, seed=0, rank=0, step=0)
 
 
-def _draws(rule: str, values: torch.Tensor, keep: int, trials: int) -> list[sampling.Draw]:
+def _draws(rule: sampling.Rule, values: torch.Tensor, keep: int, trials: int) -> list[sampling.Draw]:
     return [sampling.draw(rule, values.numel(), keep, values, UNIT, seed=3, rank=0, step=t) for t in range(trials)]
 
 
@@ -84,14 +87,14 @@ def test_the_weighted_importance_estimate_of_a_known_per_prompt_mean_is_unbiased
     estimates = torch.tensor(
         [
             sum(w * means[i] for i, w in zip(d.indices, d.weights, strict=True)) / 4
-            for d in _draws("importance", values, 4, 4000)
+            for d in _draws(sampling.Importance(), values, 4, 4000)
         ]
     )
     error = (estimates.mean() - means.mean()) / (estimates.std() / len(estimates) ** 0.5)
     assert abs(error) < 4, f"{estimates.mean():.4f} against the uniform mean {means.mean():.4f}"
-    unweighted = torch.tensor([means[d.indices].mean() for d in _draws("importance", values, 4, 4000)])
+    unweighted = torch.tensor([means[d.indices].mean() for d in _draws(sampling.Importance(), values, 4, 4000)])
     assert unweighted.mean() - means.mean() > 10 * estimates.std() / len(estimates) ** 0.5  # the weights matter
-    top = means[_draws("value", values, 4, 1)[0].indices].mean()
+    top = means[_draws(VALUE, values, 4, 1)[0].indices].mean()
     assert abs(top - means.mean()) > 0.05  # the "value" rule trains on the high-variance prompts' mean
 
 
@@ -118,11 +121,11 @@ def test_weighted_advantages_give_the_uniform_prompt_gradient_in_expectation(gro
     def z(estimates: torch.Tensor) -> torch.Tensor:
         return (estimates.mean(0) - p * (1 - p) / 8) / (estimates.std(0) / trials**0.5)
 
-    importance = _draws("importance", values.float(), keep, trials)
+    importance = _draws(sampling.Importance(), values.float(), keep, trials)
     assert max(max(d.weights) for d in importance) > 1.5  # the draws are far from uniform
-    uniform = [sampling.draw("importance", 8, keep, seed=3, rank=0, step=t) for t in range(trials)]  # no probe yet
+    no_probe_yet = [sampling.draw(sampling.Importance(), 8, keep, seed=3, rank=0, step=t) for t in range(trials)]
     assert z(gradients(importance, weighted=True)).abs().max() < 4.5
-    assert z(gradients(uniform, weighted=True)).abs().max() < 4.5
+    assert z(gradients(no_probe_yet, weighted=True)).abs().max() < 4.5
     assert z(gradients(importance, weighted=False)).abs().max() > 6  # unweighted, the draw's tilt shows
 
 
@@ -137,10 +140,10 @@ def test_weights_that_are_not_finite_and_positive_are_refused():
 def test_each_rule_takes_only_its_own_settings():
     """A rule's settings are its fields: the value rule has none, the importance rule its floor (set by
     `prompt_selection_floor`); a setting no rule has is refused."""
-    assert sampling.make_rule("value", {"floor": 0.2}) == sampling.HighestVariance()
-    assert sampling.make_rule("importance", {"floor": 0.2}) == sampling.Importance(floor=0.2)
-    assert sampling.make_rule("importance", {}).floor == sampling.DEFAULT_FLOOR
-    with pytest.raises(TypeError, match=r"\['temperature'\] are settings of no sampling rule"):
-        sampling.make_rule("value", {"temperature": 2.0})
+    config = SimpleNamespace(prompt_selection="value", prompt_selection_floor=0.2)
+    assert sampling.rule_from_config(config) == sampling.HighestVariance()
+    config.prompt_selection = "importance"
+    assert sampling.rule_from_config(config) == sampling.Importance(floor=0.2)
+    assert sampling.Importance().floor == sampling.DEFAULT_FLOOR
     with pytest.raises(ValueError, match=r"prompt_selection_floor=0 must be in \(0, 1\]"):
         sampling.Importance(floor=0)
