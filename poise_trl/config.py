@@ -298,8 +298,6 @@ class POISEConfig(GRPOConfig):
     def __post_init__(self):
         check_num_generations(self.num_generations)  # before TRL divides batches by it
         super().__post_init__()
-        if self.probe_capture not in ("auto", "pass"):
-            raise ValueError(f"probe_capture={self.probe_capture!r}: choose 'auto' (no extra forward pass) or 'pass'.")
         validate(self, PROBE_PRESETS)
 
     @classmethod

@@ -23,6 +23,7 @@ from .features import FeatureSpans
 from .prefix import PrefixBatch, PrefixCapture
 
 ROUTES = ("trl_pass", "own_pass", "loss")
+CAPTURES = ("auto", "pass")  # `probe_capture`: the loss's forward where TRL runs no pass, or always a pass
 ROW_KEY = "poise_row"  # the loss route's key in TRL's batch dict: each row's index in this process's batch
 
 

@@ -13,6 +13,7 @@ from .granularity import GRANULARITIES
 from .sampling import RULES, rule_from_config
 from .settings import check_floor
 from .specs import estimator_spec
+from .step import CAPTURES
 
 
 def validate(config: Any, presets: dict[str, tuple[float, list[int]]]) -> None:
@@ -23,6 +24,11 @@ def validate(config: Any, presets: dict[str, tuple[float, list[int]]]) -> None:
             "normalises each reward within its group, own reward included, so a rollout's reward would depend on "
             "its partners. POISE needs the raw weighted reward sum: set "
             "multi_objective_aggregation='sum_then_normalize'."
+        )
+    if config.probe_capture not in CAPTURES:
+        raise ValueError(
+            f"probe_capture={config.probe_capture!r}: choose 'auto' (no forward pass added) or 'pass' (a no-grad "
+            "pass of POISE's own where TRL runs none)."
         )
     if config.probe_pool_tokens <= 0:
         raise ValueError(f"probe_pool_tokens={config.probe_pool_tokens} must be a positive number of tokens.")

@@ -35,6 +35,7 @@ def test_paper_preset_and_explicit_overrides():
         (dict(num_generations=3), "divisible by num_generations"),
         (dict(scale_rewards="group"), "not supported by POISE"),
         (dict(probe_pool_tokens=0), "positive number"),
+        (dict(probe_capture="loss"), r"probe_capture='loss': choose 'auto' .* or 'pass'"),
         (dict(probe_features=["prompt", "logits"]), "unknown: \\['logits'\\]"),
         (dict(probe_features=[]), "non-empty subset"),
         (dict(probe_preset="fast"), "choose one of"),
