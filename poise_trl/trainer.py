@@ -105,7 +105,8 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
       more candidate prompts through TRL's `RepeatSampler`; a resumed run sees the prompts of an uninterrupted one;
     - `_save_checkpoint`, `_load_optimizer_and_scheduler`: the estimator's one file travels with every checkpoint,
       and a checkpoint inside a generation batch keeps the batch's untrained slices, which TRL does not save;
-    - `train`: `resume_from_checkpoint=True` takes the newest complete checkpoint, not a folder a killed save left;
+    - `train`: `resume_from_checkpoint=True` takes the newest complete checkpoint, not a folder a killed save left,
+      and a generation batch an interrupted call left unobserved is dropped;
     - `create_model_card`: TRL's card plus how POISE was configured and its last probe diagnostics.
 
     Value-guided prompt selection keeps whole groups of each process's candidates by a rule of sampling.py ("value":
@@ -554,6 +555,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
             if resume_from_checkpoint is None:
                 raise ValueError(f"No complete checkpoint found in output directory ({self.args.output_dir}).")
         self._resuming = bool(resume_from_checkpoint)
+        self._generation = None  # a batch an interrupted `train` left unobserved is not this run's
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def get_train_dataloader(self):
