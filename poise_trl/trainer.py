@@ -96,7 +96,9 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
       estimator learn (training only); on the loss route the advantages come from each micro-batch's forward and the
       batch is observed after its last;
     - `_get_per_token_logps_and_entropies`: hook the probe layer(s) during the pass the features come from;
-    - `_compute_loss`: on the loss route, mark the micro-batch whose forward is captured;
+    - `_compute_loss`: on the loss route, mark the micro-batch whose forward is captured (and, in evaluation, observe
+      the batch after it); `training_step`: on the loss route, observe the batch after its last micro-batch's
+      backward;
     - `_prepare_inputs`: where TRL runs no log-prob pass and splits a generation batch into micro-batches, its row
       shuffle becomes a whole-group shuffle (`step.shuffle_groups`, the same random draw), whichever capture route;
     - `_calculate_rewards`: keep the gathered rewards; `_generate`: keep the tool/env mask, so features use only the
@@ -272,8 +274,8 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
 
     def _capture_micro_batch(self, step: GenerationStep, model, input_ids, attention_mask, logits_to_keep, **kwargs):
         """The loss route: the forward of one micro-batch, hooked; its advantages (from its own rows and the probe of
-        earlier steps) written into the micro-batch before TRL's loss reads them; the batch observed after its last
-        micro-batch."""
+        earlier steps) written into the micro-batch before TRL's loss reads them. The batch is observed once its last
+        micro-batch has run (`training_step`, `_compute_loss`)."""
         inputs, step.micro_batch = step.micro_batch, None
         rows = inputs[ROW_KEY]
         spans = step.spans.rows(rows)
@@ -292,8 +294,6 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
             advantages = result.advantages if result.token_advantages is None else result.token_advantages
             inputs["advantages"] = advantages[order.argsort().to(advantages.device)]
             step.add(rows, features, prefix)
-            if step.complete:
-                self._observe(step)
         return logps, entropies, aux
 
     def _capture(self, spans, tokens):
@@ -409,15 +409,28 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
 
     def _compute_loss(self, model, inputs):
         """On the loss route, hook the forward of a micro-batch not yet captured (a micro-batch trained again, with
-        `num_iterations` > 1, keeps the advantages its first forward wrote)."""
+        `num_iterations` > 1, keeps the advantages its first forward wrote); in evaluation, observe the batch once its
+        one micro-batch has run."""
         step = self._generation
         if step is not None and step.route == "loss" and ROW_KEY in inputs:
             step.micro_batch = inputs
         try:
-            return super()._compute_loss(model, inputs)
+            loss = super()._compute_loss(model, inputs)
         finally:
             if step is not None:
                 step.micro_batch = None
+        if step is not None and step.mode == "eval" and step.route == "loss" and step.complete:
+            self._observe(step)
+        return loss
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        """On the loss route, observe the generation batch after its last micro-batch's backward: the estimator's
+        refit then never holds its memory beside the forward's activations."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        step = self._generation
+        if step is not None and step.route == "loss" and step.complete:
+            self._observe(step)
+        return loss
 
     def _prepare_inputs(self, generation_batch):
         """Where TRL runs no log-prob pass and splits a generation batch into micro-batches, its row shuffle is

@@ -43,7 +43,14 @@ def _count_poise_syncs(monkeypatch, trainer) -> HostSyncCounter:
 
         monkeypatch.setattr(cls, name, wrapper)
 
-    for name in ("_generate_and_score_completions", "_get_per_token_logps_and_entropies", "_calculate_rewards"):
+    overrides = (
+        "_generate_and_score_completions",
+        "_get_per_token_logps_and_entropies",
+        "_calculate_rewards",
+        "_compute_loss",
+        "training_step",
+    )
+    for name in overrides:
         scoped(GRPOTrainer, name, False)
         scoped(POISETrainer, name, True)
     scoped(GRPOTrainer, "_generate", False)
