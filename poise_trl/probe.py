@@ -117,8 +117,11 @@ class ScaledHead:
 
     def _design(self, x: torch.Tensor) -> torch.Tensor:
         """Standardize, then project each PCA block onto its components; other columns pass through."""
+        return self._project((x.to(torch.float64) - self._state["mean"]) / self._state["scale"])
+
+    def _project(self, z: torch.Tensor) -> torch.Tensor:
+        """The design of standardized rows `z`: each PCA block onto its components, other columns as they are."""
         s = self._state
-        z = (x.to(torch.float64) - s["mean"]) / s["scale"]
         parts, cursor = [], 0
         for i, (start, stop) in enumerate(self._pca_blocks):
             parts += [z[:, cursor:start], z[:, start:stop] @ s[f"pca_components_{i}"].T]
@@ -143,7 +146,7 @@ class ScaledHead:
             block = z[:, start:stop]
             block = block - block.mean(0)
             self._state[f"pca_components_{i}"] = _principal_axes(block, min(k, n, stop - start))
-        return self._design(x64)
+        return self._project(z)  # the rows' design, from the standardized rows already at hand
 
     def fit(self, x: torch.Tensor, y: torch.Tensor, check_finite: bool = True) -> "ScaledHead":
         """Fit on (N, D) features and (N,) targets; rows must be finite. `check_finite=False` skips the check, which
