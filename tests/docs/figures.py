@@ -32,7 +32,7 @@ The clause is the text since the previous marker within one paragraph, list item
   (`[SOURCE]#k`: its k-th, from 0).
 
 A clause passes when (a) each figure it prints is one of its sources' numbers at the printed precision (a percentage
-may print a fraction ×100), and the figures keep their sources' order: along the text, the same quantity of two
+may print a fraction × 100, milliseconds seconds × 1000), and the figures keep their sources' order: along the text, the same quantity of two
 sources appears in source order and one source's quantities in their own order, so two runs' swapped figures fail;
 (b) a verdict marker's clause says the verdict (`WORDING`), every source decides it, the clause holds no wording of a
 contradicting verdict, and a scope it states ("all five", "both tasks", a comparator's name) is the sources'.
@@ -377,14 +377,14 @@ class Figure:
     printed: str  # as printed, sign and unit included
     value: float
     half_ulp: float  # half a unit in the last printed place
-    percent: bool
+    scale: float  # a percentage may print a fraction × 100, milliseconds seconds × 1000
     start: int
     end: int
 
     def agrees(self, value: float) -> bool:
-        """`value` rounds to this figure at its printed precision (a percentage: `value` or 100 × `value`)."""
+        """`value` rounds to this figure at its printed precision (or `value` × its scale does)."""
         slack = self.half_ulp * (1 + 1e-9) + 1e-12
-        return abs(self.value - value) <= slack or (self.percent and abs(self.value - 100 * value) <= slack)
+        return abs(self.value - value) <= slack or abs(self.value - self.scale * value) <= slack
 
 
 TIME_OR_MEMORY = r"(?:s|ms|min|minutes?|h|hours?|MiB|GiB|MB|GB|KB|kB)"
@@ -411,6 +411,7 @@ SETTINGS = [
     r"\b\d+(?:\.\d+)? (?:of|on) [\d.]+ (?:cores|CPU cores|GPUs)",
     r"\bNone → \d[\d.]*",  # a changed default
     r"round\([^)]*\)",
+    r"(?:within|at most|≤) ?\d[\d.]*×",  # a goal's bound
 ]
 SETTING = re.compile("|".join(f"(?:{s})" for s in SETTINGS))
 
@@ -448,7 +449,8 @@ def scan(text: str, settings: bool = True) -> list[Figure]:
         unit = (m.group("unit") or "").strip()
         if not unit and i + 1 < len(matches) and re.fullmatch(r"[-–]", text[m.end() : matches[i + 1].start()]):
             unit = (matches[i + 1].group("unit") or "").strip()  # a range: 15-21%, 0.02-0.4 s
-        figure = Figure(m.group(0), value, 0.5 * 10 ** (exponent - decimals), unit == "%", m.start(), m.end())
+        scale = {"%": 100.0, "ms": 1000.0}.get(unit, 1.0)
+        figure = Figure(m.group(0), value, 0.5 * 10 ** (exponent - decimals), scale, m.start(), m.end())
         if settings and not is_result(text, m, unit):
             continue
         found.append(figure)
