@@ -26,7 +26,8 @@ The clause is the text since the previous marker within one paragraph, list item
   A share decides fewer / more / level (its interval below 1, above it, or across it).
 - `FOLDER A - B [norms]`: a paired difference there, value [CI]; decides lower / higher / level against 0.
 - `FILE.json > KEY > KEY ...`: any JSON value (a list element by index or by its `name`/`label`); a dict or list
-  gives its numbers in order (lists longer than 12 are left out).
+  gives its numbers in order (lists longer than 12 are left out). A `{value, ci}` or `{median, min, max}` dict (a
+  paired difference) decides lower / higher / level against 0.
 - `FILE @ TEXT`: the numbers of the lines of a text file (a log, a report) that contain TEXT, in file order.
 - `calc EXPR`: arithmetic (+ − × / ** and parentheses) on numbers and on `[SOURCE]`s, each its first number
   (`[SOURCE]#k`: its k-th, from 0).
@@ -99,8 +100,8 @@ WORDING = {
     "undecided": r"\bundecided\b",
     "met": r"(?<!not )\bmet\b",
     "not met": r"\bnot met\b",
-    "lower": r"\blower\b|\bbelow\b|\bcuts?\b|\bless\b|\bhelps?\b",
-    "higher": r"\bhigher\b|\babove\b|\b(?:pays?|costs?) more\b|\bworse\b|\bdearer\b",
+    "lower": r"\blower(?:s|ed)?\b|\bbelow\b|\bcuts?\b|\bless\b|\bhelps?\b",
+    "higher": r"\bhigher\b|\babove\b|\braises?\b|\b(?:pays?|costs?) more\b|\bworse\b|\bdearer\b",
     "level": r"\blevel\b",
     "fewer": r"\bfewer\b|\bless\b|\bhelps?\b",
     "more": r"\bmore\b|\bbehind\b",
@@ -226,6 +227,8 @@ def numbers_in(value: object) -> list[float]:
 
 def _step(node: object, key: str, source: str) -> object:
     if isinstance(node, dict):
+        if key not in node and key.isdigit() and int(key) < len(node):
+            return list(node.values())[int(key)]
         assert key in node, f"{source!r}: no key {key!r} (there: {sorted(node)[:20]})"
         return node[key]
     if isinstance(node, list):
@@ -292,7 +295,11 @@ def resolve(source: str) -> Resolved:
             node = _step(node, key, source)
         values = numbers_in(node)
         assert values, f"{source!r}: holds no number"
-        return Resolved(source, values, about={"file": name})
+        verdict = None
+        if isinstance(node, dict) and ({"value", "ci"} <= set(node) or {"median", "min", "max"} <= set(node)):
+            low, high = node["ci"] if "ci" in node else (node["min"], node["max"])  # against 0: a paired difference
+            verdict = "lower" if high < 0 else "higher" if low > 0 else "level"
+        return Resolved(source, values, verdict, about={"file": name, "row": path})
     folder = source.split(" ", 1)[0]
     kind = _bench_file(folder)
     assert kind, f"{source!r}: benchmarks/{folder} holds neither efficiency.json nor results.json"
@@ -414,6 +421,8 @@ SETTINGS = [
     r"round\([^)]*\)",
     r"(?:within|at most|≤) ?\d[\d.]*×",  # a goal's bound
     r"exactly \d+/\d+|\b\d+/\d+ of g\b",  # the theory's fractions (no-scale's bias 1/64, its mean 7/8 of g)
+    r"PCA \d+/\d+",  # the release preset's PCA dims
+    r"\b[Gg]oal\b(?:[^.;:]|\.(?=\d))*",  # a goal's bounds, up to the end of its clause
 ]
 SETTING = re.compile("|".join(f"(?:{s})" for s in SETTINGS))
 
@@ -476,8 +485,9 @@ def is_result(text: str, m: re.Match, unit: str) -> bool:
         return True  # X [L, U]
     if re.search(r"p_holm $", before) or re.search(r"(?<![\w/])\d+/$", before) or re.match(r"/\d+(?![\w/])", after):
         return True  # p_holm P, N/M
-    if re.match(r" of \d", after) or re.search(r"\d+ of $", before):
-        return True
+    if re.match(r"(?:-\d+)? of (?:the )?\d+ (?:seeds|cycles|splits|samples|runs)", after) or re.search(
+        r"\d+ of (?:the )?$", before) and re.match(r" (?:seeds|cycles|splits|samples|runs)", after):
+        return True  # N of M seeds
     return False
 
 
@@ -547,17 +557,17 @@ def clauses(page: Page) -> list[Clause]:
                 key = keys[rows_seen - 1] if rows_seen <= len(keys) else None
                 if key is None:
                     out.append(Clause(page.name, line, unit, "row", cited="extra row"))
-                elif key != "-":
+                    continue
+                if key != "-":  # "-": the row cites its own sources, if any, with markers of its own
                     out.append(Clause(page.name, line, _label_cut(unit), "row", cited=table[0].replace("ROW", key)))
-                else:
-                    out.append(Clause(page.name, line, _label_cut(unit)))
-            continue
+                    continue
+                unit = _label_cut(unit)
         if table and not is_row:
             assert rows_seen == len(table[1]), (
                 f"{page.name}:{line}: the table marker lists {len(table[1])} rows, the table has {max(rows_seen, 0)}"
             )
             table = None
-        if is_row and rows_seen < 1 and re.fullmatch(r"\|[\s|:-]*", unit):
+        if is_row and re.fullmatch(r"\|[\s|:-]*", unit):
             continue
         rest = 0
         for marker in MARKER.finditer(unit):
@@ -674,16 +684,18 @@ ROW_VERDICT = re.compile(r"\b(wins|loses|undecided|level|fewer|more|lower|higher
 def tested_problems(cited: str, figures: list[Figure]) -> list[str]:
     """`tests/FILE.py::NAME`: the test exists, and each figure the clause prints is written in it (an assertion's
     bound or the comment that records what it measured)."""
-    path, _, name = cited.partition("::")
-    test = ROOT / path
-    if not test.is_file() or not name:
-        return [f"<!-- tested: {cited} -->: no test file {path} (write tests/FILE.py::NAME)"]
-    source = test.read_text()
-    found = [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef) and node.name == name]
-    if not found:
-        return [f"<!-- tested: {cited} -->: {path} has no test {name}"]
-    lines = source.splitlines()[found[0].lineno - 1 : found[0].end_lineno]  # comments included
-    written = [f.value for line in lines for f in scan(line, settings=False)]
+    written = []
+    for one in (part.strip() for part in cited.split(";")):
+        path, _, name = one.partition("::")
+        test = ROOT / path
+        if not test.is_file() or not name:
+            return [f"<!-- tested: {one} -->: no test file {path} (write tests/FILE.py::NAME)"]
+        source = test.read_text()
+        found = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == name]
+        if not found:
+            return [f"<!-- tested: {one} -->: {path} has no test {name}"]
+        lines = source.splitlines()[found[0].lineno - 1 : found[0].end_lineno]  # comments included
+        written += [f.value for line in lines for f in scan(line, settings=False)]
     lone = [f.printed for f in figures if not any(f.agrees(v) for v in written)]
     return [f"{', '.join(lone)}: not written in {cited}"] if lone else []
 
