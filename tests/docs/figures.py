@@ -75,7 +75,7 @@ PAGES = (
     Page(DOCS / "overhead.md"),
     Page(DOCS / "gradient-quality.md", theory=("## What a baseline can buy", "## What it measures")),
     Page(DOCS / "beyond-the-paper.md"),
-    Page(DOCS / "prompt-selection.md"),
+    Page(DOCS / "prompt-selection.md", theory=("## How it works", "## Why `\"importance\"` is unbiased")),
     Page(DOCS / "prefix-baseline.md"),
     Page(DOCS / "value-prediction.md"),
     Page(DOCS / "performance.md"),
@@ -122,7 +122,7 @@ CONTRADICTS = {
     "met": [r"\bnot met\b|\bmisses\b"],
     "not met": [r"(?<!not )\bmet\b(?! on neither)"],
 }
-NOT_A_VERDICT = re.compile(r"(?:\b(?:not|no|nor|neither)\s+(?:\w+\s+)?|\d+/\d+ seeds? |\bseeds |\d× )$", re.I)
+NOT_A_VERDICT = re.compile(r"(?:\b(?:not|no|nor|neither)\s+(?:\w+\s+){0,2}|\d+/\d+ seeds? |\bseeds |\d× )$", re.I)
 # A verdict said outside a marker: a comparative or verdict word in a sentence that names a method.
 VERDICT_WORDS = re.compile(
     r"\b(?:wins?|won|winning|beats?|outperforms?|loses?|lost|undecided|level with|on par|behind|ahead|trails?|"
@@ -423,6 +423,7 @@ SETTINGS = [
     r"exactly \d+/\d+|\b\d+/\d+ of g\b",  # the theory's fractions (no-scale's bias 1/64, its mean 7/8 of g)
     r"PCA \d+/\d+",  # the release preset's PCA dims
     r"\b[Gg]oal\b(?:[^.;:]|\.(?=\d))*",  # a goal's bounds, up to the end of its clause
+    r"C +\(\d[\d.]*\)",  # a setting's default after its name: `prompt_selection_floor` (0.5)
 ]
 SETTING = re.compile("|".join(f"(?:{s})" for s in SETTINGS))
 
@@ -569,6 +570,8 @@ def clauses(page: Page) -> list[Clause]:
             table = None
         if is_row and re.fullmatch(r"\|[\s|:-]*", unit):
             continue
+        if is_row:
+            unit = _label_cut(unit)
         rest = 0
         for marker in MARKER.finditer(unit):
             kind = next(k for k in ("verdict", "nofile", "tested") if marker.group(k)) if marker.group(
