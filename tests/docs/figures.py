@@ -76,7 +76,7 @@ PAGES = (
     Page(DOCS / "gradient-quality.md", theory=("## What a baseline can buy", "## What it measures")),
     Page(DOCS / "beyond-the-paper.md"),
     Page(DOCS / "prompt-selection.md", theory=("## How it works", "## Why `\"importance\"` is unbiased")),
-    Page(DOCS / "prefix-baseline.md"),
+    Page(DOCS / "prefix-baseline.md", theory=("## How it works", "## Why it stays unbiased", "## When it helps")),
     Page(DOCS / "value-prediction.md"),
     Page(DOCS / "performance.md"),
     Page(DOCS / "real-model.md"),
@@ -415,7 +415,7 @@ SETTINGS = [
     r"\d+× (?:fewer|the prompts|as many|twice)|×2 |\b2× (?:the )?candidates",  # arithmetic of settings
     r"\d+ ?× ?\d+",  # shapes: 4,096 × 1,155; 64 × 16
     r"\b\d+/\d+ (?:=|of the|·)",  # fractions in formulas
-    r"\bW/\d+|\d·\w|\(\d+/\d+\)",  # formulas: W/7, 6·Bv, (8/7)W
+    r"\bW/\d+|\d·\w|\(\d+/\d+\)|[·)]\d+/\d+",  # formulas: W/7, 6·Bv, (8/7)W, (1 − ρ)·7/8
     r"\b\d+(?:\.\d+)? (?:of|on) [\d.]+ (?:cores|CPU cores|GPUs)",
     r"\bNone → \d[\d.]*",  # a changed default
     r"round\([^)]*\)",
