@@ -29,6 +29,7 @@ The clause is the text since the previous marker within one paragraph, list item
   gives its numbers in order (lists longer than 12 are left out). A `{value, ci}` or `{median, min, max}` dict (a
   paired difference) decides lower / higher / level against 0.
 - `FILE @ TEXT`: the numbers of the lines of a text file (a log, a report) that contain TEXT, in file order.
+- `median GLOB [+ GLOB] > KEY ...`: one value of many files (a study's run files): median, min, max, count.
 - `calc EXPR`: arithmetic (+ − × / ** and parentheses) on numbers and on `[SOURCE]`s, each its first number
   (`[SOURCE]#k`: its k-th, from 0).
 
@@ -46,6 +47,7 @@ import functools
 import json
 import operator
 import re
+import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,7 +80,7 @@ PAGES = (
     Page(DOCS / "prompt-selection.md", theory=("## How it works", "## Why `\"importance\"` is unbiased")),
     Page(DOCS / "prefix-baseline.md", theory=("## How it works", "## Why it stays unbiased", "## When it helps")),
     Page(DOCS / "value-prediction.md"),
-    Page(DOCS / "performance.md"),
+    Page(DOCS / "performance.md", theory=("## Method",)),
     Page(DOCS / "real-model.md"),
     Page(ROOT / "CHANGELOG.md", section="## [Unreleased]"),
 )
@@ -125,7 +127,7 @@ CONTRADICTS = {
 NOT_A_VERDICT = re.compile(r"(?:\b(?:not|no|nor|neither)\s+(?:\w+\s+){0,2}|\d+/\d+ seeds? |\bseeds |\d× )$", re.I)
 # A verdict said outside a marker: a comparative or verdict word in a sentence that names a method.
 VERDICT_WORDS = re.compile(
-    r"\b(?:wins?|won|winning|beats?|outperforms?|loses?|lost|undecided|level with|on par|behind|ahead|trails?|"
+    r"\b(?:wins?(?!/| / )|won|winning|beats?|outperforms?|loses?|lost|undecided|level with|on par|behind|ahead|trails?|"
     r"fewer|(?:more|less|lower|higher|better|worse|cheaper|faster|slower|dearer) than|(?:pays?|costs?) (?:more|less)|"
     r"needs? (?:more|fewer|less)|helps?|helped|hurts?|cuts?|replicates?|never|always|unbiased|biased)\b",
     re.I,
@@ -247,6 +249,7 @@ PAIRED = re.compile(r"(\S+) (\w+ - \w+)(?: (lora|norms))?")
 ROW = re.compile(r"(\S+) (\w+) (\w+)(?: (lora|norms))?")
 JSON_PATH = re.compile(r"(\S+\.json)((?: > [^>]+?)*)")
 TEXT_LINES = re.compile(r"(\S+) @ (.+)")
+OVER_FILES = re.compile(r"median (\S+(?: \+ \S+)*)((?: > [^>]+?)+)")
 
 
 def _efficiency(source: str, pair: dict, metric: str) -> tuple[str, list[float]]:
@@ -283,6 +286,16 @@ def resolve(source: str) -> Resolved:
     """One source's numbers, and the verdict it decides, from its committed file."""
     if source.startswith("calc "):
         return Resolved(source, [calc(source.removeprefix("calc "))])
+    if match := OVER_FILES.fullmatch(source):  # one value of many run files: median, min, max
+        files = sorted({path for pattern in match.group(1).split(" + ") for path in BENCH.glob(pattern)})
+        assert files, f"{source!r}: no committed file matches {match.group(1)}"
+        values = []
+        for path in files:
+            node = _json(path)
+            for key in filter(None, (k.strip() for k in match.group(2).split(" > "))):
+                node = _step(node, key, source)
+            values.append(float(node))
+        return Resolved(source, [statistics.median(values), min(values), max(values), float(len(values))])
     if match := TEXT_LINES.fullmatch(source):
         name, text = match.groups()
         lines = [line for line in _file(name, source).read_text().splitlines() if text in line]
@@ -419,6 +432,9 @@ SETTINGS = [
     r"\b\d+(?:\.\d+)? (?:of|on) [\d.]+ (?:cores|CPU cores|GPUs)",
     r"\bNone → \d[\d.]*",  # a changed default
     r"round\([^)]*\)",
+    r"\d+/\d+\^\d+|\d+\^\d+",  # 2/2^10
+    r"p_holm < 0\.05|< 0\.05",  # the threshold
+    r"\b\d(?:\.\d+)?e-\d+(?:, \d(?:\.\d+)?e-\d+)*,? and \d(?:\.\d+)?e-\d+",  # a grid of learning rates
     r"(?:within|at most|≤) ?\d[\d.]*×",  # a goal's bound
     r"exactly \d+/\d+|\b\d+/\d+ of g\b",  # the theory's fractions (no-scale's bias 1/64, its mean 7/8 of g)
     r"PCA \d+/\d+",  # the release preset's PCA dims
@@ -478,9 +494,8 @@ def is_result(text: str, m: re.Match, unit: str) -> bool:
     if m.group("frac") or m.group("exp") or m.group("times") or unit:
         return True
     before, after = text[: m.start()], text[m.end() :]
-    if re.search(r"\[[^\],\[]*(?:,[^\],\[]*)?$", before) and re.match(r"[^\[,\]]*(?:,[^\[,\]]*)?\]", after) and (
-        re.search(r"\[[^\],\[]*,[^\],\[]*$", before) or re.match(r"[^\[,\]]*,[^\[,\]]*\]", after)
-    ):
+    opened, closed = re.search(r"\[([^\]\[]*)$", before), re.match(r"([^\[\]]*)\]", after)
+    if opened and closed and (opened.group(1) + closed.group(1)).count(",") == 1:
         return True  # inside [L, U] (two numbers: an interval, not a list)
     if re.match(r"[×%]?(?: W)? \[[+−-]?\d", after):
         return True  # X [L, U]
@@ -728,9 +743,7 @@ def verdict_problems(clause: Clause, text: str, resolved: list[Resolved]) -> lis
     for wording in CONTRADICTS[verdict]:
         for said in re.finditer(wording, text, re.I):
             context = text[max(0, said.start() - 25) : said.start()]
-            if not re.search(r"(?:\bnot|\bno|\bnor|\bneither)\s+(?:\w+\s+)?$", context) and not re.search(
-                r"\d+/\d+ seeds? $|seeds $", context
-            ) and not re.match(r"ahead (?:of it )?on \d", text[said.start() :]):
+            if not NOT_A_VERDICT.search(context) and not re.match(r"ahead (?:of it )?on \d", text[said.start() :]):
                 problems.append(f"says {said.group(0)!r} beside its verdict {verdict!r}")
     problems += scope_problems(text, clause.text, resolved)
     return problems
@@ -748,6 +761,8 @@ def scope_problems(text: str, raw: str, resolved: list[Resolved]) -> list[str]:
         if n not in counts:
             problems.append(f"says {match.group(0)!r}, but its sources vary over {sorted(counts - {1}) or [1]}")
     if any(r.about.get("task") for r in resolved):
+        said = [re.search(wording, text, re.I) for wording in WORDING.values()]
+        text = text[min((m.start() for m in said if m), default=0) :]  # the comparators the verdict is said of
         named = {r.about[k] for r in resolved for k in ("row", "ref") if k in r.about}
         named |= {c for r in resolved for c in r.about.get("comparators", "").split(",")}
         for key, pattern in CONTENDERS.items():
