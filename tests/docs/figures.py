@@ -19,14 +19,15 @@ The clause is the text since the previous marker within one paragraph, list item
   [95% CI], p_holm (or the to-target wins, seeds, ratio [CI], p_holm). Decides wins / loses / undecided by the
   glossary's rule (p_holm < 0.05 decides, the median's side says who; a to-target median of "never" loses).
 - `FOLDER TASK goal`: the study's goal (its bounds); decides met / not met.
-- `FOLDER TASK ROW FIELD`: a contender's field there (`auc`, `auc_ci`, `final_avg_at_k`, `learning_rate`, ...).
+- `FOLDER TASK ROW FIELD`: a contender's field there (`auc`, `auc_ci`, `final_avg_at_k`, `learning_rate`, ...; `auc+auc_ci`: both).
 - `FOLDER ROW QUANTITY [norms]`: a rule's row of `FOLDER/results.json` (`bench gradient`; the lora subspace unless
   `norms`; per-prefix rows included): `share_REF`, `variance`, `matched_variance`, `bias2`, as value [95% CI];
   `excess`: the variance above the oracle baseline's (the baseline's own error M).
   A share decides fewer / more / level (its interval below 1, above it, or across it).
 - `FOLDER A - B [norms]`: a paired difference there, value [CI]; decides lower / higher / level against 0.
 - `FILE.json > KEY > KEY ...`: any JSON value (a list element by index or by its `name`/`label`); a dict or list
-  gives its numbers in order (lists longer than 12 are left out). A `{value, ci}` or `{median, min, max}` dict (a
+  gives its numbers in order (lists longer than 12 are left out); a last key `a+b` joins two keys' numbers into one
+  source (a value and its interval kept apart in the file). A `{value, ci}` or `{median, min, max}` dict (a
   paired difference) decides lower / higher / level against 0.
 - `FILE @ TEXT`: the numbers of the lines of a text file (a log, a report) that contain TEXT, in file order.
 - `median GLOB [+ GLOB] > KEY ...`: one value of many files (a study's run files): median, min, max, count.
@@ -79,7 +80,7 @@ PAGES = (
     Page(DOCS / "overhead.md"),
     Page(DOCS / "gradient-quality.md", theory=("## What a baseline can buy", "## What it measures")),
     Page(DOCS / "beyond-the-paper.md"),
-    Page(DOCS / "prompt-selection.md", theory=("## How it works", "## Why `\"importance\"` is unbiased")),
+    Page(DOCS / "prompt-selection.md", theory=("## How it works", '## Why `"importance"` is unbiased')),
     Page(DOCS / "prefix-baseline.md", theory=("## How it works", "## Why it stays unbiased", "## When it helps")),
     Page(DOCS / "value-prediction.md"),
     Page(DOCS / "performance.md", theory=("## Method",)),
@@ -247,7 +248,7 @@ def _step(node: object, key: str, source: str) -> object:
 
 EFFICIENCY = re.compile(r"(\S+) (\w+) (\w+) vs (\w+) (auc|target)")
 GOAL = re.compile(r"(\S+) (\w+) goal")
-CONTENDER = re.compile(r"(\S+) (\w+) (\w+) (\w+)")
+CONTENDER = re.compile(r"(\S+) (\w+) (\w+) ([\w+]+)")
 PAIRED = re.compile(r"(\S+) (\w+ - \w+)(?: (lora|norms))?")
 ROW = re.compile(r"(\S+) (\w+) (\w+)(?: (lora|norms))?")
 JSON_PATH = re.compile(r"(\S+\.json)((?: > [^>]+?)*)")
@@ -320,8 +321,12 @@ def resolve(source: str) -> Resolved:
     if match := JSON_PATH.fullmatch(source):
         name, path = match.groups()
         node = _json(_file(name, source))
-        for key in filter(None, (k.strip() for k in path.split(" > "))):
+        keys = [k.strip() for k in path.split(" > ") if k.strip()]
+        for key in keys[:-1]:
             node = _step(node, key, source)
+        last = keys[-1].split("+") if keys and keys[-1] not in (node if isinstance(node, dict) else {}) else keys[-1:]
+        parts = [_step(node, key, source) for key in last] if keys else [node]
+        node = parts[0] if len(parts) == 1 else parts
         values = numbers_in(node)
         assert values, f"{source!r}: holds no number"
         verdict = None
@@ -348,11 +353,15 @@ def resolve(source: str) -> Resolved:
             return Resolved(source, numbers_in(goal["ratio_bounds"]), verdict, about)
         if match := CONTENDER.fullmatch(source):
             _, task, row, name = match.groups()
-            contender = data["tasks"][task]["contenders"].get(row)
-            assert contender and name in contender, f"{source!r}: no contender {row!r} with {name!r} on {task}"
-            return Resolved(source, numbers_in(contender[name]), about={"folder": folder, "task": task, "row": row})
-        raise AssertionError(f"{source!r}: an efficiency source is FOLDER TASK ROW vs REF auc|target, "
-                             "FOLDER TASK goal or FOLDER TASK ROW FIELD")
+            contender = data["tasks"][task]["contenders"].get(row) or {}
+            fields = name.split("+")
+            assert all(f in contender for f in fields), f"{source!r}: no contender {row!r} with {name!r} on {task}"
+            values = [v for f in fields for v in numbers_in(contender[f])]
+            return Resolved(source, values, about={"folder": folder, "task": task, "row": row})
+        raise AssertionError(
+            f"{source!r}: an efficiency source is FOLDER TASK ROW vs REF auc|target, "
+            "FOLDER TASK goal or FOLDER TASK ROW FIELD"
+        )
     if match := PAIRED.fullmatch(source):
         _, pair, subspace = match.groups()
         paired = data["subspaces"][subspace or "lora"]["paired"]
@@ -362,7 +371,9 @@ def resolve(source: str) -> Resolved:
     elif match := ROW.fullmatch(source):
         _, row, quantity, subspace = match.groups()
         if quantity == "excess":  # the variance above the oracle baseline's: the baseline's own error M
-            variance = [_gradient_entry(data, r, "variance", subspace or "lora", source)["value"] for r in (row, "oracle")]
+            variance = [
+                _gradient_entry(data, r, "variance", subspace or "lora", source)["value"] for r in (row, "oracle")
+            ]
             return Resolved(source, [variance[0] - variance[1]], about={"folder": folder, "row": row})
         entry = _gradient_entry(data, row, quantity, subspace or "lora", source)
         if not quantity.startswith("share_"):
@@ -377,8 +388,14 @@ def resolve(source: str) -> Resolved:
 
 
 _FUNCTIONS = {"abs": abs, "min": min, "max": max}
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.Pow: operator.pow, ast.USub: operator.neg}
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
+}
 
 
 def calc(expression: str) -> float:
@@ -404,7 +421,9 @@ def calc(expression: str) -> float:
             return _OPS[type(node.op)](evaluate(node.operand))
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS:
             return float(_FUNCTIONS[node.func.id](*(evaluate(arg) for arg in node.args)))
-        raise AssertionError(f"calc {expression!r}: only numbers, [SOURCE]s, + - * / **, abs, min, max and parentheses")
+        raise AssertionError(
+            f"calc {expression!r}: only numbers, [SOURCE]s, + - * / **, abs, min, max and parentheses"
+        )
 
     return evaluate(ast.parse(text, mode="eval"))
 
@@ -496,7 +515,7 @@ def scan(text: str, settings: bool = True) -> list[Figure]:
         digits = m.group("int").replace(",", "")
         mantissa = digits + (m.group("frac") or "")
         exponent = int((m.group("exp") or "e0")[1:].replace("−", "-"))
-        decimals = len(m.group("frac") or ".")- 1
+        decimals = len(m.group("frac") or ".") - 1
         value = float(mantissa) * 10**exponent * (-1 if m.group("sign") in ("−", "-") else 1)
         unit = (m.group("unit") or "").strip()
         if not unit and i + 1 < len(matches) and re.fullmatch(r"[-–]", text[m.end() : matches[i + 1].start()]):
@@ -525,8 +544,11 @@ def is_result(text: str, m: re.Match, unit: str) -> bool:
         return True  # X [L, U]
     if re.search(r"p_holm $", before) or re.search(r"(?<![\w/])\d+/$", before) or re.match(r"/\d+(?![\w/])", after):
         return True  # p_holm P, N/M
-    if re.match(r"(?:-\d+)? of (?:the )?\d+ (?:seeds|cycles|splits|samples|runs)", after) or re.search(
-        r"\d+ of (?:the )?$", before) and re.match(r" (?:seeds|cycles|splits|samples|runs)", after):
+    if (
+        re.match(r"(?:-\d+)? of (?:the )?\d+ (?:seeds|cycles|splits|samples|runs)", after)
+        or re.search(r"\d+ of (?:the )?$", before)
+        and re.match(r" (?:seeds|cycles|splits|samples|runs)", after)
+    ):
         return True  # N of M seeds
     return False
 
@@ -613,8 +635,11 @@ def clauses(page: Page) -> list[Clause]:
             unit = _label_cut(unit)
         rest = 0
         for marker in MARKER.finditer(unit):
-            kind = next(k for k in ("verdict", "nofile", "tested") if marker.group(k)) if marker.group(
-                "verdict") or marker.group("nofile") or marker.group("tested") else "figures"
+            kind = (
+                next(k for k in ("verdict", "nofile", "tested") if marker.group(k))
+                if marker.group("verdict") or marker.group("nofile") or marker.group("tested")
+                else "figures"
+            )
             text = unit[rest : marker.start()]
             out.append(Clause(page.name, line, text, kind, marker.group("verdict"), marker.group("body")))
             rest = marker.end()
@@ -641,26 +666,48 @@ def header_rows(page: Page) -> set[int]:
 # ---------------------------------------------------------------------------------------------------- the checks
 
 
-def assign(figures: list[Figure], sources: list[list[float]]) -> bool:
+# What joins two printed figures into one statement of one source: "X [L, U]", "N/M", "N/M seeds, p_holm P".
+JOINED = re.compile(r"\s*\[|,\s*(?=[^\[]*\])|/|\]?,?\s*(?:seeds?,?\s*)?p_holm\s*")
+
+
+def joined(text: str, figures: list[Figure]) -> list[bool]:
+    """For each figure after the first: whether it states the same source's figure as the one before it (an interval
+    after its value, a count's denominator, a p-value after its count)."""
+    out = []
+    for before, after in zip(figures, figures[1:]):
+        between = text[before.end : after.start]
+        inside = text[: after.start].rfind("[") > text[: after.start].rfind("]")
+        out.append(
+            bool(JOINED.fullmatch(between)) and (not between.strip().startswith(",") or inside or "p_holm" in between)
+        )
+    return out
+
+
+def assign(figures: list[Figure], sources: list[list[float]], same: list[bool] | None = None) -> bool:
     """Whether each figure can be one of the sources' numbers with the order kept: the same quantity (position) of
-    two sources in source order, and one source's quantities in their own order."""
-    candidates = [[(s, k) for s, values in enumerate(sources) for k, v in enumerate(values) if f.agrees(v)]
-                  for f in figures]
+    two sources in source order, one source's quantities in their own order, and figures joined into one statement
+    (`same`) from one source."""
+    candidates = [
+        [(s, k) for s, values in enumerate(sources) for k, v in enumerate(values) if f.agrees(v)] for f in figures
+    ]
+    same = same or [False] * (len(figures) - 1)
     budget = [200_000]
 
-    def search(i: int, by_slot: dict[int, int], by_source: dict[int, int]) -> bool:
+    def search(i: int, by_slot: dict[int, int], by_source: dict[int, int], last: int) -> bool:
         if i == len(figures):
             return True
         budget[0] -= 1
         if budget[0] < 0:
             return False
         for s, k in candidates[i]:
+            if i and same[i - 1] and s != last:
+                continue
             if by_slot.get(k, -1) <= s and by_source.get(s, -1) <= k:
-                if search(i + 1, {**by_slot, k: s}, {**by_source, s: k}):
+                if search(i + 1, {**by_slot, k: s}, {**by_source, s: k}, s):
                     return True
         return False
 
-    return search(0, {}, {})
+    return search(0, {}, {}, -1)
 
 
 HOW = (
@@ -699,14 +746,18 @@ def check(clause: Clause, headers: set[int] = frozenset(), theory: set[int] = fr
         return [str(error)]
     problems = []
     everything = resolved + resolved_extra
-    if figures and not assign(figures, [r.values for r in everything]):
+    if figures and not assign(figures, [r.values for r in everything], joined(text, figures)):
         lone = [f.printed for f in figures if not any(f.agrees(v) for r in everything for v in r.values)]
         if lone:
             shown = "; ".join(f"{r.source}: {_fmt(r.values)}" for r in everything)
-            problems.append(f"{', '.join(lone)} {'is' if len(lone) == 1 else 'are'} none of the cited figures ({shown})")
+            problems.append(
+                f"{', '.join(lone)} {'is' if len(lone) == 1 else 'are'} none of the cited figures ({shown})"
+            )
         else:
-            problems.append("the figures are the sources' but not in their order (two runs' figures swapped?); "
-                            "print them in the order the marker names the sources")
+            problems.append(
+                "the figures are the sources' but not in their order (two runs' figures swapped?); "
+                "print them in the order the marker names the sources"
+            )
     if clause.kind == "row":  # a table's verdict column: each verdict word is its source's, in order
         said = ROW_VERDICT.findall(text)
         decided = [r.verdict for r in resolved if r.verdict]
@@ -716,7 +767,9 @@ def check(clause: Clause, headers: set[int] = frozenset(), theory: set[int] = fr
     if clause.kind == "verdict":
         problems += verdict_problems(clause, text, resolved)
     elif clause.line not in theory and (said := uncited_verdict(text)):
-        problems.append(f"says {said!r}, a verdict: a figures marker cites no verdict (use <!-- verdict WORD: ... -->)")
+        problems.append(
+            f"says {said!r}, a verdict: a figures marker cites no verdict (use <!-- verdict WORD: ... -->)"
+        )
     return problems
 
 
