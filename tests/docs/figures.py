@@ -1,48 +1,60 @@
 """Every result figure and verdict of the README, the result pages and the changelog's newest section, checked against
 the committed file it comes from (`tests/docs/test_figures.py` runs the checks; this module is the checker).
 
-A clause that prints result figures or states a verdict ends with an HTML comment naming its sources (GitHub and the
-docs site do not show it); a table gets one comment before it. The three clause markers:
+**Marking a figure.** A clause that prints a result figure or states a verdict ends with an HTML comment naming its
+sources (GitHub and the docs site show none of it); a table gets one comment before it:
 
+    1.01× [0.97, 1.30] GRPO's step<!-- figures: real-lm/overhead-zero-pass/overhead.json > timing > 0 > time_ratio -->
     level with GRPO G=8 (0.97× and 0.82×)<!-- verdict level: real-lm/gradient/{start,start-seed1} poise share_grpo8 -->
-    17.0 s a cycle<!-- figures: real-lm/overhead-zero-pass/overhead.json > timing > 0 > poise_cycle_seconds -->
-    4.0 s, files not kept<!-- figures without a file: an earlier measurement -->
-
-and the table marker, one template whose `ROW` is each body row's key in turn (`-`: a row without figures):
+    fewer than RLOO k=2 (0.57×, oracle 0.82×)<!-- verdict fewer: SOURCES | figures: MORE SOURCES -->
+    4.0 s (files not kept)<!-- figures without a file: WHY -->
+    held-out MAE 0.34 against 0.50<!-- tested: tests/FILE.py::TEST -->   (each figure written in that test)
 
     <!-- table: gradient-toy ROW matched_variance; gradient-toy ROW share_grpo8; rows: grpo8 | poise | oracle -->
 
-The clause is the text since the previous marker within one paragraph, list item or table row. Sources, separated by
-`;` (`{a,b}` stands for each alternative), each give numbers in order; paths are under `benchmarks/`:
+The clause is the text since the previous marker within one paragraph, list item or table row (a row's first cell, its
+label, is not read). A table marker's template is read once per body row with `ROW` replaced by that row's key (`-`: a
+row that carries markers of its own, or none); a row added or deleted under it fails. Sources are separated by `;`,
+`{a,b}` stands for each alternative (several groups: every combination, left one outermost), paths are under
+`benchmarks/`, and each source gives numbers in order:
 
 - `FOLDER TASK ROW vs REF auc` / `target`: a pair of `FOLDER/efficiency.json`: AUC wins, seeds, the difference
   [95% CI], p_holm (or the to-target wins, seeds, ratio [CI], p_holm). Decides wins / loses / undecided by the
   glossary's rule (p_holm < 0.05 decides, the median's side says who; a to-target median of "never" loses).
 - `FOLDER TASK goal`: the study's goal (its bounds); decides met / not met.
-- `FOLDER TASK ROW FIELD`: a contender's field there (`auc`, `auc_ci`, `final_avg_at_k`, `learning_rate`, ...; `auc+auc_ci`: both).
+- `FOLDER TASK ROW FIELD`: a contender's field there (`auc`, `final_avg_at_k`, `learning_rate`, ...; `auc+auc_ci`).
 - `FOLDER ROW QUANTITY [norms]`: a rule's row of `FOLDER/results.json` (`bench gradient`; the lora subspace unless
   `norms`; per-prefix rows included): `share_REF`, `variance`, `matched_variance`, `bias2`, as value [95% CI];
-  `excess`: the variance above the oracle baseline's (the baseline's own error M).
-  A share decides fewer / more / level (its interval below 1, above it, or across it).
+  `excess`, the variance above the oracle baseline's (the baseline's own error M). A share decides fewer / more /
+  level (its interval below 1, above it, or across it).
 - `FOLDER A - B [norms]`: a paired difference there, value [CI]; decides lower / higher / level against 0.
-- `FILE.json > KEY > KEY ...`: any JSON value (a list element by index or by its `name`/`label`); a dict or list
-  gives its numbers in order (lists longer than 12 are left out); a last key `a+b` joins two keys' numbers into one
-  source (a value and its interval kept apart in the file). A `{value, ci}` or `{median, min, max}` dict (a
-  paired difference) decides lower / higher / level against 0.
+- `FILE.json > KEY > KEY ...`: any JSON value (a list element by index or by its `name`/`label`, a dict's by key or
+  index); a dict or list gives its numbers in order (lists longer than 12 are left out); a last key `a+b` joins two
+  keys (a value and its interval kept apart). A `{value, ci}` or `{median, min, max}` dict decides lower / higher /
+  level against 0 (a paired difference).
 - `FILE @ TEXT`: the numbers of the lines of a text file (a log, a report) that contain TEXT, in file order.
 - `median GLOB [+ GLOB] > KEY ...`: one value of many files (a study's run files): median, min, max, count.
-- `mean FILE.json > KEY ... > A:B > KEY`: the mean of a logged value over entries A to B of a list (the entries that
-  log it), e.g. a quarter of a run's `log_history`.
-- `calc EXPR`: arithmetic (+ − × / **, abs, min, max, parentheses) on numbers and on `[SOURCE]`s, each its first number
-  (`[SOURCE]#k`: its k-th, from 0).
+- `mean FILE.json > LIST > KEY > A:B`: the mean of a logged value over entries A to B of a list (the entries that log
+  it), e.g. a quarter of a run's `log_history`.
+- `calc EXPR`: arithmetic (+ − × / **, abs, min, max, parentheses) on numbers and on `[SOURCE]`s, each its first
+  number (`[SOURCE]#k`: its k-th, from 0): a difference, a share, a unit's conversion.
 
-A clause passes when (a) each figure it prints is one of its sources' numbers at the printed precision (a percentage
-may print a fraction × 100, milliseconds seconds × 1000), and the figures keep their sources' order: along the text, the same quantity of two
-sources appears in source order and one source's quantities in their own order, so two runs' swapped figures fail;
-(b) a verdict marker's clause says the verdict (`WORDING`), every source decides it, the clause holds no wording of a
-contradicting verdict, and a scope it states ("all five", "both tasks", a comparator's name) is the sources'.
-Outside markers, a result-like figure (`is_result`; settings such as "16 tokens", "G = 8" or "2 cores" are not)
-or a verdict word with a method's name fails: every figure has a source and every verdict a marker.
+**What passes.** (a) Each figure the clause prints is one of its sources' numbers at the printed precision (a
+percentage may print a fraction × 100, milliseconds seconds × 1000), in the sources' order: along the text, the same
+quantity of two sources appears in source order and one source's quantities in their own order, and figures joined
+into one statement ("X [L, U]", "N/M", "N/M seeds, p_holm P") come from one source, so two runs' swapped figures fail.
+(b) A verdict marker's clause says the verdict (`WORDING`), every source decides it, the clause holds no wording of a
+contradicting verdict ("level with, indeed ahead of"), and a count it states ("all five", "both", "three of them") is
+the number of runs, tasks or comparators its sources vary over; a comparator it names is one of its sources'.
+(c) Outside markers nothing result-like is printed and no verdict word is said of a method (`VERDICT_WORDS` with
+`METHODS`; a negation, a question, a page's `theory` sections of method and proof are exempt).
+
+**Settings are not results** (`is_result`, `SETTINGS`): a figure is result-like when it has a decimal point or an
+exponent, a ×, a %, a W, a time or a memory unit, sits in or before an interval, is a count N/M or "N of M seeds", or
+follows p_holm. A bare integer ("16 tokens", "20 seeds", "2 cores", "layer 16"), a symbol's value ("G = 8", "α =
+0.01", "floor 0.5"), a name's number ("SmolLM2", "Qwen3-4B", "GRPO-8"), a version, a shape ("4,096 × 1,155"), a goal's
+bounds, a grid of learning rates and code spans are settings. Figures no committed file holds (the paper's, a run
+whose files were not kept) say so in a `figures without a file` marker.
 """
 
 import ast
@@ -130,10 +142,11 @@ CONTRADICTS = {
 NOT_A_VERDICT = re.compile(r"(?:\b(?:not|no|nor|neither)\s+(?:\w+\s+){0,2}|\d+/\d+ seeds? |\bseeds |\d× )$", re.I)
 # A verdict said outside a marker: a comparative or verdict word in a sentence that names a method.
 VERDICT_WORDS = re.compile(
-    r"\b(?:wins?(?!/| / )|won|winning|beats?|outperforms?|loses?|lost|undecided|level with|on par|behind|ahead|trails?|"
-    r"fewer (?:completions|rollouts|samples)|(?:more|less|fewer|lower|higher|better|worse|cheaper|faster|slower|dearer) than|"
-    r"(?:pays?|costs?) (?:more|less)|needs? (?:more|fewer|less)|helps|helped|help(?= (?:a little|little|much|where))|"
-    r"hurts?|cuts?|never|always|biased|unbiased(?! (?:baselines?|estimates?|rules?|configuration)))\b",
+    r"\b(?:wins?(?!/| / )|won|winning|beats?|outperforms?|loses?|lost|undecided|level with|on par|behind|ahead|"
+    r"trails?|fewer (?:completions|rollouts|samples)|(?:pays?|costs?) (?:more|less)|needs? (?:more|fewer|less)|"
+    r"(?:more|less|fewer|lower|higher|better|worse|cheaper|faster|slower|dearer) than|helps|helped|"
+    r"help(?= (?:a little|little|much|where))|hurts?|cuts?|never|always|biased|"
+    r"unbiased(?! (?:baselines?|estimates?|rules?|configuration)))\b",
     re.I,
 )
 METHODS = re.compile(
@@ -470,7 +483,8 @@ SETTINGS = [
     r"\b\d+(?:\.\d+)? (?:of|on) [\d.]+ (?:cores|CPU cores|GPUs)",
     r"\bNone → \d[\d.]*",  # a changed default
     r"(?:relative|rtol|tolerance) \d[\d.]*e-\d+|\btrl[<>=]+\d[\d.]*",  # a test's tolerance; a version pin
-    r"\bin \[\d+, \d+\]|\b\d+\.\d+ layouts?|\bdefaults? to \d[\d.]* \(was \d[\d.]*\)",  # a range; a release; an old default
+    r"\bin \[\d+, \d+\]|\b\d+\.\d+ layouts?",  # a range; a release
+    r"\bdefaults? to \d[\d.]* \(was \d[\d.]*\)",  # an old default
     r"round\([^)]*\)",
     r"\d+/\d+\^\w+|\d+\^\w+",  # 2/2^10, 2/2^n
     r"p_holm < 0\.05|< 0\.05",  # the threshold
@@ -625,9 +639,8 @@ def clauses(page: Page) -> list[Clause]:
                     continue
                 unit = _label_cut(unit)
         if table and not is_row:
-            assert rows_seen == len(table[1]), (
-                f"{page.name}:{line}: the table marker lists {len(table[1])} rows, the table has {max(rows_seen, 0)}"
-            )
+            if rows_seen < len(table[1]):  # a row gone: its key is left over
+                out.append(Clause(page.name, line, "", "row", cited="missing rows"))
             table = None
         if is_row and re.fullmatch(r"\|[\s|:-]*", unit):
             continue
@@ -644,6 +657,8 @@ def clauses(page: Page) -> list[Clause]:
             out.append(Clause(page.name, line, text, kind, marker.group("verdict"), marker.group("body")))
             rest = marker.end()
         out.append(Clause(page.name, line, unit[rest:]))
+    if table and rows_seen < len(table[1]):
+        out.append(Clause(page.name, 0, "", "row", cited="missing rows"))
     return out
 
 
@@ -674,7 +689,7 @@ def joined(text: str, figures: list[Figure]) -> list[bool]:
     """For each figure after the first: whether it states the same source's figure as the one before it (an interval
     after its value, a count's denominator, a p-value after its count)."""
     out = []
-    for before, after in zip(figures, figures[1:]):
+    for before, after in zip(figures, figures[1:], strict=False):
         between = text[before.end : after.start]
         inside = text[: after.start].rfind("[") > text[: after.start].rfind("]")
         out.append(
@@ -738,6 +753,8 @@ def check(clause: Clause, headers: set[int] = frozenset(), theory: set[int] = fr
         return tested_problems(clause.cited, figures)
     if clause.cited == "extra row":
         return ["a row the table marker does not list: add its key to the marker's rows"]
+    if clause.cited == "missing rows":
+        return ["the table before this line has fewer rows than its marker lists: a row was deleted, or drop its key"]
     cited, _, extra = clause.cited.partition(" | figures:")
     try:
         resolved = [resolve(source) for source in split_sources(cited)]
