@@ -490,7 +490,7 @@ SETTINGS = [
     r"p_holm < 0\.05|< 0\.05",  # the threshold
     r"\b\d(?:\.\d+)?e-\d+(?:(?:,| and|, and) \d(?:\.\d+)?e-\d+)+",  # a grid of learning rates
     r"by ×\d+",
-    r"(?:within|at most|≤) ?\d[\d.]*×",  # a goal's bound
+    r"(?:within|at most|≤) ?\d[\d.]*×|\d[\d.]*× goal",  # a goal's bound
     r"exactly \d+/\d+|\b\d+/\d+ of g\b",  # the theory's fractions (no-scale's bias 1/64, its mean 7/8 of g)
     r"PCA \d+/\d+",  # the release preset's PCA dims
     r"\b[Gg]oal\b(?:[^.;:]|\.(?=\d))*",  # a goal's bounds, up to the end of its clause
@@ -647,7 +647,9 @@ def clauses(page: Page) -> list[Clause]:
         if is_row:
             unit = _label_cut(unit)
         rest = 0
-        for marker in MARKER.finditer(unit):
+        in_code = re.sub(r"`[^`]*`", lambda m: "`" * len(m.group(0)), unit)  # a marker quoted in code is an example
+        for marker in MARKER.finditer(in_code):
+            marker = MARKER.match(unit, marker.start())
             kind = (
                 next(k for k in ("verdict", "nofile", "tested") if marker.group(k))
                 if marker.group("verdict") or marker.group("nofile") or marker.group("tested")
@@ -816,9 +818,14 @@ def _fmt(values: list[float]) -> str:
     return "[" + ", ".join(f"{v:.4g}" for v in values[:8]) + (", ..." if len(values) > 8 else "") + "]"
 
 
+def unquoted(text: str) -> str:
+    """The text without its quoted words: "behind" in quotes is a word mentioned, not a verdict said."""
+    return re.sub(r'"[^"]*"', lambda m: " " * len(m.group(0)), text)
+
+
 def uncited_verdict(text: str) -> str | None:
     """A verdict word in a sentence that names a method, outside negations and seed counts."""
-    for sentence in re.split(r"(?<=[.;:!?])\s+", text):
+    for sentence in re.split(r"(?<=[.;:!?])\s+", unquoted(text)):
         if not METHODS.search(sentence) or sentence.rstrip().endswith("?"):
             continue  # a question states no verdict
         for word in VERDICT_WORDS.finditer(sentence):
@@ -835,15 +842,15 @@ def verdict_problems(clause: Clause, text: str, resolved: list[Resolved]) -> lis
     if not re.search(WORDING[verdict], text, re.I):
         problems.append(f"the clause does not say {verdict!r} (any of {WORDING[verdict]})")
     for wording in CONTRADICTS[verdict]:
-        for said in re.finditer(wording, text, re.I):
+        for said in re.finditer(wording, unquoted(text), re.I):
             context = text[max(0, said.start() - 25) : said.start()]
             if not NOT_A_VERDICT.search(context) and not re.match(r"ahead (?:of it )?on \d", text[said.start() :]):
                 problems.append(f"says {said.group(0)!r} beside its verdict {verdict!r}")
-    problems += scope_problems(text, clause.text, resolved)
+    problems += scope_problems(text, clause.text, resolved, verdict)
     return problems
 
 
-def scope_problems(text: str, raw: str, resolved: list[Resolved]) -> list[str]:
+def scope_problems(text: str, raw: str, resolved: list[Resolved], verdict: str) -> list[str]:
     """A count the clause states ("all five", "both", "three of them") is the number of distinct values of something
     the sources vary over; a contender it names is one of its sources' (efficiency studies)."""
     problems = []
@@ -855,8 +862,8 @@ def scope_problems(text: str, raw: str, resolved: list[Resolved]) -> list[str]:
         if n not in counts:
             problems.append(f"says {match.group(0)!r}, but its sources vary over {sorted(counts - {1}) or [1]}")
     if any(r.about.get("task") for r in resolved):
-        said = [re.search(wording, text, re.I) for wording in WORDING.values()]
-        text = text[min((m.start() for m in said if m), default=0) :]  # the comparators the verdict is said of
+        said = re.search(WORDING[verdict], text, re.I)
+        text = text[said.start() if said else 0 :]  # the comparators the verdict is said of
         named = {r.about[k] for r in resolved for k in ("row", "ref") if k in r.about}
         named |= {c for r in resolved for c in r.about.get("comparators", "").split(",")}
         for key, pattern in CONTENDERS.items():
