@@ -6,7 +6,7 @@ sources (GitHub and the docs site show none of it); a table gets one comment bef
 
     1.01× [0.97, 1.30] GRPO's step<!-- figures: real-lm/overhead-zero-pass/overhead.json > timing > 0 > time_ratio -->
     level with GRPO G=8 (0.97× and 0.82×)<!-- verdict level: real-lm/gradient/{start,start-seed1} poise share_grpo8 -->
-    fewer than RLOO k=2 (0.57×, oracle 0.82×)<!-- verdict fewer: SOURCES | figures: MORE SOURCES -->
+    fewer than RLOO k=2 (0.57×, oracle 0.82×)<!-- verdict fewer: SOURCES; figures: MORE SOURCES -->
     4.0 s (files not kept)<!-- figures without a file: WHY -->
     held-out MAE 0.34 against 0.50<!-- tested: tests/FILE.py::TEST -->   (each figure written in that test)
 
@@ -32,7 +32,8 @@ row that carries markers of its own, or none); a row added or deleted under it f
   index); a dict or list gives its numbers in order (lists longer than 12 are left out); a last key `a+b` joins two
   keys (a value and its interval kept apart). A `{value, ci}` or `{median, min, max}` dict decides lower / higher /
   level against 0 (a paired difference).
-- `FILE @ TEXT`: the numbers of the lines of a text file (a log, a report) that contain TEXT, in file order.
+- `FILE @ TEXT`: the numbers of the lines of a text file (a log, a report) that contain TEXT, in file order; `A … B`:
+  the lines holding A then B (whole words), e.g. a report's row `4 … independent … dapo_unweighted` (no `|` in a row).
 - `median GLOB [+ GLOB] > KEY ...`: one value of many files (a study's run files): median, min, max, count.
 - `mean FILE.json > LIST > KEY > A:B`: the mean of a logged value over entries A to B of a list (the entries that log
   it), e.g. a quarter of a run's `log_history`.
@@ -185,10 +186,6 @@ class Clause:
     cited: str = ""
 
     @property
-    def id(self) -> str:
-        return f"{self.page}:{self.line}:{self.verdict or self.kind or 'uncited'}"
-
-    @property
     def shown(self) -> str:
         return " ".join(self.text.split())
 
@@ -328,7 +325,8 @@ def resolve(source: str) -> Resolved:
         return Resolved(source, [statistics.median(values), min(values), max(values), float(len(values))])
     if match := TEXT_LINES.fullmatch(source):
         name, text = match.groups()
-        lines = [line for line in _file(name, source).read_text().splitlines() if text in line]
+        pattern = ".*?".join(rf"(?<!\w){re.escape(part)}(?!\w)" for part in text.split(" … "))
+        lines = [line for line in _file(name, source).read_text().splitlines() if re.search(pattern, line)]
         assert lines, f"{source!r}: no line of benchmarks/{name} contains {text!r}"
         return Resolved(source, [f.value for line in lines for f in scan(line, settings=False)], about={"file": name})
     if match := JSON_PATH.fullmatch(source):
@@ -757,7 +755,7 @@ def check(clause: Clause, headers: set[int] = frozenset(), theory: set[int] = fr
         return ["a row the table marker does not list: add its key to the marker's rows"]
     if clause.cited == "missing rows":
         return ["the table before this line has fewer rows than its marker lists: a row was deleted, or drop its key"]
-    cited, _, extra = clause.cited.partition(" | figures:")
+    cited, _, extra = clause.cited.partition("; figures:")
     try:
         resolved = [resolve(source) for source in split_sources(cited)]
         resolved_extra = [resolve(source) for source in split_sources(extra)]

@@ -36,6 +36,23 @@ def test_each_figure_and_verdict_is_its_files(page: figures.Page):
     assert not bad, f"{len(bad)} clause(s) of {page.name} disagree with their files:\n" + "\n".join(bad)
 
 
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_markers_leave_the_markdown_intact(page: figures.Page):
+    """A marker is invisible only if Markdown reads no syntax in it: none of its lines after the first starts a quote,
+    a list item, a heading or a table row, and a marker inside a table row holds no `|` (it would split the cell)."""
+    text = page.path.read_text()
+    bad = []
+    for comment in re.finditer(r"<!--.*?-->", text, re.S):
+        line = text.count("\n", 0, comment.start()) + 1
+        for number, part in enumerate(comment.group(0).split("\n")[1:], start=line + 1):
+            if re.match(r"\s*(?:>|\||[-*+]\s|#+\s|\d+\.\s)", part):
+                bad.append(f"{page.name}:{number}: a marker's line starts with Markdown syntax: {part.strip()[:60]!r}")
+    for number, row in enumerate(text.splitlines(), start=1):
+        if row.startswith("|") and any("|" in c for c in re.findall(r"<!--(.*?)-->", row)):
+            bad.append(f"{page.name}:{number}: a marker in a table row holds `|`; select a report's row with `A … B`")
+    assert not bad, "\n".join(bad)
+
+
 def _clause(text: str, kind: str | None = None, cited: str = "", verdict: str | None = None) -> list[str]:
     return check(Clause("x.md", 1, text, kind, verdict, cited))
 
