@@ -204,7 +204,7 @@ class Resolved:
 
 
 def expand(text: str) -> list[str]:
-    """`a{b,c}d` -> ["abd", "acd"]; several groups expand independently."""
+    """`a{b,c}d` -> ["abd", "acd"]; several groups give every combination, the first group outermost."""
     group = re.search(r"\{([^{}]*)\}", text)
     if not group:
         return [text]
@@ -213,7 +213,7 @@ def expand(text: str) -> list[str]:
 
 
 def split_sources(cited: str) -> list[str]:
-    """`;`-separated sources, braces expanded; a `calc` keeps its brackets' `;`-free text whole."""
+    """`;`-separated sources, whitespace (a marker's line breaks) collapsed, braces expanded."""
     return [one for part in cited.split(";") if part.strip() for one in expand(" ".join(part.split()))]
 
 
