@@ -386,7 +386,7 @@ def test_readme_prose_figures_agree_with_the_performance_page():
     """Every figure in the prose of the README's headline (tables and commands aside) is on the performance page;
     the study's time is given with its caveat; and the completions half of the goal names as misses exactly the
     upper ends that lie above their bounds in the committed report. The value heads' paragraph closing the section
-    quotes `bench gradient` files: test_verdicts.py decides its figures from them."""
+    quotes `bench gradient` files: test_figures.py reads its figures from them."""
     readme = (ROOT / "README.md").read_text()
     headline = readme.split("## Headline results", 1)[1].split("\n## ", 1)[0].split("**Value heads", 1)[0]
     prose = "\n".join(line for line in headline.splitlines() if not line.startswith(("|", "![")))
