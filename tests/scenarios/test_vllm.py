@@ -49,19 +49,18 @@ class Snapshot(TrainerCallback):
 
 @pytest.fixture(scope="module")
 def trained(real_model_path, tmp_path_factory):
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; vLLM-CPU's default takes far more
-    monkeypatch.setenv("VLLM_CPU_CI_ENV", "1")  # vLLM-CPU's own CI switch: no inductor compile, no warmup
-    monkeypatch.setattr(VLLMGeneration, "sync_weights", reload_weights)
-    args = vllm_args(tmp_path_factory.mktemp("vllm") / "out", vllm_mode="colocate", vllm_max_model_length=512)
-    snapshot = Snapshot()
-    trainer = POISETrainer(
-        str(real_model_path), variety_reward, args=args, train_dataset=addition_prompts(), callbacks=[snapshot]
-    )
-    initial = trainer.model.get_input_embeddings().weight.detach().clone()
-    trainer.train()
-    yield trainer, initial, snapshot.after_step_1
-    monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; vLLM-CPU's default takes far more
+        monkeypatch.setenv("VLLM_CPU_CI_ENV", "1")  # vLLM-CPU's own CI switch: no inductor compile, no warmup
+        monkeypatch.setattr(VLLMGeneration, "sync_weights", reload_weights)
+        args = vllm_args(tmp_path_factory.mktemp("vllm") / "out", vllm_mode="colocate", vllm_max_model_length=512)
+        snapshot = Snapshot()
+        trainer = POISETrainer(
+            str(real_model_path), variety_reward, args=args, train_dataset=addition_prompts(), callbacks=[snapshot]
+        )
+        initial = trainer.model.get_input_embeddings().weight.detach().clone()
+        trainer.train()
+        yield trainer, initial, snapshot.after_step_1
 
 
 def test_poise_captures_inside_trls_importance_sampling_pass(trained):
@@ -77,7 +76,8 @@ def test_poise_metrics_are_finite(trained):
 
 def test_vllm_generates_with_the_policys_weights(trained):
     """Before step 2's generation, vLLM received the weights step 1 made (they moved); the log-probs vLLM sampled
-    with then match the policy's to within vLLM's own numerics."""
+    with then match the policy's to within vLLM's own numerics (bf16, and the tied LM head the reload leaves as loaded:
+    test_vllm_server.py)."""
     trainer, initial, after_step_1 = trained
     vllm_embedding = model_runner(trainer.vllm_generation).get_model().model.embed_tokens.weight
     assert not torch.equal(after_step_1, initial)

@@ -55,10 +55,11 @@ from .vllm_runs import (  # noqa: E402
     vllm_args,
 )
 
-START_LIMIT_S = 600  # `vllm serve` took 1-3 min to answer on the shared 2-core machine
+START_LIMIT_S = 600  # `vllm serve` answered after about 3 min on the shared, loaded 2-core machine
 RUN_LIMIT_S = 1800  # past it the server is killed, so that no request to it can wait forever
 HTTP_LIMIT_S = 300
-LOGPROB_TOLERANCE = 0.25  # bf16 arithmetic: 0.11 at most between the server and the policy on this answer, untrained
+# bf16 arithmetic on this answer: the server and the policy 0.11 apart at most untrained, 0.17 after step 1 (measured)
+LOGPROB_TOLERANCE = 0.3
 # A fixed sequence the server and the policy both score: a prompt of the task and an answer.
 PROMPT = [{"role": "user", "content": "What is 3 + 4?"}]
 ANSWER = "3 + 4 = 7."
@@ -109,6 +110,12 @@ def stop(process: subprocess.Popen) -> None:
             continue
 
 
+def time_out(process: subprocess.Popen, log: Path) -> None:
+    with log.open("a") as out:
+        out.write(f"\nthe test stopped the server: still running after {RUN_LIMIT_S} s\n")
+    stop(process)
+
+
 def wait_until_up(process: subprocess.Popen, base_url: str, log: Path) -> VLLMClient:
     """TRL's client once the server answers its `/health`; a server that exits, or is not up within START_LIMIT_S,
     fails the test with its log's tail."""
@@ -139,7 +146,7 @@ def server(real_model_path: Path, tmp_path_factory) -> Iterator[Server]:
     log = folder / "server.log"
     with log.open("w") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    watchdog = threading.Timer(RUN_LIMIT_S, stop, [process])
+    watchdog = threading.Timer(RUN_LIMIT_S, time_out, [process, log])
     watchdog.daemon = True
     watchdog.start()
     try:
@@ -232,26 +239,25 @@ class Run:
 def trained(server: Server, real_model_path: Path, tmp_path_factory) -> Iterator[Run]:
     folder = tmp_path_factory.mktemp("vllm_server_run")
     reloads: list[list[str]] = []
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(VLLMClient, "init_communicator", check_dev_mode)
-    monkeypatch.setattr(VLLMClient, "update_named_params", reload_from(folder, reloads))
-    args = vllm_args(folder / "out", vllm_mode="server", vllm_server_base_url=server.base_url, vllm_server_timeout=60)
-    trainer = POISETrainer(str(real_model_path), variety_reward, args=args, train_dataset=addition_prompts())
-    tokenizer = trainer.processing_class
-    prompt = tokenizer(tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False))["input_ids"]
-    answer = tokenizer(ANSWER, add_special_tokens=False)["input_ids"]
-    dtype = getattr(torch, server.client.get_server_info()["model_config"]["dtype"].removeprefix("torch."))
-    head = trainer.model.get_output_embeddings().weight.detach().clone()
-    served = ServedLogprobs(dtype, prompt + answer, len(prompt), head)
-    initial, after_step_1 = Snapshot(served), Snapshot(served)
-    initial.record(trainer.model)
-    trainer.add_callback(after_step_1)
-    try:
-        trainer.train()
-    except Exception as error:  # a server-side failure shows in its log, not in the client's HTTP error
-        pytest.fail(f"training against the server failed: {error!r}\nthe server's log:\n{tail(server.log)}")
-    yield Run(trainer, server, reloads, served, initial, after_step_1)
-    monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(VLLMClient, "init_communicator", check_dev_mode)
+        monkeypatch.setattr(VLLMClient, "update_named_params", reload_from(folder, reloads))
+        args = vllm_args(folder / "out", vllm_mode="server", vllm_server_base_url=server.base_url)
+        trainer = POISETrainer(str(real_model_path), variety_reward, args=args, train_dataset=addition_prompts())
+        tokenizer = trainer.processing_class
+        template = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
+        prompt, answer = tokenizer(template)["input_ids"], tokenizer(ANSWER, add_special_tokens=False)["input_ids"]
+        dtype = getattr(torch, server.client.get_server_info()["model_config"]["dtype"].removeprefix("torch."))
+        head = trainer.model.get_output_embeddings().weight.detach().clone()
+        served = ServedLogprobs(dtype, prompt + answer, len(prompt), head)
+        initial, after_step_1 = Snapshot(served), Snapshot(served)
+        initial.record(trainer.model)
+        trainer.add_callback(after_step_1)
+        try:
+            trainer.train()
+        except Exception as error:  # a server-side failure shows in its log, not in the client's HTTP error
+            pytest.fail(f"training against the server failed: {error!r}\nthe server's log:\n{tail(server.log)}")
+        yield Run(trainer, server, reloads, served, initial, after_step_1)
 
 
 def test_poise_captures_inside_trls_importance_sampling_pass(trained: Run):
@@ -280,10 +286,10 @@ def test_the_server_holds_the_weights_step_1_made(trained: Run):
     )
     response.raise_for_status()
     empty = hashlib.sha256(b"").hexdigest()
-    served = {key.rpartition(":")[2]: value for key, value in response.json()["checksums"].items() if value != empty}
+    kept = {key.rpartition(":")[2]: value for key, value in response.json()["checksums"].items() if value != empty}
     after_step_1 = trained.after_step_1.digests
-    assert "model.embed_tokens.weight" in served and set(served) <= set(after_step_1), sorted(served)
-    assert {name: digest for name, digest in served.items() if digest != after_step_1[name]} == {}
+    assert "model.embed_tokens.weight" in kept and set(kept) <= set(after_step_1), sorted(kept)
+    assert {name: digest for name, digest in kept.items() if digest != after_step_1[name]} == {}
     assert after_step_1["model.embed_tokens.weight"] != trained.initial.digests["model.embed_tokens.weight"]
 
 
