@@ -9,6 +9,8 @@ from datasets import Dataset
 
 from poise_trl import POISEConfig, POISETrainer
 
+from ..conftest import CPU_ARGS
+
 STEPS = 2
 
 
@@ -36,13 +38,8 @@ def vllm_args(output_dir: Path, **vllm: Any) -> POISEConfig:
         learning_rate=1e-4,
         logging_steps=1,
         probe_warmup_steps=1,
-        use_cpu=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
         seed=0,
+        **CPU_ARGS,
         **vllm,
     )
 
