@@ -35,7 +35,8 @@ test: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 	$(BIN)/python -m pytest -q --durations=10
 
-# vLLM colocate with a real engine (tests/scenarios/test_vllm.py; the main suite skips it).
+# vLLM with a real engine, colocated (tests/scenarios/test_vllm.py) and as a `vllm serve` on loopback
+# (tests/scenarios/test_vllm_server.py); the main suite skips both.
 $(VLLM_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install --quiet --upgrade pip
@@ -52,7 +53,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 install-vllm: $(VLLM_VENV)/.installed
 
 test-vllm: install-vllm
-	$(VLLM_BIN)/python -m pytest -q tests/scenarios/test_vllm.py
+	$(VLLM_BIN)/python -m pytest -q tests/scenarios/test_vllm.py tests/scenarios/test_vllm_server.py
 
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
