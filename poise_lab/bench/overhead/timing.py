@@ -179,12 +179,19 @@ class SteadyStateProbe(TrainerCallback):
 
 
 class Baton:
-    """Turn-taking between trainer threads: each runs one cycle while the others wait; all start together."""
+    """Turn-taking between trainer threads: each runs one cycle while the others wait; all start together.
+
+    Each round of turns runs in the reverse order of the one before (0 1 2, 2 1 0, 0 1 2, ...), so a contender's k-th
+    cycle and another's (same prompts, round k) are taken alternately first and second. In one fixed order the first
+    of every round would pay against the others whatever the machine drifts by between turns (a process, or a
+    machine, that speeds up from cycle to cycle), a bias of the same sign in every paired ratio."""
 
     def __init__(self, parties: int, timeout: float):
         self._condition = threading.Condition()
         self._parties, self._timeout = parties, timeout
         self._arrived, self._turn = 0, 0
+        self._order = list(range(parties))  # this round's turns, in order
+        self._left = self._order[1:]  # the turns of this round still to come
         self._finished = [False] * parties
         self._aborted = False
 
@@ -207,9 +214,20 @@ class Baton:
     def pass_on(self, me: int, finished: bool) -> None:
         with self._condition:
             self._finished[me] = self._finished[me] or finished
-            waiting = [(me + i) % self._parties for i in range(1, self._parties + 1)]
-            self._turn = next((p for p in waiting if not self._finished[p]), me)
+            self._turn = self._next(me)
             self._condition.notify_all()
+
+    def _next(self, me: int) -> int:
+        """The next unfinished party of this round, else of the next round (this one reversed); `me` when none is
+        left."""
+        for _ in range(2):
+            while self._left:
+                party = self._left.pop(0)
+                if not self._finished[party]:
+                    return party
+            self._order.reverse()
+            self._left = list(self._order)
+        return me
 
     def abort(self) -> None:
         with self._condition:
