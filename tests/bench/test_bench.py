@@ -90,6 +90,7 @@ def test_baton_takes_turns_in_rounds_of_alternating_order(parties):
             baton.pass_on(me, finished=turn == turns[me] - 1)
             if turn < turns[me] - 1:
                 baton.wait_turn(me)
+        baton.pass_on(me, finished=True)  # as CycleTimer.on_train_end does, while another may hold the turn
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in reversed(range(parties))]  # start order: any
     for thread in threads:
@@ -183,6 +184,9 @@ def test_overhead_smoke(tmp_path, capsys):
         assert row["poise_feature_passes_per_cycle"] == [0]  # the loss's forward or TRL's pass: no pass added
         assert row["poise_pass_feature_passes_per_cycle"] == [own_passes]  # "pass": its own where TRL runs none
         assert set(row["time_ratio"]) == set(row["own_pass_time_ratio"]) == {"median", "min", "max", "n"}
+        # one timed cycle, round 1 of the alternating order (the warm-up was round 0): GRPO went first
+        assert row["time_ratio_by_order"]["grpo_first"]["median"] == row["time_ratio"]["median"]
+        assert row["time_ratio_by_order"]["poise_first"]["n"] == 0
     assert result["memory"] == []  # measured in the --prefix smoke below: its workers are these contenders' too
     assert [p["preset"] for p in result["probe_fit"]] == ["paper", "release"]
     assert list(result["probe_fit"][0]["heads"]) == ["logistic", "mlp", "ensemble"]  # every head but ridge

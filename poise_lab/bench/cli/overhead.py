@@ -2,7 +2,9 @@
 
 Time. POISETrainer and trl.GRPOTrainer, built from the same model with the same G, completions per step, max
 length and loss, train in threads that take turns, one generation cycle each, in rounds whose order reverses each
-time (A B, B A, A B, ...), so machine load and its drift hit them alike; the ratio is taken pair by pair.
+time (A B, B A, A B, ...), so machine load and its drift hit them alike; the ratio is taken pair by pair, and
+also split by which of POISE and GRPO went first in the round (`time_ratio_by_order`; apart, the two halves show a
+drift between turns that the alternation cancels).
 Completions are forced to exactly `--completion-lengths` tokens (`min_new_tokens`) and scored by a reward that
 accepts any text, so both do the same work; at 128 tokens or more generation dominates the step, as it does at real
 scale. Each length has two rows (`--layouts`):
