@@ -76,23 +76,30 @@ def test_dynamic_sampling_concatenates_rounds_with_padding():
     assert int(merged["num_items_in_batch"]) == 2 * 2 + 2 * 5
 
 
-def test_baton_alternates_threads_strictly():
-    baton, order = Baton(parties=2, timeout=30), []
+@pytest.mark.parametrize("parties", [2, 3])
+def test_baton_takes_turns_in_rounds_of_alternating_order(parties):
+    """One cycle each per round, every round in the reverse order of the one before: each contender's k-th cycle is
+    taken first in one round and last in the next, so a drift of the machine between turns biases no paired ratio.
+    A party that finishes is skipped."""
+    baton, order, turns = Baton(parties=parties, timeout=30), [], [3] * (parties - 1) + [2]
 
     def worker(me: int) -> None:
         baton.arrive(me)
-        for turn in range(3):
+        for turn in range(turns[me]):
             order.append(me)
-            baton.pass_on(me, finished=turn == 2)
-            if turn < 2:
+            baton.pass_on(me, finished=turn == turns[me] - 1)
+            if turn < turns[me] - 1:
                 baton.wait_turn(me)
+        baton.pass_on(me, finished=True)  # as CycleTimer.on_train_end does, while another may hold the turn
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in (1, 0)]  # start order must not matter
+    threads = [threading.Thread(target=worker, args=(i,)) for i in reversed(range(parties))]  # start order: any
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(30)
-    assert order == [0, 1, 0, 1, 0, 1]
+    last = parties - 1  # takes 2 turns, the others 3
+    expected = {2: [0, 1, 1, 0, 0], 3: [0, 1, 2, 2, 1, 0, 0, 1]}[parties]
+    assert order == expected and order.count(last) == 2
 
 
 def test_baton_abort_releases_waiters():
@@ -177,6 +184,9 @@ def test_overhead_smoke(tmp_path, capsys):
         assert row["poise_feature_passes_per_cycle"] == [0]  # the loss's forward or TRL's pass: no pass added
         assert row["poise_pass_feature_passes_per_cycle"] == [own_passes]  # "pass": its own where TRL runs none
         assert set(row["time_ratio"]) == set(row["own_pass_time_ratio"]) == {"median", "min", "max", "n"}
+        # one timed cycle, round 1 of the alternating order (the warm-up was round 0): GRPO went first
+        assert row["time_ratio_by_order"]["grpo_first"]["median"] == row["time_ratio"]["median"]
+        assert row["time_ratio_by_order"]["poise_first"]["n"] == 0
     assert result["memory"] == []  # measured in the --prefix smoke below: its workers are these contenders' too
     assert [p["preset"] for p in result["probe_fit"]] == ["paper", "release"]
     assert list(result["probe_fit"][0]["heads"]) == ["logistic", "mlp", "ensemble"]  # every head but ridge

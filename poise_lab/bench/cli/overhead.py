@@ -1,10 +1,13 @@
 """POISE's per-step time and peak memory against plain GRPO, and the probe fit's cost.
 
 Time. POISETrainer and trl.GRPOTrainer, built from the same model with the same G, completions per step, max
-length and loss, train in two threads that take turns: A B A B, one generation cycle each, so machine load hits
-both alike; the ratio is taken pair by pair. Completions are forced to exactly `--completion-lengths` tokens
-(`min_new_tokens`) and scored by a reward that accepts any text, so both do the same work; at 128 tokens or more
-generation dominates the step, as it does at real scale. Each length has two rows (`--layouts`):
+length and loss, train in threads that take turns, one generation cycle each, in rounds whose order reverses each
+time (A B, B A, A B, ...), so machine load and its drift hit them alike; the ratio is taken pair by pair, and
+also split by which of POISE and GRPO went first in the round (`time_ratio_by_order`; apart, the two halves show a
+drift between turns that the alternation cancels).
+Completions are forced to exactly `--completion-lengths` tokens (`min_new_tokens`) and scored by a reward that
+accepts any text, so both do the same work; at 128 tokens or more generation dominates the step, as it does at real
+scale. Each length has two rows (`--layouts`):
   - "TRL default": one optimizer step per generation, TRL's default configuration: TRL runs no old-log-prob pass,
     and POISE reads its features from the loss's own forward (each micro-batch holds whole groups), adding none;
   - "TRL pass": two optimizer steps per generation (`steps_per_generation` twice the accumulation steps), so TRL
@@ -53,7 +56,7 @@ def _run_overhead(args: argparse.Namespace) -> int:
 def add_overhead_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "overhead",
-        help="POISE vs GRPO step time (alternated A B A B) and peak memory; probe fit vs scikit-learn",
+        help="POISE vs GRPO step time (alternated A B, B A, ...) and peak memory; probe fit vs scikit-learn",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

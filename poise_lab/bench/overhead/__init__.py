@@ -286,7 +286,11 @@ def run_overhead(args: argparse.Namespace) -> int:
     for row in rows:
         timing.append(time_row(row, settings, model, prompts))
         gc.collect()  # the row's trainers hold reference cycles; free them before the next row builds its own
-        line = f"[bench overhead] {row.name}: time ratio {fmt_summary(timing[-1]['time_ratio'])}"
+        by_order = timing[-1]["time_ratio_by_order"]
+        line = (
+            f"[bench overhead] {row.name}: time ratio {fmt_summary(timing[-1]['time_ratio'])} (POISE first "
+            f"{fmt_summary(by_order['poise_first'])}, GRPO first {fmt_summary(by_order['grpo_first'])})"
+        )
         if args.prefix:
             line += (
                 f"; per-prefix to GRPO {fmt_summary(timing[-1]['prefix_time_ratio'])}, to POISE "

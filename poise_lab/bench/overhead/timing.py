@@ -179,12 +179,19 @@ class SteadyStateProbe(TrainerCallback):
 
 
 class Baton:
-    """Turn-taking between trainer threads: each runs one cycle while the others wait; all start together."""
+    """Turn-taking between trainer threads: each runs one cycle while the others wait; all start together.
+
+    Each round of turns runs in the reverse order of the one before (0 1 2, 2 1 0, 0 1 2, ...), so a contender's k-th
+    cycle and another's (same prompts, round k) are taken alternately first and second. In one fixed order the first
+    of every round would pay against the others whatever the machine drifts by between turns (a process, or a
+    machine, that speeds up from cycle to cycle), a bias of the same sign in every paired ratio."""
 
     def __init__(self, parties: int, timeout: float):
         self._condition = threading.Condition()
         self._parties, self._timeout = parties, timeout
         self._arrived, self._turn = 0, 0
+        self._order = list(range(parties))  # this round's turns, in order
+        self._left = self._order[1:]  # the turns of this round still to come
         self._finished = [False] * parties
         self._aborted = False
 
@@ -205,11 +212,25 @@ class Baton:
                 raise TimeoutError(f"thread {me} waited more than {self._timeout} s for its turn")
 
     def pass_on(self, me: int, finished: bool) -> None:
+        """End `me`'s turn; only the holder of the turn passes it on (a trainer that finished passes again from
+        `on_train_end`, while another holds the turn)."""
         with self._condition:
             self._finished[me] = self._finished[me] or finished
-            waiting = [(me + i) % self._parties for i in range(1, self._parties + 1)]
-            self._turn = next((p for p in waiting if not self._finished[p]), me)
+            if self._turn == me:
+                self._turn = self._next(me)
             self._condition.notify_all()
+
+    def _next(self, me: int) -> int:
+        """The next unfinished party of this round, else of the next round (this one reversed); `me` when none is
+        left."""
+        for _ in range(2):
+            while self._left:
+                party = self._left.pop(0)
+                if not self._finished[party]:
+                    return party
+            self._order.reverse()
+            self._left = list(self._order)
+        return me
 
     def abort(self) -> None:
         with self._condition:
@@ -228,6 +249,7 @@ class CycleTimer(TrainerCallback):
     def __init__(self, baton: Baton, me: int, steps_per_cycle: int, trainer: Any):
         self.baton, self.me, self.steps_per_cycle, self.trainer = baton, me, steps_per_cycle, trainer
         self.seconds: list[float] = []
+        self.starts: list[float] = []  # when each cycle began: which contender went first in a round
         self.feature_passes: list[int] = []
         self._start = 0.0
         self._passes = 0
@@ -240,6 +262,7 @@ class CycleTimer(TrainerCallback):
             _synchronize()
             self._passes = getattr(self.trainer, "feature_passes", 0)
             self._start = time.perf_counter()
+            self.starts.append(self._start)
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step % self.steps_per_cycle:
@@ -299,6 +322,14 @@ def time_row(row: Row, settings: dict[str, Any], model: str, prompts: Dataset) -
         )
     result.update({f"{name}_cycle_seconds": summarize(seconds[name]) for name in trainers})
     result["time_ratio"] = _paired(seconds["poise"], seconds["grpo"])
+    # The same ratios split by which of the two went first in the round: apart, they show a drift between turns
+    # that the alternating order cancels in `time_ratio`.
+    first = [p < g for p, g in zip(timers["poise"].starts[skip:], timers["grpo"].starts[skip:], strict=True)]
+    ratios = [p / g for p, g in zip(seconds["poise"], seconds["grpo"], strict=True)]
+    result["time_ratio_by_order"] = {
+        "poise_first": summarize(r for r, f in zip(ratios, first, strict=True) if f),
+        "grpo_first": summarize(r for r, f in zip(ratios, first, strict=True) if not f),
+    }
     if IMPORTANCE in trainers:
         selection = trainers[IMPORTANCE].selection_seconds[skip:]  # one call per cycle (one generation)
         result.update(
