@@ -25,7 +25,7 @@ from .prefix import PrefixBatch, PrefixCapture
 
 ROUTES = ("trl_pass", "own_pass", "loss")
 CAPTURES = ("auto", "pass")  # `probe_capture`: the loss's forward where TRL runs no pass, or always a pass
-ROW_KEY = "poise_row"  # the loss route's key in TRL's batch dict: each row's index in this process's batch
+ROW_KEY = "poise_row"  # each row's index in this process's batch, in TRL's batch dict: a list of ints (host-side)
 
 
 @dataclass
@@ -147,24 +147,17 @@ def take_rows(batch: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
     return {key: take(value) for key, value in batch.items()}
 
 
-def check_whole_groups(rows: torch.Tensor, group_size: int) -> None:
+def check_whole_groups(rows: list[int], group_size: int) -> None:
     """Refuse a micro-batch whose rows (this process's row indices, any order) are not whole groups: on the loss
     route each micro-batch's advantages come from its own rows, so a group split across micro-batches would pair
-    rollouts of different prompts."""
-    whole = rows.numel() % group_size == 0
-    if whole:
-        groups = rows.sort().values.view(-1, group_size)
-        whole = (
-            torch.equal(groups, groups[:, :1] + torch.arange(group_size, device=rows.device))
-            and not (groups[:, 0] % group_size).any()
+    rollouts of different prompts. The rows are host-side integers (`ROW_KEY`): checking them reads no device."""
+    groups = sorted({row // group_size for row in rows})
+    if sorted(rows) != [group * group_size + k for group in groups for k in range(group_size)]:
+        raise RuntimeError(
+            f"A micro-batch reached the loss with rows {sorted(rows)}, which are not whole groups of {group_size} "
+            "rollouts of one prompt: POISE's loss route reads each micro-batch's baselines from its own rows. Keep "
+            "per_device_train_batch_size a multiple of num_generations, or set probe_capture='pass'."
         )
-    if whole:
-        return
-    raise RuntimeError(
-        f"A micro-batch reached the loss with rows {rows.tolist()}, which are not whole groups of {group_size} "
-        "rollouts of one prompt: POISE's loss route reads each micro-batch's baselines from its own rows. Keep "
-        "per_device_train_batch_size a multiple of num_generations, or set probe_capture='pass'."
-    )
 
 
 class MicroBatch(dict):

@@ -100,8 +100,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
     cannot sit in one micro-batch (or with `probe_capture="pass"`), POISE runs a no-grad pass of its own. One record
     (`step.GenerationStep`) carries a generation batch from its prompts to the estimator's observation.
 
-    Overrides (all of them), each relying on behaviours of TRL named in `poise_trl.contract` (tested against the
-    installed TRL in tests/contract/); nothing of TRL's is patched:
+    Overrides (all of them):
     - `_generate_and_score_completions`: choose prompts (`prompt_selection`), then after TRL scored the batch,
       replace its advantages by the estimator's (times the drawn prompts' importance weights, and
       `num_items_in_batch`, the token-count losses' normaliser, by the weighted count), log `poise/*`, and let the
@@ -125,6 +124,9 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
       however a call ends (an interrupt included), its generation batch ends with it, TRL's buffer included, so the
       next `train()` or `evaluate()` starts clean; `evaluation_loop`: the same for an interrupted evaluation;
     - `create_model_card`: TRL's card plus how POISE was configured and its last probe diagnostics.
+
+    Each relies only on behaviours of TRL named in `poise_trl.contract` (tested against the installed TRL in
+    tests/contract/); nothing of TRL's is patched.
 
     Value-guided prompt selection keeps whole groups of each process's candidates by a rule of sampling.py ("value":
     the highest predicted reward variance, biased; "importance": drawn with replacement in proportion to the predicted
@@ -299,8 +301,8 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         earlier steps) written into the micro-batch before TRL's loss reads them. The batch is observed once its last
         micro-batch has run (`training_step`, `_compute_loss`)."""
         inputs, step.micro_batch = step.micro_batch, None
-        rows = inputs[ROW_KEY]
-        check_whole_groups(rows, step.estimator_inputs["num_generations"])
+        check_whole_groups(inputs[ROW_KEY], step.estimator_inputs["num_generations"])
+        rows = torch.tensor(inputs[ROW_KEY])
         spans = step.spans.rows(rows)
         with self._capture(spans, None if step.tokens is None else step.tokens.for_rows(rows)) as capture:
             logps, entropies, aux = super()._get_per_token_logps_and_entropies(
@@ -422,7 +424,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         if weights is not None:
             output["num_items_in_batch"] = self._weighted_token_count(output, weights)
         if step.route == "loss" or (mode == "train" and self._shuffle_whole_groups):
-            output[ROW_KEY] = torch.arange(len(inputs))  # each row's place before TRL shuffles: see `_prepare_inputs`
+            output[ROW_KEY] = list(range(len(inputs)))  # each row's place before TRL shuffles: see `_prepare_inputs`
         if step.route == "loss":  # each micro-batch's advantages are written by its own forward
             output["advantages"] = torch.full_like(output["advantages"], torch.nan)
             return output
@@ -488,7 +490,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         the groups in the order TRL's shuffle drew (`step.whole_groups`), split as TRL splits them. Pixel values go
         per row and back with TRL's own helpers, as around TRL's shuffle."""
         batch = join_rows([split_pixel_values_by_grid(part) for part in parts])
-        batch = take_rows(batch, whole_groups(batch[ROW_KEY], self.num_generations))
+        batch = take_rows(batch, whole_groups(torch.tensor(batch[ROW_KEY]), self.num_generations))
         return [unsplit_pixel_values_by_grid(part) for part in split_tensor_dict(batch, len(parts))]
 
     def _observe(self, step: GenerationStep):

@@ -64,7 +64,6 @@ def test_join_rows_is_the_inverse_of_trls_split():
     [([2, 3, 0, 1], True), ([1, 0], True), ([0, 1, 2], False), ([1, 2], False), ([0, 2, 1, 3], True), ([0, 0], False)],
 )
 def test_check_whole_groups_refuses_a_split_group(rows, whole):
-    rows = torch.tensor(rows)
     if whole:
         check_whole_groups(rows, 2)
     else:
@@ -118,9 +117,7 @@ def test_the_record_refuses_rows_captured_twice_or_missing():
 
 def test_inputs_for_a_micro_batch_are_its_global_rows():
     step = GenerationStep("train", "loss", rows=4, offset=4)
-    step.estimator_inputs = dict(
-        rewards=torch.arange(8.0), domains=list("abcdefgh"), weights=None, num_generations=2
-    )
+    step.estimator_inputs = dict(rewards=torch.arange(8.0), domains=list("abcdefgh"), weights=None, num_generations=2)
     part = step.inputs_for(torch.tensor([2, 3]))
     assert part["rewards"].tolist() == [6.0, 7.0] and part["domains"] == ["g", "h"]
     assert part["weights"] is None and part["num_generations"] == 2
