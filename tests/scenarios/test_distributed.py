@@ -80,10 +80,12 @@ def test_two_processes_read_the_loss_forward_as_their_own_pass_would(tiny_model_
     for loss, own in zip(runs["auto"], runs["pass"], strict=True):
         assert [s["route"] for s in loss["steps"]] == ["loss"] * 3
         assert [s["route"] for s in own["steps"]] == ["own_pass"] * 3
+        assert len(loss["loss_reads"]) == 3
+        for step, (read, expected) in enumerate(zip(loss["loss_reads"], own["loss_reads"], strict=True)):
+            assert read == expected, f"step {step + 1}: the loss read other advantages than the own pass's"
         for a, b in zip(loss["steps"], own["steps"], strict=True):
             assert a["advantages"] == b["advantages"] and a["probe"] == b["probe"]
             assert a["baselines"] == pytest.approx(b["baselines"], abs=0, nan_ok=True)
-        assert len(loss["loss_reads"]) == 3 and loss["loss_reads"] == own["loss_reads"]
     assert any(row[2] != 0 for rank in runs["auto"] for read in rank["loss_reads"][1:] for row in read)
 
 
