@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from datasets import Dataset
 
-from poise_lab.models.tiny import save_tiny
+from poise_trl.tiny import save_tiny
 
 CPU_ARGS = dict(
     use_cpu=True,
