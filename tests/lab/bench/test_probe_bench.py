@@ -22,7 +22,7 @@ from poise_trl import POISEConfig, POISETrainer
 from poise_trl.buffer import prompt_group_ids
 from poise_trl.files import read_state
 
-from ..conftest import CPU_ARGS
+from ...conftest import CPU_ARGS
 
 MARKER, EOS = 3, 1  # `</think>` and `<eos>` in the tiny tokenizer
 FEATURES = ("prompt", "reasoning", "entropy", "length")
