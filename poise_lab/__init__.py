@@ -1,4 +1,4 @@
-"""The lab of poise-trl: the demo, the benchmarks, the tiny/toy/GGUF models and the toy tasks.
+"""The lab of poise-trl: the demo, the benchmarks, the toy/GGUF models and the toy tasks.
 
 It imports the library (`poise_trl`), never the reverse: the library finds the lab's subcommands, its training task
 and its real model names through entry points (`poise_trl.plugins`). The lab's own dependencies are the `lab` extra;

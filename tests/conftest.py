@@ -1,5 +1,10 @@
 """Shared fixtures: a tiny local Qwen3 and character tokenizer (no hub), CPU-only TRL settings, and the short
-training setting most trainer tests start from."""
+training setting most trainer tests start from; `--without-lab` runs the tests with `poise_lab` unimportable.
+
+The library's tests build their models with `poise_trl.tiny` and import nothing of the lab; the lab's tests sit in
+`tests/lab/` and, with the docs' tests (`tests/docs/`, which run the lab's commands), in `make test`'s second pytest
+step. The fixtures that prepare the lab's models (`demo_cache`, `real_model_path`) import it when a test asks.
+"""
 
 from collections.abc import Callable
 from pathlib import Path
@@ -8,7 +13,23 @@ from typing import Any
 import pytest
 from datasets import Dataset
 
-from poise_lab.models.tiny import save_tiny
+from poise_trl.tiny import save_tiny
+
+from .without_lab import block_the_lab
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--without-lab",
+        action="store_true",
+        help="make poise_lab unimportable, as in an install without the lab (make test: the library's tests)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--without-lab"):
+        block_the_lab()
+
 
 CPU_ARGS = dict(
     use_cpu=True,

@@ -4,10 +4,10 @@ no hook left behind, even when the pass fails."""
 import pytest
 import torch
 
-from poise_lab.models.tiny import build_tiny_model, build_tiny_tokenizer
 from poise_trl.capture import capture_pass
 from poise_trl.features import assemble_features, capture_layer, feature_spans, find_decoder_layers
 from poise_trl.prefix import PrefixCapture, prefix_spans
+from poise_trl.tiny import build_tiny_model, build_tiny_tokenizer
 
 BLOCKS = ("prompt", "reasoning", "entropy")
 

@@ -182,8 +182,8 @@ def _legacy_estimator() -> POISEEstimator:
 
 
 def test_the_trainer_resumes_a_0_1_checkpoint_and_warns_without_one(tmp_path):
-    from poise_lab.models.tiny import save_tiny
     from poise_trl import POISETrainer
+    from poise_trl.tiny import save_tiny
 
     from .conftest import digit_dataset, digit_reward, short_args
 

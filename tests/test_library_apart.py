@@ -1,22 +1,23 @@
 """The library apart from its lab: no `poise_trl` module imports `poise_lab` (read from the source, then checked by
 importing every library module in a process where `poise_lab` cannot be imported); the lab reaches the library only
-through entry points (`poise_trl/plugins.py`), and a lab command without the lab's dependencies says what to install.
+through entry points (`poise_trl/plugins.py`, the lab's side in tests/lab/test_entry_points.py).
 """
 
 import ast
 import os
 import subprocess
 import sys
+from importlib.metadata import packages_distributions
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 import poise_trl
-from poise_trl import plugins
 
 LIBRARY = Path(poise_trl.__file__).resolve().parent
 ROOT = LIBRARY.parent
-INSTALL = 'pip install "poise-trl[lab]"'
 
 
 def imported_modules(path: Path, root: Path = ROOT) -> set[str]:
@@ -67,6 +68,26 @@ def test_the_import_reader_sees_every_kind_of_import(tmp_path):
     assert imported_modules(LIBRARY / "cli.py") >= {"poise_trl.plugins", "poise_trl.rlvr.cli.add_train_parser"}
 
 
+def test_every_third_party_import_of_the_library_is_declared():
+    """pyproject.toml declares each distribution a library module imports, among its dependencies or an optional
+    engine's extra (not the lab's or the contributors'), rather than relying on what transformers or TRL pull in."""
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lines = list(project["dependencies"])
+    for extra, requirements in project["optional-dependencies"].items():
+        lines += requirements if extra not in ("lab", "dev") else []
+    declared = {canonicalize_name(Requirement(line).name) for line in lines}
+    imported = {name.split(".")[0] for path in LIBRARY.rglob("*.py") for name in imported_modules(path)}
+    third_party = imported - set(sys.stdlib_module_names) - {"poise_trl"}
+    distributions = packages_distributions()  # import name -> installed distributions; one not installed: its name
+    undeclared = {
+        name: sorted(dists)
+        for name in third_party
+        if not (dists := {canonicalize_name(dist) for dist in distributions.get(name, [name])}) & declared
+    }
+    assert len(third_party) > 5 and undeclared == {}, undeclared
+
+
 def _run(code: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run(
@@ -74,16 +95,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
     )
 
 
-NO_LAB = """
-import importlib.abc, sys
-
-class NoLab(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "poise_lab":
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-
-sys.meta_path.insert(0, NoLab())
-"""
+NO_LAB = "import sys\nfrom tests.without_lab import block_the_lab\nblock_the_lab()\n"
 
 
 def test_every_library_module_imports_where_the_lab_cannot():
@@ -111,75 +123,3 @@ sys.exit(cli.main(["demo", "--steps", "3"]))
         "poise-trl demo: error: 'demo' comes from poise_lab.demo.cli:add_demo_parser (poise-trl), which cannot be "
         "imported: No module named 'poise_lab'"
     ]
-
-
-def test_a_lab_command_without_the_labs_dependencies_names_the_extra():
-    """With a requirement of the `lab` extra missing (matplotlib, as the installed metadata sees it), every lab
-    command and registered name fails in one line that says what to install; the library's own commands still run."""
-    done = _run(
-        """
-import sys
-from importlib import metadata
-
-installed = metadata.version
-def version(name):
-    if name == "matplotlib":
-        raise metadata.PackageNotFoundError(name)
-    return installed(name)
-metadata.version = version
-
-from poise_trl import cli, plugins
-
-for group, name in ((plugins.DATASETS, "arith"), (plugins.MODELS, "smollm2-135m")):
-    try:
-        plugins.load(plugins.registered(group)[name])
-    except ImportError as error:
-        print(error)
-cli.parse(["eval", "some/model"])
-sys.exit(cli.main(["bench", "gradient", "--help"]))
-"""
-    )
-    assert done.returncode == 2, done.stderr
-    errors = done.stderr.splitlines()
-    assert len(errors) == 1 and errors[0].startswith("poise-trl bench: error: 'bench' comes from "), done.stderr
-    for message in (*done.stdout.splitlines(), errors[0]):
-        assert message.endswith(f"the poise-trl lab needs matplotlib>=3.8: {INSTALL}"), message
-    assert len(done.stdout.splitlines()) == 2
-
-
-def test_the_lab_registers_its_commands_task_and_model_names():
-    from poise_lab.models.real import REAL_MODELS, prepare_real_model
-    from poise_lab.tasks.arith import ARITH_DATASET, training_task
-
-    assert set(plugins.registered(plugins.COMMANDS)) == {"demo", "plot", "probe-bench", "bench"}
-    assert {name: plugins.load(entry) for name, entry in plugins.registered(plugins.DATASETS).items()} == {
-        ARITH_DATASET: training_task
-    }
-    models = plugins.registered(plugins.MODELS)
-    assert set(models) == set(REAL_MODELS) and {plugins.load(entry) for entry in models.values()} == {
-        prepare_real_model
-    }
-
-
-class Built(Exception):
-    """Raised by the stand-in trainer: what `poise-trl train` would train, without training it."""
-
-
-def test_train_resolves_a_registered_task_and_model_name(monkeypatch, tmp_path):
-    """`poise-trl train --dataset_name arith --model_name_or_path smollm2-135m`: the task's rows and reward, and the
-    model folder the lab prepares (stood in for here: the conversion has its own test in tests/demo)."""
-    from poise_lab.models import real
-    from poise_trl.rlvr import train
-
-    def trainer(**kwargs):
-        raise Built(kwargs)
-
-    monkeypatch.setattr(real, "prepare_real_model", lambda name: tmp_path / f"prepared-{name}")
-    monkeypatch.setitem(train.TRAINERS, "poise", (trainer, train.TRAINERS["poise"][1]))
-    argv = ["--model_name_or_path", "smollm2-135m", "--dataset_name", "arith", "--max_train_samples", "8"]
-    argv += ["--output_dir", str(tmp_path / "out"), "--use_cpu", "true", "--bf16", "false", "--report_to", "none"]
-    with pytest.raises(Built) as built:
-        train.main(*train.parse_args(argv))
-    kwargs = built.value.args[0]
-    assert kwargs["model"] == str(tmp_path / "prepared-smollm2-135m")
-    assert kwargs["reward_funcs"].__name__ == "arith_reward" and len(kwargs["train_dataset"]) == 8

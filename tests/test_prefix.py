@@ -9,7 +9,6 @@ from sklearn.linear_model import Ridge
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from poise_lab.models.tiny import build_tiny_model, build_tiny_tokenizer
 from poise_trl.baselines import prefix_advantages
 from poise_trl.features import capture_layer, find_decoder_layers
 from poise_trl.prefix import (
@@ -24,6 +23,7 @@ from poise_trl.prefix import (
     prefix_stats,
 )
 from poise_trl.probe import ValueProbe
+from poise_trl.tiny import build_tiny_model, build_tiny_tokenizer
 
 D, N_POOL = 128, 3
 

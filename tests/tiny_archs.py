@@ -1,6 +1,6 @@
-"""Tiny local models of several architectures (hidden size 8-16, no hub) and a trainer that records what POISE
-computed next to what TRL's loss received, for the drop-in tests (`test_grpo_parity`, `test_training_options`,
-`test_tools`, `test_vision`)."""
+"""Tiny local models of several architectures (hidden size 8-16, no hub; built by `poise_trl.tiny`) and a trainer
+that records what POISE computed next to what TRL's loss received, for the drop-in tests (`test_grpo_parity`,
+`test_training_options`, `test_tools`, `test_vision`)."""
 
 from collections.abc import Callable
 from pathlib import Path
@@ -8,82 +8,26 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MixtralConfig,
-    MixtralForCausalLM,
-    PreTrainedTokenizerFast,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-    Qwen3ForSequenceClassification,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
-)
+from transformers import PreTrainedTokenizerFast, Qwen3ForSequenceClassification
 
-from poise_trl import POISETrainer
+from poise_trl import POISETrainer, tiny
 
 # Chat and tool markup are single tokens, as in Qwen3's vocabulary; everything else is one token per character.
-SPECIAL = ["<pad>", "<|im_end|>", "<unk>"]
-MARKUP = ["<|im_start|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+SPECIAL = ("<pad>", "<|im_end|>", "<unk>")
+MARKUP = ("<|im_start|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 ALPHABET = "".join(chr(c) for c in range(32, 127)) + "\n"
-# Renders any conversation as plain text, so standard and conversational datasets both work.
-PLAIN_TEMPLATE = (
-    "{% for m in messages %}{{ m['content'] }}{% if not loop.last %}\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}={% endif %}"
-)
-CAUSAL_ARCHS = ("qwen3", "llama", "qwen3_moe", "mixtral")
+PLAIN_TEMPLATE = tiny.PLAIN_TEMPLATE
 
 
 def char_tokenizer(chat_template: str = PLAIN_TEMPLATE, extra_tokens: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
     """A character tokenizer whose chat/tool markup are single added tokens; `</think>` is one token."""
-    vocab = {token: i for i, token in enumerate(SPECIAL)}
-    for ch in ALPHABET:
-        vocab.setdefault(ch, len(vocab))
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # newlines too
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>", unk_token="<unk>", padding_side="left"
-    )
-    # Not special, as in Qwen3: TRL decodes with skip_special_tokens=True, and rewards and parsers must see them.
-    tokenizer.add_tokens([AddedToken(token, special=False) for token in (*MARKUP, *extra_tokens)])
-    tokenizer.chat_template = chat_template
-    return tokenizer
+    return tiny.char_tokenizer(ALPHABET, SPECIAL, (*MARKUP, *extra_tokens), chat_template)
 
 
 def causal_lm(arch: str, vocab_size: int, hidden_size: int = 16, num_layers: int = 2, seed: int = 0):
     """A tiny causal LM of `arch` built from its config: dense (Qwen3, Llama) or mixture-of-experts (Qwen3-MoE,
-    Mixtral, 4 experts, top-2)."""
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=hidden_size // 2,
-        max_position_embeddings=2048,  # a tool schema in the system prompt is ~600 characters
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-    )
-    moe = dict(num_local_experts=4, num_experts_per_tok=2)
-    if arch == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**common))
-    elif arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif arch == "qwen3_moe":
-        config = Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden_size)
-        model = Qwen3MoeForCausalLM(config)
-    elif arch == "mixtral":
-        model = MixtralForCausalLM(MixtralConfig(**common, **moe))
-    else:
-        raise ValueError(f"arch={arch!r}: choose one of {CAUSAL_ARCHS}.")
-    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
-    return model
+    Mixtral, 4 experts, top-2); 2048 positions, as a tool schema in the system prompt is ~600 characters."""
+    return tiny.causal_lm(arch, vocab_size, hidden_size, num_layers, 2, 1, max_positions=2048, seed=seed)
 
 
 def save_causal_lm(path: Path, arch: str = "qwen3", hidden_size: int = 16, tokenizer=None) -> Path:
@@ -98,17 +42,7 @@ def save_reward_model(path: Path, hidden_size: int = 8) -> Path:
     """A tiny Qwen3 sequence classifier (one score) and its tokenizer: a reward model with a processing class."""
     tokenizer = char_tokenizer()
     torch.manual_seed(1)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=hidden_size // 2,
-        num_labels=1,
-        pad_token_id=0,
-    )
+    config = tiny.tiny_config("qwen3", len(tokenizer), hidden_size, 1, 2, 1, num_labels=1)
     Qwen3ForSequenceClassification(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

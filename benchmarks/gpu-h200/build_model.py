@@ -5,7 +5,7 @@ import sys
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from poise_lab.models.tiny import build_tiny_tokenizer
+from poise_trl.tiny import build_tiny_tokenizer
 
 path, size = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "real"
 tok = build_tiny_tokenizer()

@@ -4,7 +4,7 @@ handed to every function of the study and pickled into its workers as they are.
 Each field says what it is to the study (`role`): RUN settings decide a run's result besides its task, contender,
 rate and seed, so a results directory holds runs of one value of each (`identity`, checked on every resume); STUDY
 settings decide which runs there are; MACHINE settings only how they are run. A field without a role is refused,
-and every flag of the parser is a field (tests/bench/test_efficiency.py): a new flag cannot slip out unseen.
+and every flag of the parser is a field (tests/lab/bench/test_efficiency.py): a new flag cannot slip out unseen.
 """
 
 import argparse

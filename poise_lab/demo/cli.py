@@ -4,41 +4,19 @@ import argparse
 from typing import Any
 
 from poise_lab.models.real import REAL_MODELS
-from poise_lab.tasks.toy import DEFAULT_DIFFICULTIES, DEMO_WARMUP_LR, DEMO_WARMUP_STEPS, TASKS
+from poise_lab.tasks.toy import TASKS
 
 from .defaults import REAL_DEFAULTS as REAL
 from .defaults import TOY_DEFAULTS as TOY
+from .settings import DemoSettings
+
+DEFAULT = DemoSettings()  # the parser's defaults are the settings'
 
 
 def run_demo_command(args: argparse.Namespace) -> int:
     from .run import run_demo
 
-    run_demo(
-        output_dir=args.output_dir,
-        steps=args.steps,
-        seed=args.seed,
-        min_digits=args.min_digits,
-        max_digits=args.max_digits,
-        num_train=args.task_size,
-        num_eval=args.eval_size,
-        warmup_steps=args.warmup_steps,
-        warmup_lr=args.warmup_lr,
-        learning_rate=args.learning_rate,
-        num_generations=args.num_generations,
-        prompts_per_step=args.prompts_per_step,
-        probe_warmup_steps=args.probe_warmup_steps,
-        probe_preset=args.probe_preset,
-        paper_rules=args.paper_rules,
-        probe_granularity=args.probe_granularity,
-        probe_head=args.probe_head,
-        probe_history=args.probe_history,
-        eval_k=args.eval_k,
-        logging_steps=args.logging_steps,
-        cache_dir=args.cache_dir,
-        show_progress=not args.no_progress,
-        task=args.task,
-        model=args.model,
-    )
+    run_demo(DemoSettings.from_args(args))
     return 0
 
 
@@ -50,59 +28,63 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
         "model for the arith task), measure held-out avg@k, train it with POISETrainer while printing the probe's "
         "diagnostics, measure again, and write a training-dynamics plot and summary.json.",
     )
-    parser.add_argument("--output-dir", default="runs/demo", help="where the plot, summary and final model go")
+    parser.add_argument("--output-dir", default=DEFAULT.output_dir, help="where the plot, summary and final model go")
     parser.add_argument(
         "--model",
-        default=None,
+        default=DEFAULT.model,
         help=f"a real model ({', '.join(REAL_MODELS)}) or a model folder, trained on arith "
         "(default: the tiny Qwen3 on --task)",
     )
     parser.add_argument(
         "--task",
         choices=TASKS,
-        default="sort",
+        default=DEFAULT.task,
         help="sort: k digits (difficulty = length); hops: pointer chasing (one length)",
     )
     parser.add_argument(
         "--steps",
         type=int,
-        default=None,
+        default=DEFAULT.steps,
         help=f"POISE training steps (default: {TOY.steps}; real model: {REAL.steps})",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the task split, model init and training")
-    parser.add_argument("--min-digits", type=int, default=DEFAULT_DIFFICULTIES[0], help="easiest sort prompts")
-    parser.add_argument("--max-digits", type=int, default=DEFAULT_DIFFICULTIES[1], help="hardest sort prompts (<= 9)")
-    parser.add_argument("--task-size", type=int, default=2000, help="training prompts")
+    parser.add_argument(
+        "--seed", type=int, default=DEFAULT.seed, help="seed of the task split, model init and training"
+    )
+    parser.add_argument("--min-digits", type=int, default=DEFAULT.min_digits, help="easiest sort prompts")
+    parser.add_argument("--max-digits", type=int, default=DEFAULT.max_digits, help="hardest sort prompts (<= 9)")
+    parser.add_argument("--task-size", type=int, default=DEFAULT.num_train, help="training prompts")
     parser.add_argument(
         "--eval-size",
         type=int,
-        default=None,
+        default=DEFAULT.num_eval,
         help=f"held-out prompts, never seen in training (default: {TOY.num_eval}; real model: {REAL.num_eval})",
     )
-    parser.add_argument("--eval-k", type=int, default=8, help="samples per held-out prompt for avg@k")
-    parser.add_argument("--warmup-steps", type=int, default=DEMO_WARMUP_STEPS, help="supervised warm-start steps")
-    parser.add_argument("--warmup-lr", type=float, default=DEMO_WARMUP_LR, help="warm-start learning rate")
+    parser.add_argument("--eval-k", type=int, default=DEFAULT.eval_k, help="samples per held-out prompt for avg@k")
+    parser.add_argument("--warmup-steps", type=int, default=DEFAULT.warmup_steps, help="supervised warm-start steps")
+    parser.add_argument("--warmup-lr", type=float, default=DEFAULT.warmup_lr, help="warm-start learning rate")
     parser.add_argument(
         "--learning-rate",
         type=float,
-        default=None,
+        default=DEFAULT.learning_rate,
         help=f"POISE learning rate (default: {TOY.learning_rate:g}; real model: {REAL.learning_rate:g})",
     )
-    parser.add_argument("--num-generations", type=int, default=2, help="rollouts per prompt (G)")
+    parser.add_argument("--num-generations", type=int, default=DEFAULT.num_generations, help="rollouts per prompt (G)")
     parser.add_argument(
         "--prompts-per-step",
         type=int,
-        default=None,
+        default=DEFAULT.prompts_per_step,
         help=f"prompts per optimisation step (default: {TOY.prompts_per_step}; real model: {REAL.prompts_per_step})",
     )
     parser.add_argument(
         "--probe-warmup-steps",
         type=int,
-        default=None,
+        default=DEFAULT.probe_warmup_steps,
         help=f"bootstrap steps before the probe (default: {TOY.probe_warmup_steps}; real model: "
         f"{REAL.probe_warmup_steps})",
     )
-    parser.add_argument("--probe-preset", choices=("release", "paper"), default="release", help="probe settings")
+    parser.add_argument(
+        "--probe-preset", choices=("release", "paper"), default=DEFAULT.probe_preset, help="probe settings"
+    )
     parser.add_argument(
         "--paper-rules",
         action="store_true",
@@ -112,12 +94,12 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--probe-granularity",
         choices=("sequence", "prefix"),
-        default="sequence",
+        default=DEFAULT.probe_granularity,
         help="one baseline per rollout, or per token from the prefix (docs: the per-prefix baseline)",
     )
     parser.add_argument(
         "--probe-head",
-        default=None,
+        default=DEFAULT.probe_head,
         help="the probe's value head, a key of poise_trl.heads.HEADS (POISEConfig.probe_head; default: its default)",
     )
     parser.add_argument(
@@ -129,11 +111,11 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--logging-steps",
         type=int,
-        default=None,
+        default=DEFAULT.logging_steps,
         help=f"steps per table row / plot point (default: {TOY.logging_steps}; real model: {REAL.logging_steps})",
     )
     parser.add_argument(
-        "--cache-dir", default=None, help="warm-started model cache (default: $XDG_CACHE_HOME/poise-trl)"
+        "--cache-dir", default=DEFAULT.cache_dir, help="warm-started model cache (default: $XDG_CACHE_HOME/poise-trl)"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
     parser.set_defaults(func=run_demo_command)

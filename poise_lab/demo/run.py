@@ -20,21 +20,13 @@ from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 from poise_lab.models.real import is_real_model, prepare_real_model
 from poise_lab.models.toy import default_cache_dir, evaluate_avg_at_k, load_demo_model, prepare_demo_model
 from poise_lab.tasks.arith import ARITH_MAX_COMPLETION_LENGTH, DEFAULT_FAMILIES, arith_reward, make_arith_splits
-from poise_lab.tasks.toy import (
-    DEFAULT_DIFFICULTIES,
-    DEMO_WARMUP_LR,
-    DEMO_WARMUP_STEPS,
-    HOPS_MAX,
-    MAX_COMPLETION_LENGTH,
-    make_splits,
-    task_reward,
-)
+from poise_lab.tasks.toy import HOPS_MAX, MAX_COMPLETION_LENGTH, make_splits, task_reward
 from poise_trl.config import POISEConfig
 from poise_trl.resume import ESTIMATOR_FILE
 from poise_trl.trainer import POISETrainer
 
-from .defaults import REAL_DEFAULTS, TOY_DEFAULTS
 from .plots import plot_training_dynamics
+from .settings import DemoSettings
 
 # (log key, column header, format): the per-step table, one row per logging window.
 TABLE_COLUMNS = (
@@ -151,59 +143,34 @@ def _window_mean(log_history: list[dict[str, Any]], key: str, last: int) -> floa
     return sum(values[-last:]) / len(values[-last:]) if values else None
 
 
-def run_demo(
-    output_dir: str | Path = "runs/demo",
-    steps: int | None = None,
-    seed: int = 0,
-    min_digits: int = DEFAULT_DIFFICULTIES[0],
-    max_digits: int = DEFAULT_DIFFICULTIES[1],
-    num_train: int = 2000,
-    num_eval: int | None = None,
-    warmup_steps: int = DEMO_WARMUP_STEPS,
-    warmup_lr: float = DEMO_WARMUP_LR,
-    learning_rate: float | None = None,
-    num_generations: int = 2,
-    prompts_per_step: int | None = None,
-    probe_warmup_steps: int | None = None,
-    probe_preset: str = "release",
-    paper_rules: bool = False,
-    probe_granularity: str = "sequence",
-    probe_head: str | None = None,
-    probe_history: bool = False,
-    eval_k: int = 8,
-    logging_steps: int | None = None,
-    cache_dir: str | Path | None = None,
-    show_progress: bool = True,
-    write: Callable[[str], None] = tqdm.write,
-    task: str = "sort",
-    model: str | None = None,
-) -> dict[str, Any]:
-    """Run the demo and return the summary that is also written to `output_dir/summary.json`.
+def run_demo(settings: DemoSettings, write: Callable[[str], None] = tqdm.write) -> dict[str, Any]:
+    """Run the demo and return the summary that is also written to `settings.output_dir/summary.json`; `write`
+    prints each line of the run's report.
 
-    Without `model`, the tiny Qwen3 is warm-started on `task` ("sort" or "hops"). With `model` (a real model's name
-    such as "smollm2-135m", or a model folder), that model trains on `arith` and `task` is ignored. Settings left at
-    None take `TOY_DEFAULTS` or `REAL_DEFAULTS`.
+    Without `settings.model`, the tiny Qwen3 is warm-started on `settings.task` ("sort" or "hops"). With a model (a
+    real model's name such as "smollm2-135m", or a model folder), that model trains on `arith` and the task is
+    ignored. Settings left at None take `TOY_DEFAULTS` or `REAL_DEFAULTS`.
     """
     start = time.perf_counter()
-    defaults = TOY_DEFAULTS if model is None else REAL_DEFAULTS
-    steps = defaults.steps if steps is None else steps
-    num_eval = defaults.num_eval if num_eval is None else num_eval
-    learning_rate = defaults.learning_rate if learning_rate is None else learning_rate
-    prompts_per_step = defaults.prompts_per_step if prompts_per_step is None else prompts_per_step
-    probe_warmup_steps = defaults.probe_warmup_steps if probe_warmup_steps is None else probe_warmup_steps
-    logging_steps = defaults.logging_steps if logging_steps is None else logging_steps
-    output_dir = Path(output_dir)
+    settings = settings.resolved()
+    output_dir = Path(settings.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    seed, eval_k = settings.seed, settings.eval_k
     torch.manual_seed(seed)
 
-    if model is None:
-        cache = Path(cache_dir or default_cache_dir())
+    if settings.model is None:
+        cache = Path(settings.cache_dir or default_cache_dir())
         write(f"[1/4] warm-start model (cache: {cache})")
-        warm_start = dict(warmup_steps=warmup_steps, warmup_lr=warmup_lr, min_digits=min_digits, max_digits=max_digits)
-        demo = _toy_task(task, seed, num_train, num_eval, cache, warm_start)
+        warm_start = dict(
+            warmup_steps=settings.warmup_steps,
+            warmup_lr=settings.warmup_lr,
+            min_digits=settings.min_digits,
+            max_digits=settings.max_digits,
+        )
+        demo = _toy_task(settings.task, seed, settings.num_train, settings.num_eval, cache, warm_start)
     else:
-        write(f"[1/4] real model {model}")
-        demo = _real_task(model, seed, num_train, num_eval, cache_dir, write)
+        write(f"[1/4] real model {settings.model}")
+        demo = _real_task(settings.model, seed, settings.num_train, settings.num_eval, settings.cache_dir, write)
     policy, tokenizer = load_demo_model(demo.model_dir)
     demo.train.save_to_disk(str(output_dir / TRAIN_DIR))
 
@@ -232,27 +199,30 @@ def run_demo(
         disable_tqdm=True,
         log_completions=False,
         seed=seed,
-        max_steps=steps,
-        learning_rate=learning_rate,
-        num_generations=num_generations,
-        per_device_train_batch_size=prompts_per_step * num_generations,
+        max_steps=settings.steps,
+        learning_rate=settings.learning_rate,
+        num_generations=settings.num_generations,
+        per_device_train_batch_size=settings.prompts_per_step * settings.num_generations,
         max_completion_length=demo.max_completion_length,
-        logging_steps=logging_steps,
-        probe_warmup_steps=probe_warmup_steps,
-        probe_preset=probe_preset,
-        **(dict(probe_partner_reward=False, probe_bootstrap="rloo") if paper_rules else {}),
-        probe_granularity=probe_granularity,
-        **({"probe_head": probe_head} if probe_head else {}),  # None: POISEConfig's default head
-        probe_history=probe_history,
+        logging_steps=settings.logging_steps,
+        probe_warmup_steps=settings.probe_warmup_steps,
+        probe_preset=settings.probe_preset,
+        **(dict(probe_partner_reward=False, probe_bootstrap="rloo") if settings.paper_rules else {}),
+        probe_granularity=settings.probe_granularity,
+        **({"probe_head": settings.probe_head} if settings.probe_head else {}),  # None: POISEConfig's default head
+        probe_history=settings.probe_history,
     )
-    table = DemoTableCallback(write=write, show_progress=show_progress)
+    table = DemoTableCallback(write=write, show_progress=settings.show_progress)
     trainer = POISETrainer(
         model=policy, reward_funcs=demo.reward, args=config, train_dataset=demo.train, processing_class=tokenizer
     )
     trainer.remove_callback(PrinterCallback)  # both would print TRL's full log dicts; the table replaces them
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(table)
-    write(f"[3/4] POISE: {steps} steps, {prompts_per_step} prompts x {num_generations} rollouts, lr {learning_rate:g}")
+    write(
+        f"[3/4] POISE: {settings.steps} steps, {settings.prompts_per_step} prompts x {settings.num_generations} "
+        f"rollouts, lr {settings.learning_rate:g}"
+    )
     train_start = time.perf_counter()
     trainer.train()
     train_seconds = time.perf_counter() - train_start
@@ -274,18 +244,18 @@ def run_demo(
         # names and paths relative to output_dir, not this machine's: summaries get committed
         "model_dir": demo.model_dir.name,
         "final_model_dir": "final",
-        "steps": steps,
+        "steps": settings.steps,
         "seed": seed,
         "eval_k": eval_k,
         "held_out_prompts": len(demo.held_out),
-        "learning_rate": learning_rate,
-        "prompts_per_step": prompts_per_step,
-        "num_generations": num_generations,
+        "learning_rate": settings.learning_rate,
+        "prompts_per_step": settings.prompts_per_step,
+        "num_generations": settings.num_generations,
         "max_completion_length": demo.max_completion_length,
-        "probe_warmup_steps": probe_warmup_steps,
-        "probe_granularity": probe_granularity,
+        "probe_warmup_steps": settings.probe_warmup_steps,
+        "probe_granularity": settings.probe_granularity,
         "probe_head": config.probe_head,
-        "probe_history": probe_history,
+        "probe_history": settings.probe_history,
         "train_prompts": TRAIN_DIR,
         "avg_at_k_before": before["avg_at_k"],
         "avg_at_k_after": after["avg_at_k"],
@@ -300,7 +270,7 @@ def run_demo(
                 "poise/variance_reduction",
                 "poise/variance_reduction_bound",
                 "poise/pearson_r",
-                *(PREFIX_KEYS if probe_granularity == "prefix" else ()),
+                *(PREFIX_KEYS if settings.probe_granularity == "prefix" else ()),
             )
         },
         "probe_feature_passes": trainer.feature_passes,

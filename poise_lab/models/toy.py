@@ -25,8 +25,7 @@ from poise_lab.tasks.toy import (
     target_completion,
     task_reward,
 )
-
-from .tiny import build_tiny_model, build_tiny_tokenizer
+from poise_trl.tiny import build_tiny_model, build_tiny_tokenizer
 
 CACHE_FORMAT = 2  # bump when the task or the warm start changes, so stale caches are rebuilt
 

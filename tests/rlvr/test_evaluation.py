@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from poise_lab.models.tiny import build_tiny_tokenizer
 from poise_trl.rlvr import avg_at_k, evaluation
 from poise_trl.rlvr.avg_at_k import _decode_completion, resolve_backend, score_benchmark, vllm_sampler
 from poise_trl.rlvr.cli import add_eval_parser
 from poise_trl.rlvr.evaluation import evaluate, format_table
 from poise_trl.tasks.math_data import DEFAULT_BENCHMARKS, PAPER_BENCHMARKS, load_math_dataset
+from poise_trl.tiny import build_tiny_tokenizer
 
 BENCH = str(Path(__file__).parents[1] / "fixtures" / "tiny_bench.jsonl")
 

@@ -7,6 +7,8 @@ Its parts: `timing` (alternated step times), `memory` (peak memory per contender
 import argparse
 import gc
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -92,100 +94,93 @@ def format_report(timing: list[dict], memory: list[dict], probe: list[dict], set
                 ]
             )
     tables = format_table(headers, rows)
-    if settings.get("prefix"):
-        tables += "\n\n" + prefix_table(timing, memory_by_name)
-    if settings.get("importance"):
-        tables += "\n\n" + importance_table(timing, memory_by_name)
-    if settings.get("capture_route"):
-        tables += "\n\n" + own_pass_table(timing, memory_by_name)
+    for variant in VARIANTS:
+        if settings.get(variant.flag):
+            tables += "\n\n" + variant_table(variant, timing, memory_by_name)
     return tables + "\n" + headline(timing, memory, probe, settings)
 
 
-def own_pass_table(timing: list[dict], memory_by_name: dict[str, dict]) -> str:
-    """POISE on a no-grad pass of its own (`probe_capture="pass"`, the route before the loss's forward served)
-    beside GRPO and POISE (default), from the same alternated cycles and memory runs."""
-    headers = [
-        "setting",
-        "own pass s/cycle",
-        "time ratio to GRPO",
-        "POISE (default) / own pass",
-        "own passes/cycle",
-        "peak MiB own pass",
-        "peak ratio to GRPO",
+Cell = Callable[[dict, dict], str]  # a timing row and its memory row (empty without one) -> one cell
+
+
+def _summary(key: str, digits: int = 3) -> Cell:
+    return lambda t, m: fmt_summary(t[key], digits)
+
+
+def _peak_mib(contender: str) -> Cell:
+    return lambda t, m: f"{m[contender]['training_peak_mib']:.0f}" if contender in m else "–"
+
+
+def _memory(key: str) -> Cell:
+    return lambda t, m: fmt(m.get(key))
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A POISE variant timed beside GRPO and POISE (default) in the same alternated cycles and memory runs: the
+    setting that adds it, the label of its rows, and its table's columns after "setting"."""
+
+    flag: str
+    label: str
+    columns: tuple[tuple[str, Cell], ...]
+
+
+VARIANTS = (
+    Variant(
+        "prefix",
+        "per-prefix",
+        (
+            ("per-prefix s/cycle", _summary(f"{PREFIX}_cycle_seconds")),
+            ("time ratio to GRPO", _summary("prefix_time_ratio")),
+            ("time ratio to POISE", _summary("prefix_poise_time_ratio")),
+            (
+                "generations served / timed",
+                lambda t, m: f"{t['prefix_served_generations']} / {t['prefix_timed_generations']}",
+            ),
+            ("peak MiB per-prefix", _peak_mib(PREFIX)),
+            ("peak ratio to GRPO", _memory("prefix_training_peak_ratio")),
+            ("peak ratio to POISE", _memory("prefix_poise_training_peak_ratio")),
+        ),
+    ),
+    # The sampler's own seconds per cycle: `_select_prompts` (prefill, prompt-only refit, draw).
+    Variant(
+        "importance",
+        "importance",
+        (
+            ("importance s/cycle", _summary(f"{IMPORTANCE}_cycle_seconds")),
+            ("time ratio to GRPO", _summary("importance_time_ratio")),
+            ("time ratio to POISE", _summary("importance_poise_time_ratio")),
+            ("sampler s/cycle", _summary("importance_selection_seconds", 2)),
+            ("sampler share of cycle", _summary("importance_selection_share", 2)),
+            ("peak MiB importance", _peak_mib(IMPORTANCE)),
+        ),
+    ),
+    # POISE on a no-grad pass of its own (`probe_capture="pass"`, the route before the loss's forward served).
+    Variant(
+        "capture_route",
+        "own pass",
+        (
+            ("own pass s/cycle", _summary(f"{OWN_PASS}_cycle_seconds")),
+            ("time ratio to GRPO", _summary("own_pass_time_ratio")),
+            ("POISE (default) / own pass", _summary("poise_own_pass_time_ratio")),
+            ("own passes/cycle", lambda t, m: str(t["own_pass_passes_observed"])),
+            ("peak MiB own pass", _peak_mib(OWN_PASS)),
+            ("peak ratio to GRPO", _memory("own_pass_training_peak_ratio")),
+        ),
+    ),
+)
+
+
+def variant_table(variant: Variant, timing: list[dict], memory_by_name: dict[str, dict]) -> str:
+    """One row per timed setting: the variant's columns of its timing and memory rows."""
+    headers = ["setting", *(header for header, _ in variant.columns)]
+    rows = [
+        [
+            f"{t['name']} ({variant.label})",
+            *(cell(t, memory_by_name.get(t["name"], {})) for _, cell in variant.columns),
+        ]
+        for t in timing
     ]
-    rows = []
-    for t in timing:
-        m = memory_by_name.get(t["name"], {})
-        rows.append(
-            [
-                f"{t['name']} (own pass)",
-                fmt_summary(t[f"{OWN_PASS}_cycle_seconds"]),
-                fmt_summary(t["own_pass_time_ratio"]),
-                fmt_summary(t["poise_own_pass_time_ratio"]),
-                str(t["own_pass_passes_observed"]),
-                f"{m[OWN_PASS]['training_peak_mib']:.0f}" if OWN_PASS in m else "–",
-                fmt(m.get("own_pass_training_peak_ratio")),
-            ]
-        )
-    return format_table(headers, rows)
-
-
-def prefix_table(timing: list[dict], memory_by_name: dict[str, dict]) -> str:
-    """POISE per-prefix beside GRPO and POISE (default), from the same alternated cycles and memory runs."""
-    headers = [
-        "setting",
-        "per-prefix s/cycle",
-        "time ratio to GRPO",
-        "time ratio to POISE",
-        "generations served / timed",
-        "peak MiB per-prefix",
-        "peak ratio to GRPO",
-        "peak ratio to POISE",
-    ]
-    rows = []
-    for t in timing:
-        m = memory_by_name.get(t["name"], {})
-        rows.append(
-            [
-                f"{t['name']} (per-prefix)",
-                fmt_summary(t[f"{PREFIX}_cycle_seconds"]),
-                fmt_summary(t["prefix_time_ratio"]),
-                fmt_summary(t["prefix_poise_time_ratio"]),
-                f"{t['prefix_served_generations']} / {t['prefix_timed_generations']}",
-                f"{m[PREFIX]['training_peak_mib']:.0f}" if PREFIX in m else "–",
-                fmt(m.get("prefix_training_peak_ratio")),
-                fmt(m.get("prefix_poise_training_peak_ratio")),
-            ]
-        )
-    return format_table(headers, rows)
-
-
-def importance_table(timing: list[dict], memory_by_name: dict[str, dict]) -> str:
-    """POISE with the importance sampler beside GRPO and POISE (default), from the same alternated cycles, with the
-    sampler's own seconds per cycle (`_select_prompts`: prefill, prompt-only refit, draw)."""
-    headers = [
-        "setting",
-        "importance s/cycle",
-        "time ratio to GRPO",
-        "time ratio to POISE",
-        "sampler s/cycle",
-        "sampler share of cycle",
-        "peak MiB importance",
-    ]
-    rows = []
-    for t in timing:
-        m = memory_by_name.get(t["name"], {})
-        rows.append(
-            [
-                f"{t['name']} (importance)",
-                fmt_summary(t[f"{IMPORTANCE}_cycle_seconds"]),
-                fmt_summary(t["importance_time_ratio"]),
-                fmt_summary(t["importance_poise_time_ratio"]),
-                fmt_summary(t["importance_selection_seconds"], 2),
-                fmt_summary(t["importance_selection_share"], 2),
-                f"{m[IMPORTANCE]['training_peak_mib']:.0f}" if IMPORTANCE in m else "–",
-            ]
-        )
     return format_table(headers, rows)
 
 

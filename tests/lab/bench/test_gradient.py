@@ -175,7 +175,7 @@ def parity_reward(completions: list[str], **kwargs) -> list[float]:
 def test_command_end_to_end_on_the_tiny_model(tiny_model_path, tmp_path):
     out = tmp_path / "gradient"
     argv = ["bench", "gradient", str(tiny_model_path), "--dataset", "sort", "--num-prompts", "10", "--k", "8"]
-    argv += ["--reward-fn", "tests.bench.test_gradient:parity_reward", "--max-new-tokens", "6", "--device", "cpu"]
+    argv += ["--reward-fn", "tests.lab.bench.test_gradient:parity_reward", "--max-new-tokens", "6", "--device", "cpu"]
     argv += [
         "--pool-tokens",
         "3",

@@ -149,7 +149,7 @@ def test_rollout_gradients_return_h_as_the_gradient_of_the_value_weighted_log_pr
 
 def _argv(model, tmp_path, out, contenders):
     argv = ["bench", "gradient", str(model), "--dataset", "sort", "--num-prompts", "10", "--k", "8"]
-    argv += ["--reward-fn", "tests.bench.test_gradient:parity_reward", "--max-new-tokens", "6", "--device", "cpu"]
+    argv += ["--reward-fn", "tests.lab.bench.test_gradient:parity_reward", "--max-new-tokens", "6", "--device", "cpu"]
     argv += ["--pool-tokens", "3", "--bootstrap", "20", "--probe-prompts", "24", "--contenders", *contenders]
     return argv + ["--cache-dir", str(tmp_path / "cache"), "--output-dir", str(out)]
 

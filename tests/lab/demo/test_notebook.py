@@ -6,7 +6,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-NOTEBOOK = Path(__file__).parents[2] / "examples" / "quickstart.ipynb"
+NOTEBOOK = Path(__file__).parents[3] / "examples" / "quickstart.ipynb"
 
 
 def test_quickstart_notebook_learns_with_the_demo_model(demo_cache, tmp_path, monkeypatch):

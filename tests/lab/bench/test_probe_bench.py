@@ -22,7 +22,7 @@ from poise_trl import POISEConfig, POISETrainer
 from poise_trl.buffer import prompt_group_ids
 from poise_trl.files import read_state
 
-from ..conftest import CPU_ARGS
+from ...conftest import CPU_ARGS
 
 MARKER, EOS = 3, 1  # `</think>` and `<eos>` in the tiny tokenizer
 FEATURES = ("prompt", "reasoning", "entropy", "length")
@@ -204,7 +204,7 @@ def _run(argv: list[str]) -> dict:
 
 def test_command_end_to_end_refit_without_generation_and_export_warm_starts_the_trainer(tiny_model_path, tmp_path):
     out, probe_file = tmp_path / "bench", tmp_path / "probe.safetensors"
-    common = ["--reward-fn", "tests.bench.test_probe_bench:toy_reward", "--mlps", "1x8", "--bootstrap", "50"]
+    common = ["--reward-fn", "tests.lab.bench.test_probe_bench:toy_reward", "--mlps", "1x8", "--bootstrap", "50"]
     common += ["--device", "cpu", "--seed", "1", "--pool-tokens", "3"]
     results = _run(
         [str(tiny_model_path), "--dataset", "sort", "--num-prompts", "16", "--k", "4", "--max-new-tokens", "6"]

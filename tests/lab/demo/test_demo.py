@@ -7,6 +7,7 @@ from datasets import load_from_disk
 
 from poise_lab.demo import run
 from poise_lab.demo.plots import load_log_history
+from poise_lab.demo.settings import DemoSettings
 from poise_trl import cli
 from poise_trl.resume import ESTIMATOR_FILE
 
@@ -19,7 +20,7 @@ def demo_run(tmp_path_factory):
     """One short real run: 6 steps of 8 prompts x 2 rollouts, bootstrap for 2 steps then the probe."""
     root = tmp_path_factory.mktemp("demo")
     lines: list[str] = []
-    summary = run.run_demo(
+    settings = DemoSettings(
         output_dir=root / "run",
         steps=STEPS,
         seed=0,
@@ -34,8 +35,8 @@ def demo_run(tmp_path_factory):
         logging_steps=1,
         cache_dir=root / "cache",
         show_progress=False,
-        write=lines.append,
     )
+    summary = run.run_demo(settings, write=lines.append)
     return root / "run", summary, lines
 
 
@@ -98,7 +99,7 @@ def test_cli_help_lists_subcommands_and_demo_knobs(capsys):
 
 def test_cli_demo_passes_its_knobs_through(monkeypatch, tmp_path):
     seen = {}
-    monkeypatch.setattr(run, "run_demo", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(run, "run_demo", lambda settings: seen.update(vars(settings)))
     argv = ["demo", "--steps", "7", "--seed", "3", "--task-size", "99", "--min-digits", "3", "--max-digits", "6"]
     argv += ["--output-dir", str(tmp_path), "--warmup-steps", "11", "--no-progress", "--task", "hops"]
     argv += ["--probe-head", "logistic", "--probe-history"]

@@ -17,9 +17,9 @@ from poise_lab.bench.value.prefix import (
     rollout_token_values,
     sampled_rows,
 )
-from poise_lab.models.tiny import build_tiny_model, build_tiny_tokenizer
 from poise_trl.features import find_decoder_layers
 from poise_trl.prefix import PrefixMap
+from poise_trl.tiny import build_tiny_model, build_tiny_tokenizer
 from tests.test_prefix import N_POOL, D, _batch, _example, _fitted_map, _pass, _rows
 
 from .test_probe_bench import _run
@@ -94,7 +94,7 @@ def test_rho_is_one_minus_mse_over_reward_variance_and_resamples_by_prompt():
 def test_command_reports_the_per_prefix_probe_beside_the_sequence_level_one(tiny_model_path, tmp_path):
     out = tmp_path / "bench"
     argv = [str(tiny_model_path), "--dataset", "sort", "--num-prompts", "16", "--k", "4", "--max-new-tokens", "6"]
-    argv += ["--reward-fn", "tests.bench.test_probe_bench:toy_reward", "--mlps", "", "--bootstrap", "50"]
+    argv += ["--reward-fn", "tests.lab.bench.test_probe_bench:toy_reward", "--mlps", "", "--bootstrap", "50"]
     argv += ["--device", "cpu", "--seed", "1", "--pool-tokens", "3", "--no-critic", "--splits", "0"]
     argv += ["--feature-batch-size", "5", "--output-dir", str(out), "--prefix"]
     results = _run(argv)
@@ -126,7 +126,7 @@ def test_batched_token_values_match_an_unpadded_pass_per_rollout(tiny_model_path
     `rollout_token_values` on each rollout's own unpadded hidden states: no state after token t-1, no padding."""
     out = tmp_path / "bench"
     argv = [str(tiny_model_path), "--dataset", "sort", "--num-prompts", "8", "--k", "2", "--max-new-tokens", "6"]
-    argv += ["--reward-fn", "tests.bench.test_probe_bench:toy_reward", "--mlps", "", "--bootstrap", "10"]
+    argv += ["--reward-fn", "tests.lab.bench.test_probe_bench:toy_reward", "--mlps", "", "--bootstrap", "10"]
     argv += ["--device", "cpu", "--pool-tokens", "3", "--no-critic", "--splits", "0", "--output-dir", str(out)]
     _run(argv)
     collection = Collection.load(out / "collection.safetensors")

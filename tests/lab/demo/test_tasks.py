@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from poise_lab.models import toy as demo_model
-from poise_lab.models.tiny import build_tiny_model, build_tiny_tokenizer
 from poise_lab.models.toy import evaluate_avg_at_k, load_demo_model, prepare_demo_model, warm_start
 from poise_lab.tasks.toy import (
     MAX_COMPLETION_LENGTH,
@@ -19,6 +18,7 @@ from poise_lab.tasks.toy import (
     target_completion,
     task_reward,
 )
+from poise_trl.tiny import build_tiny_model, build_tiny_tokenizer
 
 
 def test_splits_are_deterministic_in_seed():
