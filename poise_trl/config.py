@@ -12,6 +12,7 @@ from typing import Any
 from trl import GRPOConfig
 
 from . import migration
+from .columns import DEFAULT_SCALARS, SCALARS
 from .features import FEATURE_BLOCKS
 from .heads import HEADS, own_settings
 from .settings import DEFAULT_FLOOR
@@ -110,7 +111,22 @@ class POISEConfig(GRPOConfig):
     )
     probe_features: list[str] = field(
         default_factory=lambda: ["prompt", "reasoning", "entropy"],
-        metadata={"help": f"Feature blocks fed to the probe, any subset of {list(FEATURE_BLOCKS)}."},
+        metadata={
+            "help": f"Feature blocks fed to the probe, any subset of {list(FEATURE_BLOCKS)}, laid out in that order: "
+            "the mean hidden states of the last n prompt tokens and of the last n reasoning tokens (hidden size "
+            "columns each), the rollout scalars `probe_scalars` ('entropy', named after their default) and the "
+            "number of generated tokens ('length', the scalar 'output_length').",
+        },
+    )
+    probe_scalars: list[str] = field(
+        default_factory=lambda: list(DEFAULT_SCALARS),
+        metadata={
+            "help": "The rollout scalars the 'entropy' block of probe_features holds, in order: one column each, "
+            "standardized like every input and never in a PCA block. The default is the paper's three entropy "
+            "statistics (mean token entropy over the completion, the reasoning and the answer span). The official "
+            f"code's token-entropy statistics, length and repetition features are the other choices: {list(SCALARS)} "
+            "(what each computes: docs, Configuration).",
+        },
     )
     probe_preset: str = field(
         default="release",

@@ -50,6 +50,7 @@ import torch
 from .baselines import BOOTSTRAPS, REWARD_SCALINGS, RunningStd, cross_rollout_baselines, poise_advantages
 from .batch import AdvantageResult, PreparedBatch, prepare_batch, scale_advantages, split_domains, step_statistics
 from .buffer import ProbeBuffer
+from .features import FeatureLayout
 from .files import EstimatorFile, read_state
 from .granularity import GRANULARITIES, PrefixBatch
 from .heads import ValueHead
@@ -131,7 +132,7 @@ class POISEEstimator(EstimatorFile):
             spec,
             feature_config=feature_config(config, spec, hidden_size),
             broadcast=broadcast,
-            describe=partial(head_settings, list(config.probe_features), hidden_size),
+            describe=partial(head_settings, FeatureLayout.from_config(config), hidden_size),
         )
 
     @classmethod

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from poise_trl import sampling
+from poise_trl.columns import DEFAULT_SCALARS
 from poise_trl.estimator import POISEEstimator
 from poise_trl.specs import BufferSpec, EstimatorSpec, HeadSpec, LayerSpec, PromptSpec
 
@@ -178,7 +179,8 @@ def _legacy_estimator() -> POISEEstimator:
     """Configured as tests/fixtures/legacy/make_legacy.py's run (its probe file's settings)."""
     info = json.loads((LEGACY / "probe.safetensors.json").read_text())
     settings = spec(head={"alpha": 100.0, "pca_dims": [(0, 16, 16), (16, 32, 16)]}, layers=LayerSpec(ids=(1,)))
-    return POISEEstimator(G, settings, feature_config={**info["feature_config"], "probe_domain_column": None})
+    features = {**info["feature_config"], "probe_domain_column": None, "probe_scalars": list(DEFAULT_SCALARS)}
+    return POISEEstimator(G, settings, feature_config=features)
 
 
 def test_the_trainer_resumes_a_0_1_checkpoint_and_warns_without_one(tmp_path):

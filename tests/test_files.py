@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from poise_trl import files
 from poise_trl.buffer import ProbeBuffer
+from poise_trl.columns import DEFAULT_SCALARS
 from poise_trl.estimator import POISEEstimator
 from poise_trl.files import load_probe_file, read_state, save_probe_file
 from poise_trl.heads import HEADS
@@ -145,3 +146,19 @@ def test_a_file_without_head_names_holds_ridge_and_another_head_is_refused(tmp_p
         POISEEstimator(G, spec(head={"name": "logistic"})).load_state_dict(state)
     with pytest.raises(ValueError, match="is a 'ridge' head, but this run's head is 'mlp'"):
         POISEEstimator(G, spec(head={"name": "mlp"})).load_state_dict(state, warm_start=True)
+
+
+def test_a_file_records_its_rows_scalars_and_refuses_other_ones(tmp_path):
+    """Files written before `probe_scalars` hold the paper's three where their blocks hold "entropy" (none without);
+    a file whose rows hold other scalars than this run's is refused, naming the setting."""
+    features = {"probe_features": ["prompt", "reasoning", "entropy"], "probe_layer": 1}
+    estimator = _trained(2)
+    estimator.feature_config = features  # as a file written before probe_scalars has it
+    estimator.save(tmp_path / "old.safetensors")
+    paper = {**features, "probe_scalars": list(DEFAULT_SCALARS)}
+    POISEEstimator(G, spec(), feature_config=paper).load(tmp_path / "old.safetensors")
+    without = {"probe_features": ["prompt", "reasoning"], "probe_layer": 1}
+    assert files.with_scalars(without) == {**without, "probe_scalars": []} and files.with_scalars(paper) == paper
+    lengths = {**features, "probe_scalars": ["output_length", "output_repetition_ratio"]}
+    with pytest.raises(ValueError, match=r"sets probe_scalars=\['output_length', 'output_repetition_ratio'\]"):
+        POISEEstimator(G, spec(), feature_config=lengths).load(tmp_path / "old.safetensors")
