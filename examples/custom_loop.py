@@ -17,7 +17,7 @@ from datasets import Dataset
 
 from poise_lab.models.toy import default_cache_dir, evaluate_avg_at_k, load_demo_model, prepare_demo_model
 from poise_lab.tasks.toy import MAX_COMPLETION_LENGTH, REASONING_END, make_sort_splits, task_reward
-from poise_trl import EstimatorSpec, POISEEstimator
+from poise_trl import EstimatorSpec, POISEEstimator, Rollouts
 from poise_trl.features import FeatureLayout, capture_layer, feature_spans, find_decoder_layers, resolve_layer_index
 from poise_trl.specs import BufferSpec, HeadSpec
 
@@ -73,15 +73,15 @@ def train(model_dir: str, train_set: Dataset, eval_set: Dataset, steps: int = 15
         token_log_probs = log_probs.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
         entropies = -(log_probs.exp() * log_probs).sum(-1).detach()
         features = LAYOUT.assemble(capture.pooled(), entropies, spans)
-        has_completion = completion_mask.any(1)
-        result = estimator.advantages(features, rewards, has_completion=has_completion)
+        groups = torch.tensor(rows).repeat_interleave(G)  # each row's prompt, for grouped cross-validation
+        record = Rollouts(rewards, has_completion=completion_mask.any(1), prompt_ids=groups)
+        result = estimator.advantages(features, record)
         mask = completion_mask.float()
         loss = -(result.advantages.unsqueeze(1) * token_log_probs * mask).sum() / mask.sum()  # token mean
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        groups = torch.tensor(rows).repeat_interleave(G)  # the prompt of each row, for grouped cross-validation
-        estimator.observe(group_ids=groups, result=result)  # learns from the batch `advantages` prepared
+        estimator.observe(result)  # learns from the batch `advantages` prepared
         history.append(
             {"reward": rewards.mean().item(), "trusted": estimator.trusted, **result.metrics(),
              "advantages": result.advantages.tolist(), "baselines": result.baselines.tolist(),

@@ -8,6 +8,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .batch import Rollouts
     from .config import PROBE_PRESETS, POISEConfig
     from .estimator import AdvantageResult, POISEEstimator
     from .probe import ValueProbe
@@ -19,6 +20,7 @@ __version__ = "0.2.0.dev0"
 _LAZY = {
     **dict.fromkeys(("POISEConfig", "PROBE_PRESETS"), ".config"),
     **dict.fromkeys(("AdvantageResult", "POISEEstimator"), ".estimator"),
+    "Rollouts": ".batch",
     "ValueProbe": ".probe",
     "EstimatorSpec": ".specs",
     "POISETrainer": ".trainer",
@@ -31,13 +33,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# The public API, short on purpose: the trainer and its config, the estimator for loops outside TRL, and what they
-# hand back. Everything else is imported from its module (docs/api-internals.md).
+# The public API, short on purpose: the trainer and its config, the estimator for loops outside TRL, what they take
+# and what they hand back. Everything else is imported from its module (docs/api-internals.md).
 __all__ = [
     "POISEConfig",
     "POISETrainer",
     "POISEEstimator",
     "EstimatorSpec",
+    "Rollouts",
     "AdvantageResult",
     "ValueProbe",
     "PROBE_PRESETS",

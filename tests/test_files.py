@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from poise_trl import files
 from poise_trl.buffer import ProbeBuffer
 from poise_trl.columns import DEFAULT_SCALARS
-from poise_trl.estimator import POISEEstimator
+from poise_trl.estimator import POISEEstimator, Rollouts
 from poise_trl.files import load_probe_file, read_state, save_probe_file
 from poise_trl.heads import HEADS
 from poise_trl.probe import ValueProbe
@@ -42,10 +42,10 @@ def test_state_round_trips_bit_for_bit_through_one_atomic_file(tmp_path):
     assert len(loaded.probes["code"].buffer) == 8
     for step in range(6, 9):  # the two continue identically
         x, r, groups, names = _batch(step, domains=True)
-        a, b = estimator.advantages(x, r, domains=names), loaded.advantages(x, r, domains=names)
+        a, b = estimator.advantages(x, Rollouts(r, domains=names)), loaded.advantages(x, Rollouts(r, domains=names))
         assert torch.equal(a.advantages, b.advantages) and a.metrics() == pytest.approx(b.metrics(), nan_ok=True)
-        estimator.observe(x, r, groups, domains=names)
-        loaded.observe(x, r, groups, domains=names)
+        for learner in (estimator, loaded):
+            learner.observe(features=x, rollouts=Rollouts(r, domains=names, prompt_ids=groups))
     for name, online in estimator.probes.items():
         for key, tensor in online.probe.state_dict().items():
             assert torch.equal(loaded.probes[name].probe.state_dict()[key], tensor), (name, key)
@@ -128,11 +128,11 @@ def test_every_head_resumes_exactly_from_the_file(tmp_path, head):
     assert type(loaded.probes["default"].probe) is HEADS[head]
     for step in range(3, 5):
         x, r, groups, _ = _batch(step)
-        a, b = estimator.advantages(x, r), loaded.advantages(x, r)
+        a, b = estimator.advantages(x, Rollouts(r)), loaded.advantages(x, Rollouts(r))
         assert torch.equal(a.advantages, b.advantages)
         assert torch.equal(estimator.prompt_values(x[:, :4]), loaded.prompt_values(x[:, :4]))
-        estimator.observe(x, r, groups)
-        loaded.observe(x, r, groups)
+        for learner in (estimator, loaded):
+            learner.observe(features=x, rollouts=Rollouts(r, prompt_ids=groups))
 
 
 def test_a_file_without_head_names_holds_ridge_and_another_head_is_refused(tmp_path):
