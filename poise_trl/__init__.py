@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .batch import Rollouts
-    from .config import PROBE_PRESETS, POISEConfig
+    from .choices import PROBE_PRESETS
+    from .config import POISEConfig
     from .estimator import AdvantageResult, POISEEstimator
     from .probe import ValueProbe
     from .specs import EstimatorSpec
@@ -18,7 +19,8 @@ if TYPE_CHECKING:
 __version__ = "0.2.0.dev0"
 
 _LAZY = {
-    **dict.fromkeys(("POISEConfig", "PROBE_PRESETS"), ".config"),
+    "POISEConfig": ".config",
+    "PROBE_PRESETS": ".choices",
     **dict.fromkeys(("AdvantageResult", "POISEEstimator"), ".estimator"),
     "Rollouts": ".batch",
     "ValueProbe": ".probe",

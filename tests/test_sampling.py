@@ -26,13 +26,6 @@ def test_the_value_rule_keeps_the_highest_predicted_variance_or_draws_uniformly_
     assert again == blind[20 + 7]  # a pure function of (seed, rank, step): a resumed run draws the same
 
 
-def test_an_unknown_rule_is_refused_with_the_rules_there_are():
-    with pytest.raises(
-        ValueError, match=r"prompt_selection='nope' is not a sampling rule: choose one of \['importance', 'value'\]"
-    ):
-        sampling.rule_from_config(SimpleNamespace(prompt_selection="nope"))
-
-
 def test_importance_probabilities_mix_the_predicted_spread_with_uniform_and_weigh_uniform_as_one():
     values = torch.tensor([0.0, 0.9, 0.5, 1.0, 0.4, 0.2])
     q = sampling.importance_probabilities(values, 0.0, 1.0, 0.2)

@@ -5,6 +5,7 @@ from typing import Any
 
 from poise_lab.models.real import REAL_MODELS
 from poise_lab.tasks.toy import DEFAULT_DIFFICULTIES, DEMO_WARMUP_LR, DEMO_WARMUP_STEPS, TASKS
+from poise_trl.choices import GRANULARITIES, HEADS, PROBE_PRESETS
 
 from .defaults import REAL_DEFAULTS as REAL
 from .defaults import TOY_DEFAULTS as TOY
@@ -102,7 +103,7 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
         help=f"bootstrap steps before the probe (default: {TOY.probe_warmup_steps}; real model: "
         f"{REAL.probe_warmup_steps})",
     )
-    parser.add_argument("--probe-preset", choices=("release", "paper"), default="release", help="probe settings")
+    parser.add_argument("--probe-preset", choices=list(PROBE_PRESETS), default="release", help="probe settings")
     parser.add_argument(
         "--paper-rules",
         action="store_true",
@@ -111,14 +112,15 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--probe-granularity",
-        choices=("sequence", "prefix"),
+        choices=list(GRANULARITIES),
         default="sequence",
         help="one baseline per rollout, or per token from the prefix (docs: the per-prefix baseline)",
     )
     parser.add_argument(
         "--probe-head",
+        choices=list(HEADS),
         default=None,
-        help="the probe's value head, a key of poise_trl.heads.HEADS (POISEConfig.probe_head; default: its default)",
+        help="the probe's value head (POISEConfig.probe_head; default: its default)",
     )
     parser.add_argument(
         "--probe-history",
