@@ -22,7 +22,9 @@ from .baselines import BOOTSTRAPS, REWARD_SCALINGS
 from .features import HIDDEN_BLOCKS, FeatureLayout, layer_candidates, resolve_layer_index
 from .granularity import GRANULARITIES
 from .heads import HEADS, make_head, own_settings
-from .probe import PCABlock
+from .history import PromptHistory
+from .probe import PCABlock, ScaledHead
+from .settings import Refused
 
 Name = Callable[[type, str], str]
 """How a refusal names a setting: (spec class, field) -> the name shown."""
@@ -104,8 +106,10 @@ class HeadSpec:
         _normalise(self, pca_dims=_tuples(self.pca_dims), clip=_tuples(self.clip), kwargs=_tuples(self.kwargs or {}))
         if self.name not in HEADS:
             raise _bad(HeadSpec, "name", self.name, f"is not a value head: choose one of {sorted(HEADS)}.")
-        if not (isinstance(self.alpha, int | float) and self.alpha > 0):
-            raise _bad(HeadSpec, "alpha", self.alpha, "must be > 0 (ridge needs a positive penalty).")
+        try:  # the front end every head shares checks the shared settings
+            ScaledHead(self.alpha, clip="observed" if self.clip is None else self.clip)
+        except Refused as refused:
+            raise _bad(HeadSpec, refused.key, refused.value, refused.rule) from None
         if self.clip is not None and (len(self.clip) != 2 or not self.clip[0] < self.clip[1]):
             raise _bad(HeadSpec, "clip", self.clip, "is not a range: give [low, high] with low < high, or None.")
         own = own_settings(self.name)
@@ -139,11 +143,10 @@ class HistorySpec:
     decay: float = field(default=1.0, metadata=_config("probe_history_decay"))
 
     def __post_init__(self):
-        if not _is_int(self.size) or self.size < 1:
-            raise _bad(HistorySpec, "size", self.size, "must be an int >= 1: the prompts the history table remembers.")
-        if not (isinstance(self.decay, int | float) and not isinstance(self.decay, bool) and 0 < self.decay <= 1):
-            rule = "must be in (0, 1]: the weight of a reward one step older in the mean (1: plain)."
-            raise _bad(HistorySpec, "decay", self.decay, rule)
+        try:  # the table checks its own settings
+            PromptHistory(self.size, self.decay)
+        except Refused as refused:
+            raise _bad(HistorySpec, refused.key, refused.value, refused.rule) from None
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ import torch
 from poise_trl import POISEConfig
 from poise_trl.estimator import POISEEstimator, Rollouts
 from poise_trl.heads import HEADS
-from poise_trl.probe import ValueProbe
+from poise_trl.history import PromptHistory
+from poise_trl.probe import ScaledHead, ValueProbe
+from poise_trl.settings import Refused
 from poise_trl.specs import (
     BufferSpec,
     EstimatorSpec,
@@ -18,6 +20,7 @@ from poise_trl.specs import (
     HistorySpec,
     LayerSpec,
     PromptSpec,
+    SettingError,
     config_field,
     estimator_spec,
     spec_name,
@@ -59,6 +62,26 @@ def test_a_spec_refuses_what_the_config_refuses_in_the_same_words(part, key, val
     assert str(refused_by_config.value) == str(refused_by_spec.value).replace(
         spec_name(part, key), config_field(part, key)
     )
+
+
+@pytest.mark.parametrize(
+    ("part", "key", "value", "build"),
+    [
+        (HeadSpec, "alpha", 0.0, lambda value: ScaledHead(alpha=value)),
+        (HeadSpec, "alpha", True, lambda value: ScaledHead(alpha=value)),
+        (HeadSpec, "clip", "max", lambda value: ScaledHead(clip=value)),
+        (HistorySpec, "size", 0, lambda value: PromptHistory(size=value)),
+        (HistorySpec, "decay", 0.0, lambda value: PromptHistory(decay=value)),
+    ],
+)
+def test_a_spec_refuses_its_objects_settings_by_their_own_check(part, key, value, build):
+    """One check per setting, in the object that takes it (the heads' front end, the history table); the spec
+    names the refused setting its way."""
+    with pytest.raises(Refused) as by_object:
+        build(value)
+    with pytest.raises(SettingError) as by_spec:
+        part(**{key: value})
+    assert str(by_spec.value) == str(by_object.value).replace(key, spec_name(part, key), 1)
 
 
 @pytest.mark.parametrize(
