@@ -9,7 +9,7 @@ batch itself.
 """
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -71,16 +71,11 @@ class Rollouts:
         def pick(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
                 return value[index.to(value.device)]
-            return value if value is None else [value[i] for i in index.tolist()]
+            if value is None or isinstance(value, int):  # absent, or G: the same for every row
+                return value
+            return [value[i] for i in index.tolist()]
 
-        return Rollouts(
-            rewards=pick(self.rewards),
-            num_generations=self.num_generations,
-            domains=pick(self.domains),
-            has_completion=pick(self.has_completion),
-            weights=pick(self.weights),
-            prompt_ids=pick(self.prompt_ids),
-        )
+        return Rollouts(**{f.name: pick(getattr(self, f.name)) for f in fields(self)})
 
 
 @dataclass(frozen=True)
