@@ -138,11 +138,11 @@ def feature_spans(
     marker_ids: Sequence[int] | None,
     generated_mask: torch.Tensor | None = None,
 ) -> FeatureSpans:
-    """Spans for pooling and entropy statistics (paper §3), over the tokens the policy generated.
+    """Spans for pooling and the rollout scalars (paper §3), over the tokens the policy generated.
 
     `generated_mask` (B, C) is 0 on completion tokens the policy did not write (TRL's `tool_mask`: tool results,
-    environment feedback); None means it wrote them all. Only generated tokens are pooled, enter the entropy
-    statistics or count as length, and only a marker the policy wrote ends the reasoning span, so a `</think>` inside
+    environment feedback); None means it wrote them all. Only generated tokens are pooled, enter the rollout
+    scalars or count as length, and only a marker the policy wrote ends the reasoning span, so a `</think>` inside
     a tool result cannot move the cut. The reasoning span runs from the first completion token to the last occurrence
     of the marker, marker included; without a marker it is the whole completion. The answer span is what follows the
     marker; without a marker it is the last n generated tokens.
