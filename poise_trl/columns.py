@@ -95,8 +95,8 @@ def distinct_tokens(spans: FeatureSpans, span: str) -> Tensor:
     if mask.size(1) == 0:
         return mask.new_zeros(mask.size(0)).float()
     ordered = spans.completion_ids.long().masked_fill(~mask, -1).sort(1).values  # ids are >= 0: -1 marks outside
-    starts = (ordered[:, 1:] != ordered[:, :-1]) & (ordered[:, 1:] >= 0)  # the first of each distinct id but a row's
-    return (starts.sum(1) + (ordered[:, 0] >= 0)).float()  # first entry, which starts one when the span fills the row
+    starts = (ordered[:, 1:] != ordered[:, :-1]) & (ordered[:, 1:] >= 0)  # where each distinct id begins, after the
+    return (starts.sum(1) + (ordered[:, 0] >= 0)).float()  # first entry, which begins one when the span fills the row
 
 
 def unique_token_ratio(spans: FeatureSpans, span: str) -> Tensor:
@@ -131,9 +131,11 @@ def _difference(first: str, second: str) -> Scalar:
 
 SCALARS: dict[str, Scalar] = {
     **{f"{span}_{stat}_token_entropy": _entropy(span, stat) for span in SPANS for stat in STATISTICS},
-    "output_length": _of_spans("the generated tokens", lambda spans: token_count(spans, "output")),
-    "think_tokens": _of_spans("the reasoning span's tokens", lambda spans: token_count(spans, "reasoning")),
-    "answer_tokens": _of_spans("the answer span's tokens", lambda spans: token_count(spans, "answer")),
+    "output_length": _of_spans("the number of generated tokens", lambda spans: token_count(spans, "output")),
+    "think_tokens": _of_spans(
+        "the number of the reasoning span's tokens", lambda spans: token_count(spans, "reasoning")
+    ),
+    "answer_tokens": _of_spans("the number of the answer span's tokens", lambda spans: token_count(spans, "answer")),
     "think_ratio": _of_spans(
         "think_tokens / output_length",
         lambda spans: token_count(spans, "reasoning") / token_count(spans, "output").clamp(min=1.0),
