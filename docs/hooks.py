@@ -2,8 +2,9 @@
 
 - A page marks the spot with `<!-- poise-config-fields -->`; the hook replaces it with one table row per field that
   POISE adds or whose default it changes, taking the text from the field's `help` metadata, so the page cannot drift
-  from the code. The API page gets the same fields as `POISEConfig`'s parameters (`TRLDocstrings`).
-  `<!-- poise-trl-contract -->` is replaced the same way by the TRL contract (poise_trl/contract.py).
+  from the code. The API page gets the same fields as `POISEConfig`'s parameters (`TRLDocstrings`). The probe presets
+  (`<!-- poise-probe-presets -->`), the rollout scalars (`<!-- poise-rollout-scalars -->`) and the TRL contract
+  (`<!-- poise-trl-contract -->`, poise_trl/contract.py) come from their tables the same way.
 - MathJax's es5 bundle, its fonts and its TeX extensions are copied from the installed `django-static-mathjax`
   package (MathJax 3.2, Apache-2.0) into the site at build time, so the math renders offline and the repository
   carries no copy.
@@ -24,6 +25,7 @@ from mkdocs.structure.files import File
 
 MARKER = "<!-- poise-config-fields -->"
 PRESETS_MARKER = "<!-- poise-probe-presets -->"
+SCALARS_MARKER = "<!-- poise-rollout-scalars -->"
 CONTRACT_MARKER = "<!-- poise-trl-contract -->"
 MATHJAX_DIR = "assets/mathjax"  # where the site serves MathJax; mkdocs.yml's extra_javascript names the bundle in it
 MATHJAX_FILES = ("tex-mml-chtml.js", "output/chtml/fonts/woff-v2/*.woff", "input/tex/extensions/*.js")
@@ -76,10 +78,21 @@ def config_fields_table() -> str:
 
 def presets_table() -> str:
     """Markdown table of the probe presets' ridge penalty and PCA dims."""
-    from poise_trl.config import PROBE_PRESETS
+    from poise_trl.choices import PROBE_PRESETS
 
     rows = ["| `probe_preset` | `probe_alpha` | `probe_pca_dims` [prompt, reasoning] |", "|---|---|---|"]
     rows += [f"| `{name!r}` | {alpha:g} | {dims} |" for name, (alpha, dims) in PROBE_PRESETS.items()]
+    return "\n".join(rows)
+
+
+def scalars_table() -> str:
+    """Markdown table of the rollout scalars `probe_scalars` takes, in the table's order, the default's marked."""
+    from poise_trl.columns import DEFAULT_SCALARS, SCALARS
+
+    rows = ["| `probe_scalars` name | what it is |", "|---|---|"]
+    for name, scalar in SCALARS.items():
+        default = " (default)" if name in DEFAULT_SCALARS else ""
+        rows.append(f"| `{name}`{default} | {_cell(scalar.help)} |")
     return "\n".join(rows)
 
 
@@ -96,12 +109,15 @@ def contract_table() -> str:
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    if MARKER in markdown:
-        markdown = markdown.replace(MARKER, config_fields_table())
-    if PRESETS_MARKER in markdown:
-        markdown = markdown.replace(PRESETS_MARKER, presets_table())
-    if CONTRACT_MARKER in markdown:
-        markdown = markdown.replace(CONTRACT_MARKER, contract_table())
+    tables = {
+        MARKER: config_fields_table,
+        PRESETS_MARKER: presets_table,
+        SCALARS_MARKER: scalars_table,
+        CONTRACT_MARKER: contract_table,
+    }
+    for marker, table in tables.items():
+        if marker in markdown:
+            markdown = markdown.replace(marker, table())
     return markdown
 
 

@@ -17,18 +17,11 @@ from datasets import Dataset
 
 from poise_lab.models.toy import default_cache_dir, evaluate_avg_at_k, load_demo_model, prepare_demo_model
 from poise_lab.tasks.toy import MAX_COMPLETION_LENGTH, REASONING_END, make_sort_splits, task_reward
-from poise_trl import EstimatorSpec, POISEEstimator
-from poise_trl.features import (
-    assemble_features,
-    capture_layer,
-    feature_spans,
-    find_decoder_layers,
-    pca_blocks,
-    resolve_layer_index,
-)
+from poise_trl import EstimatorSpec, POISEEstimator, Rollouts
+from poise_trl.features import FeatureLayout, capture_layer, feature_spans, find_decoder_layers, resolve_layer_index
 from poise_trl.specs import BufferSpec, HeadSpec
 
-BLOCKS, G, POOL = ("prompt", "reasoning", "entropy"), 2, 10
+LAYOUT, G, POOL = FeatureLayout(), 2, 10  # φ: the prompt and reasoning blocks, then the paper's 3 entropy statistics
 
 
 def rollouts(model, tokenizer, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -56,7 +49,7 @@ def train(model_dir: str, train_set: Dataset, eval_set: Dataset, steps: int = 15
     hidden, layers = model.config.hidden_size, find_decoder_layers(model)
     layer = layers[resolve_layer_index(None, len(layers))]  # about half-way down, the paper's choice
     marker = tokenizer.convert_tokens_to_ids(REASONING_END)
-    head = HeadSpec(alpha=100.0, pca_dims=pca_blocks(BLOCKS, hidden, [32, 64], cap_at_width=True))  # the release's
+    head = HeadSpec(alpha=100.0, pca_dims=LAYOUT.pca_blocks(hidden, [32, 64], cap_at_width=True))  # the release's
     estimator = POISEEstimator(G, EstimatorSpec(head=head, buffer=BufferSpec(warmup_steps=probe_warmup_steps)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     before = evaluate_avg_at_k(model, tokenizer, eval_set, k=eval_k, seed=seed)["avg_at_k"]
@@ -79,16 +72,16 @@ def train(model_dir: str, train_set: Dataset, eval_set: Dataset, steps: int = 15
         log_probs = logits.log_softmax(-1)
         token_log_probs = log_probs.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
         entropies = -(log_probs.exp() * log_probs).sum(-1).detach()
-        features = assemble_features(BLOCKS, capture.pooled(), entropies, spans)
-        has_completion = completion_mask.any(1)
-        result = estimator.advantages(features, rewards, has_completion=has_completion)
+        features = LAYOUT.assemble(capture.pooled(), entropies, spans)
+        groups = torch.tensor(rows).repeat_interleave(G)  # each row's prompt, for grouped cross-validation
+        record = Rollouts(rewards, has_completion=completion_mask.any(1), prompt_ids=groups)
+        result = estimator.advantages(features, record)
         mask = completion_mask.float()
         loss = -(result.advantages.unsqueeze(1) * token_log_probs * mask).sum() / mask.sum()  # token mean
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        groups = torch.tensor(rows).repeat_interleave(G)  # the prompt of each row, for grouped cross-validation
-        estimator.observe(group_ids=groups, result=result)  # learns from the batch `advantages` prepared
+        estimator.observe(result)  # learns from the batch `advantages` prepared
         history.append(
             {"reward": rewards.mean().item(), "trusted": estimator.trusted, **result.metrics(),
              "advantages": result.advantages.tolist(), "baselines": result.baselines.tolist(),

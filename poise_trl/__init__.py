@@ -8,7 +8,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .config import PROBE_PRESETS, POISEConfig
+    from .batch import Rollouts
+    from .choices import PROBE_PRESETS
+    from .config import POISEConfig
     from .estimator import AdvantageResult, POISEEstimator
     from .probe import ValueProbe
     from .specs import EstimatorSpec
@@ -17,8 +19,10 @@ if TYPE_CHECKING:
 __version__ = "0.2.0.dev0"
 
 _LAZY = {
-    **dict.fromkeys(("POISEConfig", "PROBE_PRESETS"), ".config"),
+    "POISEConfig": ".config",
+    "PROBE_PRESETS": ".choices",
     **dict.fromkeys(("AdvantageResult", "POISEEstimator"), ".estimator"),
+    "Rollouts": ".batch",
     "ValueProbe": ".probe",
     "EstimatorSpec": ".specs",
     "POISETrainer": ".trainer",
@@ -31,13 +35,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# The public API, short on purpose: the trainer and its config, the estimator for loops outside TRL, and what they
-# hand back. Everything else is imported from its module (docs/api-internals.md).
+# The public API, short on purpose: the trainer and its config, the estimator for loops outside TRL, what they take
+# and what they hand back. Everything else is imported from its module (docs/api-internals.md).
 __all__ = [
     "POISEConfig",
     "POISETrainer",
     "POISEEstimator",
     "EstimatorSpec",
+    "Rollouts",
     "AdvantageResult",
     "ValueProbe",
     "PROBE_PRESETS",

@@ -1,12 +1,16 @@
 """One step's batch as `POISEEstimator` sees it, and what the step hands on. Pure torch.
 
-`advantages` prepares the batch once (`PreparedBatch`) and returns it inside its `AdvantageResult`; `observe` takes
-that result explicitly, learns from its batch without preparing it again, and brings the result's diagnostics to the
-host in the step's one device->host transfer. Without the result, `observe` prepares the batch itself.
+A caller hands the estimator a batch as its features and a `Rollouts` record of everything else it reads per row
+(rewards, G, domains, which rows have a completion, importance weights, prompt ids), each checked once, where the
+record is made. `advantages` prepares the batch once (`PreparedBatch`) and returns it inside its `AdvantageResult`;
+`observe` takes that result, learns from its batch without preparing it again, and brings the result's diagnostics to
+the host in the step's one device->host transfer. Given the features and the record instead, `observe` prepares the
+batch itself.
 """
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -14,6 +18,64 @@ from .baselines import DIAGNOSTICS, diagnostic_tensors, leave_one_out_targets
 from .files import DEFAULT_DOMAIN
 from .prefix import PrefixBatch
 from .row import FeatureRow
+from .specs import check_num_generations
+
+
+def _shape(value: Any) -> Any:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """What the estimator reads of one batch of N rollouts besides their features: rows in consecutive groups of
+    `num_generations` (G; None: the estimator's), in the same order as the features. Every value is checked here,
+    once, when the record is made.
+
+    rewards: (N,) float, NaN where a rollout could not be scored. domains: one name per row (each domain has its own
+    probe and buffer). has_completion: (N,) bool, False for rows whose completion is empty or masked (advantage 0,
+    never learned from). weights: (N,) finite, positive importance weights of the rows' prompts (sampling.py), which
+    multiply the advantages after any scaling. prompt_ids: (N,) int64 ids that are the same for a prompt at every step
+    (e.g. `buffer.prompt_group_ids`): the prompt history's key, and the groups of the layer choice's K-fold
+    (default: each group of G rows is a prompt of its own).
+    """
+
+    rewards: torch.Tensor
+    num_generations: int | None = None
+    domains: Sequence[str] | None = None
+    has_completion: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    prompt_ids: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.rewards, torch.Tensor) or self.rewards.ndim != 1:
+            raise ValueError(f"rewards must be an (N,) tensor, one per rollout, got {_shape(self.rewards)}.")
+        n = self.rows
+        if self.num_generations is not None:
+            check_num_generations(self.num_generations)
+        if self.domains is not None and len(self.domains) != n:
+            raise ValueError(f"Got {len(self.domains)} domain names for {n} rows.")
+        for name in ("has_completion", "weights", "prompt_ids"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, torch.Tensor) or value.shape != (n,)):
+                raise ValueError(f"{name} must be an ({n},) tensor, one per row as the rewards, got {_shape(value)}.")
+        if self.weights is not None and not (self.weights.isfinite() & (self.weights > 0)).all():
+            raise ValueError(f"weights must be ({n},) finite and positive, got {self.weights.tolist()}.")
+
+    @property
+    def rows(self) -> int:
+        return self.rewards.numel()
+
+    def take(self, index: torch.Tensor) -> "Rollouts":
+        """The record of the rows `index` (whole groups, in order: e.g. one micro-batch's)."""
+
+        def pick(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                return value[index.to(value.device)]
+            if value is None or isinstance(value, int):  # absent, or G: the same for every row
+                return value
+            return [value[i] for i in index.tolist()]
+
+        return Rollouts(**{f.name: pick(getattr(self, f.name)) for f in fields(self)})
 
 
 @dataclass(frozen=True)
@@ -46,8 +108,6 @@ def split_domains(
     if domains is None:
         return {DEFAULT_DOMAIN: torch.ones(n, dtype=torch.bool, device=device)}
     names = [str(d) for d in domains]
-    if len(names) != n:
-        raise ValueError(f"Got {len(names)} domain names for {n} rows.")
     seen = {**dict.fromkeys(known), **dict.fromkeys(names)}
     if len(seen) > max_domains:
         raise ValueError(
@@ -63,14 +123,11 @@ def split_domains(
 
 def prepare_batch(
     features: torch.Tensor,
-    rewards: torch.Tensor,
-    has_completion: torch.Tensor | None,
+    rollouts: Rollouts,
     num_generations: int,
     row: FeatureRow,
     domain_rows: dict[str, torch.Tensor],
-    named_domains: bool,
     history: torch.Tensor | None = None,
-    prompt_ids: torch.Tensor | None = None,
 ) -> PreparedBatch:
     """Bring a batch to the rewards' device, assemble each row as `row` lays it out (φ, the partner-aware probe's
     reward column, the (N, H) `history` columns of each row's prompt from its earlier steps' rewards), and decide
@@ -78,11 +135,10 @@ def prepare_batch(
     dtype) drops it."""
     if features.ndim == 2:
         features = features.unsqueeze(1)
-    device = rewards.device
-    rewards = torch.where(torch.isfinite(rewards), rewards, torch.nan)
-    has_completion = (
-        torch.ones_like(rewards, dtype=torch.bool) if has_completion is None else has_completion.to(device)
-    )
+    device = rollouts.rewards.device
+    rewards = torch.where(torch.isfinite(rollouts.rewards), rollouts.rewards, torch.nan)
+    given = rollouts.has_completion
+    has_completion = torch.ones_like(rewards, dtype=torch.bool) if given is None else given.to(device)
     features = row.assemble(features.to(device), rewards, history)
     scorable = torch.isfinite(rewards)
     has_features = has_completion & torch.isfinite(features).flatten(1).all(1)
@@ -96,8 +152,8 @@ def prepare_batch(
         targets=leave_one_out_targets(rewards, num_generations, scorable),
         domain_rows=domain_rows,
         num_generations=num_generations,
-        named_domains=named_domains,
-        prompt_ids=None if prompt_ids is None else prompt_ids.to(device),
+        named_domains=rollouts.domains is not None,
+        prompt_ids=None if rollouts.prompt_ids is None else rollouts.prompt_ids.to(device),
     )
 
 

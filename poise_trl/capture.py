@@ -11,7 +11,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch import nn
 
-from .features import FeatureSpans, PooledCapture, assemble_features, capture_layer
+from .features import FeatureLayout, FeatureSpans, PooledCapture, capture_layer
 from .prefix import PrefixBatch, PrefixCapture
 
 
@@ -19,14 +19,14 @@ class PassCapture:
     """What the hooks of one pass hold: a `PooledCapture` per candidate layer and the token capture, if any."""
 
     def __init__(
-        self, pooled: list[PooledCapture], spans: FeatureSpans, blocks: Sequence[str], tokens: PrefixCapture | None
+        self, pooled: list[PooledCapture], spans: FeatureSpans, layout: FeatureLayout, tokens: PrefixCapture | None
     ):
-        self.pooled, self.spans, self.blocks, self.tokens = pooled, spans, blocks, tokens
+        self.pooled, self.spans, self.layout, self.tokens = pooled, spans, layout, tokens
 
     def result(self, entropies: torch.Tensor) -> tuple[torch.Tensor, PrefixBatch | None]:
         """((B, C, D) features, one vector per candidate layer in order; the `PrefixBatch` or None), from the pass's
         own (B, T) entropies once it is over."""
-        features = [assemble_features(self.blocks, c.pooled(), entropies, self.spans) for c in self.pooled]
+        features = [self.layout.assemble(c.pooled(), entropies, self.spans) for c in self.pooled]
         return torch.stack(features, dim=1), None if self.tokens is None else self.tokens.batch(entropies)
 
 
@@ -34,13 +34,13 @@ class PassCapture:
 def capture_pass(
     layers: Sequence[nn.Module],
     spans: FeatureSpans,
-    blocks: Sequence[str],
+    layout: FeatureLayout,
     tokens: PrefixCapture | None = None,
 ) -> Iterator[PassCapture]:
     """Hook each candidate layer with a pooling capture, and the first with `tokens` (the per-token baseline's
-    capture, which reads one fixed layer), for the passes inside the `with` block."""
+    capture, which reads one fixed layer), for the passes inside the `with` block; φ is laid out as `layout` says."""
     with ExitStack() as hooks:
         pooled = [hooks.enter_context(capture_layer(layer, spans)) for layer in layers]
         if tokens is not None:
             hooks.enter_context(capture_layer(layers[0], tokens))
-        yield PassCapture(pooled, spans, blocks, tokens)
+        yield PassCapture(pooled, spans, layout, tokens)

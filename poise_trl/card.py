@@ -3,6 +3,8 @@
 import math
 from typing import TYPE_CHECKING
 
+from .features import FeatureLayout
+
 if TYPE_CHECKING:
     from .config import POISEConfig
 
@@ -19,6 +21,7 @@ def card_section(args: "POISEConfig", layer: int, layers: list[int], diagnostics
     if args.prompt_selection is not None:
         floor = f", floor {args.prompt_selection_floor}" if args.prompt_selection == "importance" else ""
         selection += f" (oversample {args.prompt_selection_oversample}{floor})"
+    scalars = list(FeatureLayout.from_config(args).read_scalars) or "none"
     history = "off"
     if args.probe_history:
         history = f"on ({args.probe_history_size} prompts, decay {args.probe_history_decay})"
@@ -35,7 +38,8 @@ def card_section(args: "POISEConfig", layer: int, layers: list[int], diagnostics
         f"- Value head (probe_head): {args.probe_head}; granularity (probe_granularity): {args.probe_granularity}",
         f"- Probe layer: {'default' if args.probe_layer is None else args.probe_layer} (in use: {layer}; "
         f"candidates: {layers})",
-        f"- Features: {list(args.probe_features)}, pooled over the last {args.probe_pool_tokens} tokens",
+        f"- Features (probe_features): {list(args.probe_features)}, pooled over the last {args.probe_pool_tokens} "
+        f"tokens; rollout scalars (probe_scalars): {scalars}",
         f"- Partner-aware probe (probe_partner_reward): {args.probe_partner_reward}",
         f"- Prompt history (probe_history): {history}",
         f"- Bootstrap (probe_bootstrap): {args.probe_bootstrap}",

@@ -12,17 +12,16 @@ from typing import Any
 from trl import GRPOConfig
 
 from . import migration
+from .choices import BOOTSTRAPS, GRANULARITIES, HEADS, PROBE_PRESETS, REWARD_SCALINGS, RULES, described
+from .columns import DEFAULT_SCALARS, SCALARS
 from .features import FEATURE_BLOCKS
-from .heads import HEADS, own_settings
+from .heads import own_settings
 from .settings import DEFAULT_FLOOR
 from .specs import check_num_generations
 from .validation import validate
 
-PROBE_PRESETS: dict[str, tuple[float, list[int]]] = {
-    "release": (100.0, [32, 64]),  # holi-lab/POISE release, Qwen3-4B
-    "paper": (0.01, [0, 0]),  # paper §3 / Table 4
-}
-"""`probe_preset` -> (ridge alpha, [prompt PCA dims, reasoning PCA dims]); 0 dims means no PCA on that block."""
+_PRESETS = "; ".join(f"{name!r}: alpha={alpha}, PCA dims {dims}" for name, (alpha, dims) in PROBE_PRESETS.items())
+"""The probe presets' settings, from their table, for the help text."""
 
 _HEAD_SETTINGS = "; ".join(f"{name!r}: {', '.join(own_settings(name))}" for name in HEADS if own_settings(name))
 """Each value head's own settings (`probe_head_kwargs`), from the head table, for the help text."""
@@ -58,10 +57,8 @@ class POISEConfig(GRPOConfig):
     scale_rewards: str = field(
         default="none",
         metadata={
-            "help": "'none' (paper): advantage = reward - baseline. 'batch': divide by the std of the rewards of all "
-            "earlier training steps (+1e-4; 1 until they show any spread), never by a std that contains the "
-            "rollout's own reward. 'group' is not supported by POISE because it would make the advantage depend on "
-            "the rollout itself.",
+            "help": f"{described(REWARD_SCALINGS)} 'group' is not supported by POISE because it would make the "
+            "advantage depend on the rollout itself.",
         },
     )
     # `int | str | None` parses as a string on the command line; __post_init__ turns "19" into 19.
@@ -110,13 +107,28 @@ class POISEConfig(GRPOConfig):
     )
     probe_features: list[str] = field(
         default_factory=lambda: ["prompt", "reasoning", "entropy"],
-        metadata={"help": f"Feature blocks fed to the probe, any subset of {list(FEATURE_BLOCKS)}."},
+        metadata={
+            "help": f"Feature blocks fed to the probe, any subset of {list(FEATURE_BLOCKS)}, laid out in that order: "
+            "the mean hidden states of the last n prompt tokens and of the last n reasoning tokens (hidden size "
+            "columns each), the rollout scalars `probe_scalars` ('entropy', named after their default) and the "
+            "number of generated tokens ('length', the scalar 'output_length').",
+        },
+    )
+    probe_scalars: list[str] = field(
+        default_factory=lambda: list(DEFAULT_SCALARS),
+        metadata={
+            "help": "The rollout scalars the 'entropy' block of probe_features holds, in order: one column each, "
+            "standardized like every input and never in a PCA block. The default is the paper's three entropy "
+            "statistics (mean token entropy over the completion, the reasoning and the answer span). The official "
+            f"code's token-entropy statistics, length and repetition features are the other choices: {list(SCALARS)} "
+            "(what each computes: docs, Configuration).",
+        },
     )
     probe_preset: str = field(
         default="release",
         metadata={
-            "help": "Probe hyper-parameters: 'release' (PCA prompt->32, reasoning->64, alpha=100) or 'paper' "
-            "(no PCA, alpha=0.01). `probe_alpha` and `probe_pca_dims` override the preset when set.",
+            "help": "Probe hyper-parameters, the ridge alpha and the [prompt, reasoning] PCA dims (0: none): "
+            f"{_PRESETS}. `probe_alpha` and `probe_pca_dims` override the preset when set.",
         },
     )
     probe_alpha: float | None = field(
@@ -152,21 +164,16 @@ class POISEConfig(GRPOConfig):
     probe_granularity: str = field(
         default="sequence",
         metadata={
-            "help": "'sequence' (paper): one baseline per rollout. 'prefix': once its own probe is trusted (after "
-            "`probe_warmup_steps`), every generated token t gets A_t = r - V(x, y_<t), a value of the prefix from the "
-            "states before t (unbiased: it never reads token t or later), learned from 4 sampled tokens per rollout; "
-            "the sequence-level baseline serves until then. Needs a fixed `probe_layer`.",
+            "help": f"The baseline's granularity. {described(GRANULARITIES)}",
         },
     )
     probe_head: str = field(
         default="ridge",
         metadata={
             "help": "The value head fitted on the probe's features, for the baseline, the prompt values "
-            f"`prompt_selection` reads and the per-prefix value: a key of the head table, one of {sorted(HEADS)}; "
-            "'ridge' is the paper's. Every head uses probe_alpha as its L2 penalty and the same scaler and PCA; its "
-            "own settings are `probe_head_kwargs`. What each fits: docs, How POISE works (other value heads); which "
-            "pays, measured: docs, Choosing settings. probe_granularity='prefix' needs a head with an affine map of "
-            "the features.",
+            f"`prompt_selection` reads and the per-prefix value. {described(HEADS)} Every head uses probe_alpha as "
+            "its L2 penalty and the same scaler and PCA; its own settings are `probe_head_kwargs`. What each fits: "
+            "docs, How POISE works (other value heads); which pays, measured: docs, Choosing settings.",
         },
     )
     probe_head_kwargs: dict[str, Any] | str | None = field(
@@ -227,9 +234,8 @@ class POISEConfig(GRPOConfig):
     probe_bootstrap: str = field(
         default="shrunk",
         metadata={
-            "help": "Baseline before the probe is trusted (and where a row has no usable partner): 'rloo' (paper), "
-            "the other rollouts' mean reward m_i; 'shrunk', a + w * m_i with (a, w) a least-squares fit of r_i on "
-            "m_i over earlier steps' rollouts (a=0, w=1 before any history).",
+            "help": "Baseline before the probe is trusted (and where a row has no usable partner). "
+            f"{described(BOOTSTRAPS)}",
         },
     )
     prompt_selection: str | None = field(
@@ -238,13 +244,7 @@ class POISEConfig(GRPOConfig):
             "help": "None: train on the sampler's prompts (paper). Otherwise draw `prompt_selection_oversample` "
             "times more candidate prompts and predict each one's success rate p from its prompt hidden states (one "
             "no-grad prefill; a prompt-only probe on the buffer's prompt block), read as v on the observed reward "
-            "range. 'importance': draw with replacement with probability proportional to sqrt(v(1 - v)), mixed with "
-            "uniform at `prompt_selection_floor`, and multiply each prompt's advantages by its importance weight "
-            "1 / (n q), so the expected gradient is the uniform one (exactly under loss_type grpo, dr_grpo, sapo, "
-            "luspo; under dapo, cispo, vespo the token-count normaliser is weighted too, up to a finite-batch "
-            "difference; bnpo, beta != 0, the entropy bonus and top_entropy_quantile < 1 are refused). 'value' "
-            "(biased): keep the candidates of highest v(1 - v), unweighted. Uniform until the probe is trusted (a "
-            "warm start is trusted at once).",
+            f"range. {described(RULES)} Uniform until the probe is trusted (a warm start is trusted at once).",
         },
     )
     prompt_selection_oversample: float = field(

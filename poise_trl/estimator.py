@@ -2,13 +2,14 @@
 
 The contract (the one TRL's `POISETrainer`, verl, OpenRLHF or a hand-written loop relies on):
 
-    estimator = POISEEstimator(num_generations=2)          # G rollouts per prompt; settings: EstimatorSpec (specs.py)
-    result = estimator.advantages(features, rewards)       # features (N, D) or (N, C, D), rewards (N,)
-    loss = policy_loss(..., result.advantages)             # A_i = r_i - b_i, b_i from rollout i's partners only
-    estimator.observe(group_ids=group_ids, result=result)  # the ONLY learning method: buffers, refit, bootstrap
-    # with a history spec: advantages(features, rewards, prompt_ids=ids), prompt_values(states, prompt_ids=ids)
-    print(result.metrics())                                # diagnostics (paper App. C), fetched with observe's
-    estimator.save("poise.safetensors")                    # one file, no pickle, written atomically
+    estimator = POISEEstimator(num_generations=2)           # G rollouts per prompt; settings: EstimatorSpec (specs.py)
+    batch = Rollouts(rewards, prompt_ids=ids)               # (N,) rewards, stable prompt ids, ...: one record a batch
+    result = estimator.advantages(features, batch)          # features (N, D) or (N, C, D)
+    loss = policy_loss(..., result.advantages)              # A_i = r_i - b_i, b_i from rollout i's partners only
+    estimator.observe(result)                               # the ONLY learning method: buffers, refit, bootstrap
+    # with a history spec the record's prompt_ids are needed; prompt_values(states, prompt_ids=ids)
+    print(result.metrics())                                 # diagnostics (paper App. C), fetched with observe's
+    estimator.save("poise.safetensors")                     # one file, no pickle, written atomically
 
 - `advantages` uses only what earlier `observe` calls taught it, so a rollout's baseline never depends on its own
   reward or features and the policy gradient stays unbiased. Before the probe is trusted (`BufferSpec.warmup_steps`
@@ -17,19 +18,20 @@ The contract (the one TRL's `POISETrainer`, verl, OpenRLHF or a hand-written loo
 - `observe` appends the step's leave-one-out examples (features of j, mean reward of j's partners) to the sliding
   buffer of each domain, refits the ridge probe, the shrunk bootstrap's line, the running reward std and (with
   several candidate layers) the layer choice. Handed the step's `result`, it reuses the batch `advantages` prepared
-  (`PreparedBatch`, batch.py) and the step costs exactly one device->host transfer; given the tensors
-  (`observe(features, rewards, group_ids)`) it prepares the batch itself.
+  (`PreparedBatch`, batch.py) and the step costs exactly one device->host transfer; given the batch
+  (`observe(features=..., rollouts=...)`) it prepares it itself.
 - `prompt_values` predicts a prompt's success rate from its prompt block; which prompts to draw from it is
   sampling.py's.
 - With a `HistorySpec`, each row's input also holds its prompt's history (history.py: seen, log(1 + count), mean
-  reward of the prompt's rollouts at earlier steps), looked up by the `prompt_ids` the caller hands `advantages` (and
+  reward of the prompt's rollouts at earlier steps), looked up by the record's `prompt_ids` (and those handed to
   `prompt_values`), and updated by `observe` once the step's advantages were taken.
 - `state_dict`/`load_state_dict` round-trip bit for bit; `save`/`load` also read the two-file layout of poise-trl 0.1
   (`poise_probe.safetensors` + `.json`, `poise_bootstrap.safetensors`). The file holds the spec: `from_file` rebuilds
   a saved estimator, and `refit` makes one with another spec (another head, no history) from its buffered rows.
 
 Features may hold one vector per candidate layer, (N, C, D); `layer_index` says which slice the probes use. Rows are
-grouped as G consecutive rollouts of one prompt. `domains` (one name per row) gives each domain its own probe.
+grouped as G consecutive rollouts of one prompt. The record's `domains` (one name per row) give each domain its own
+probe.
 
 What it is made of, each in a module of its own: its settings (specs.py), the feature row's layout (row.py), the
 value head (heads.py, probe.py), the online learner that buffers, trusts and persists a head (learner.py; one per
@@ -40,7 +42,7 @@ format (files.py).
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -48,8 +50,17 @@ from typing import Any
 import torch
 
 from .baselines import BOOTSTRAPS, REWARD_SCALINGS, RunningStd, cross_rollout_baselines, poise_advantages
-from .batch import AdvantageResult, PreparedBatch, prepare_batch, scale_advantages, split_domains, step_statistics
+from .batch import (
+    AdvantageResult,
+    PreparedBatch,
+    Rollouts,
+    prepare_batch,
+    scale_advantages,
+    split_domains,
+    step_statistics,
+)
 from .buffer import ProbeBuffer
+from .features import FeatureLayout
 from .files import EstimatorFile, read_state
 from .granularity import GRANULARITIES, PrefixBatch
 from .heads import ValueHead
@@ -60,7 +71,7 @@ from .prompt_value import fit_prompt_values, target_range
 from .row import FeatureRow
 from .specs import EstimatorSpec, check_num_generations, estimator_spec, feature_config, head_settings
 
-__all__ = ["POISEEstimator", "AdvantageResult", "PreparedBatch"]  # the result types live in batch.py
+__all__ = ["POISEEstimator", "AdvantageResult", "PreparedBatch", "Rollouts"]  # the batch types live in batch.py
 
 
 class POISEEstimator(EstimatorFile):
@@ -131,7 +142,7 @@ class POISEEstimator(EstimatorFile):
             spec,
             feature_config=feature_config(config, spec, hidden_size),
             broadcast=broadcast,
-            describe=partial(head_settings, list(config.probe_features), hidden_size),
+            describe=partial(head_settings, FeatureLayout.from_config(config), hidden_size),
         )
 
     @classmethod
@@ -210,26 +221,17 @@ class POISEEstimator(EstimatorFile):
         """A probe's refit settings as the caller names them (error messages)."""
         return f"head {probe.name!r} {json.dumps(probe.config())}" if self.describe is None else self.describe(probe)
 
-    def prepare(
-        self,
-        features: torch.Tensor,
-        rewards: torch.Tensor,
-        num_generations: int | None = None,
-        domains: Sequence[str] | None = None,
-        has_completion: torch.Tensor | None = None,
-        prompt_ids: torch.Tensor | None = None,
-    ) -> PreparedBatch:
-        """The batch as `advantages`, `predict` and `observe` use it (arguments as `advantages` takes them)."""
-        if rewards.shape != features.shape[:1]:
-            raise ValueError(f"Got {rewards.shape[0]} rewards for {features.shape[0]} feature rows.")
+    def prepare(self, features: torch.Tensor, rollouts: Rollouts) -> PreparedBatch:
+        """The batch as `advantages`, `predict` and `observe` use it: (N, D) or (N, C, D) features and their
+        record."""
+        if features.shape[:1] != (rollouts.rows,):
+            raise ValueError(f"Got {rollouts.rows} rewards for {features.shape[0]} feature rows.")
         self.row.check_pca(self.spec.head.pca_dims, features.size(-1))
-        max_domains = self.spec.buffer.max_domains
-        domain_rows = split_domains(domains, rewards.numel(), rewards.device, self.probes, max_domains)
-        g = num_generations or self.num_generations
-        history = self.history_columns(prompt_ids, rewards.numel(), rewards.device)
-        return prepare_batch(
-            features, rewards, has_completion, g, self.row, domain_rows, domains is not None, history, prompt_ids
-        )
+        rewards, max_domains = rollouts.rewards, self.spec.buffer.max_domains
+        domain_rows = split_domains(rollouts.domains, rollouts.rows, rewards.device, self.probes, max_domains)
+        g = rollouts.num_generations or self.num_generations
+        history = self.history_columns(rollouts.prompt_ids, rollouts.rows, rewards.device)
+        return prepare_batch(features, rollouts, g, self.row, domain_rows, history)
 
     def history_columns(
         self, prompt_ids: torch.Tensor | None, rows: int, device: torch.device | str | None = None
@@ -241,7 +243,7 @@ class POISEEstimator(EstimatorFile):
         if prompt_ids is None or prompt_ids.shape != (rows,):
             got = None if prompt_ids is None else tuple(prompt_ids.shape)
             raise ValueError(
-                f"history=True (probe_history) looks each row's prompt up by its id: pass prompt_ids, ({rows},) "
+                f"history=True (probe_history) looks each row's prompt up by its id: give prompt_ids, ({rows},) "
                 f"int64 ids that are the same for a prompt at every step (e.g. buffer.prompt_group_ids), got {got}."
             )
         return self.prompt_history.columns(prompt_ids.to(device))
@@ -259,18 +261,11 @@ class POISEEstimator(EstimatorFile):
                 unclipped = torch.where(rows & batch.usable, raw, unclipped)
         return values, unclipped
 
-    def predict(
-        self,
-        features: torch.Tensor,
-        rewards: torch.Tensor,
-        domains: Sequence[str] | None = None,
-        has_completion: torch.Tensor | None = None,
-        prompt_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Each row's probe value g(φ_j) (h(φ_j, r_j) when partner-aware, hence the rewards), from what earlier
-        `observe` calls taught: NaN where a row has no usable features or its domain no fitted probe. Changes
+    def predict(self, features: torch.Tensor, rollouts: Rollouts) -> torch.Tensor:
+        """Each row's probe value g(φ_j) (h(φ_j, r_j) when partner-aware, hence the record's rewards), from what
+        earlier `observe` calls taught: NaN where a row has no usable features or its domain no fitted probe. Changes
         nothing; the baseline of rollout i is the mean of its partners' values (`advantages`)."""
-        return self._probe_values(self.prepare(features, rewards, None, domains, has_completion, prompt_ids))[0]
+        return self._probe_values(self.prepare(features, rollouts))[0]
 
     def _fallback(self, batch: PreparedBatch) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """The bootstrap baseline of each row (None: RLOO, `poise_advantages`' own) and the lines it used."""
@@ -285,29 +280,17 @@ class POISEEstimator(EstimatorFile):
         return fallback, lines
 
     def advantages(
-        self,
-        features: torch.Tensor,
-        rewards: torch.Tensor,
-        num_generations: int | None = None,
-        domains: Sequence[str] | None = None,
-        has_completion: torch.Tensor | None = None,
-        weights: torch.Tensor | None = None,
-        prefix: PrefixBatch | None = None,
-        prompt_ids: torch.Tensor | None = None,
+        self, features: torch.Tensor, rollouts: Rollouts, prefix: PrefixBatch | None = None
     ) -> AdvantageResult:
         """A_i = r_i - b_i for one global batch of consecutive groups, from earlier steps' probes only. Changes
         nothing: hand the result to `observe` to learn from the batch without preparing it again.
 
-        features: (N, D) or (N, C, D); rewards: (N,), NaN where unscorable; num_generations: G of this batch (the
-        constructor's by default); domains: one name per row; has_completion: (N,) False for rows whose completion
-        is empty or masked; weights: (N,) positive importance weights of the rows' prompts (sampling.py), which
-        multiply the advantages after any scaling. Rows without a finite reward or completion get advantage 0.
-        prefix: the per-prefix capture (granularity "prefix"); once trusted, the result holds `token_advantages`.
-        prompt_ids: (N,) int64, each row's prompt id, stable across steps (needed with `history`: the rows' inputs
-        take their prompt's history from earlier steps)."""
-        if weights is not None and (weights.shape != rewards.shape or not (weights.isfinite() & (weights > 0)).all()):
-            raise ValueError(f"weights must be ({rewards.numel()},) finite and positive, got {weights.tolist()}.")
-        batch = self.prepare(features, rewards, num_generations, domains, has_completion, prompt_ids)
+        features: (N, D) or (N, C, D); rollouts: the batch's rewards and the rest of what it reads per row (`Rollouts`;
+        its prompt_ids are needed with `history`: the rows' inputs take their prompt's history from earlier steps).
+        Rows without a finite reward or completion get advantage 0; the importance weights multiply the advantages
+        after any scaling. prefix: the per-prefix capture (granularity "prefix"); once trusted, the result holds
+        `token_advantages`."""
+        batch = self.prepare(features, rollouts)
         g, rewards, scorable, usable = batch.num_generations, batch.rewards, batch.scorable, batch.usable
         values, unclipped = self._probe_values(batch)
         trusted = torch.zeros_like(scorable)
@@ -334,6 +317,7 @@ class POISEEstimator(EstimatorFile):
         stats, names = step_statistics(batch, baselines, values, unclipped, receives, extra)
         if tokens is not None:  # a row's logged advantage and baseline: its tokens' mean
             advantages, baselines = tokens.mean, torch.where(receives, rewards - tokens.mean, baselines)
+        weights = rollouts.weights
         result = AdvantageResult(
             advantages=scale_advantages(advantages, divisor, weights),
             baselines=baselines,
@@ -369,35 +353,31 @@ class POISEEstimator(EstimatorFile):
     # ---------------------------------------------------------------------------------------------------- learn
     def observe(
         self,
-        features: torch.Tensor | None = None,
-        rewards: torch.Tensor | None = None,
-        group_ids: torch.Tensor | None = None,
-        num_generations: int | None = None,
-        domains: Sequence[str] | None = None,
-        has_completion: torch.Tensor | None = None,
-        *,
         result: AdvantageResult | None = None,
+        *,
+        features: torch.Tensor | None = None,
+        rollouts: Rollouts | None = None,
         prefix: PrefixBatch | None = None,
     ) -> dict[str, float]:
         """Learn from a batch after its advantages were taken: buffers, probe refit, bootstrap line, reward std, and
-        the layer choice when due. Give the batch as `advantages` took it, or `result`, what `advantages` returned
-        for it: its prepared batch is reused and its diagnostics come to the host in this call's one transfer.
-        `group_ids` (N,) name each row's prompt for K-fold layer selection (default: each group of G rows is a prompt
-        of its own) and, given the batch without `result`, key the prompt history. With `history` the step's rewards
-        then enter their prompts' history, for later steps. Returns `probe_fit_seconds`, the buffer sizes after
-        learning (`buffer_size`, and per domain with `domains`) and, when the layer was re-chosen, `layer_mae/<layer>`.
-        """
+        the layer choice when due. Give `result`, what `advantages` returned for the batch (its prepared batch is
+        reused and its diagnostics come to the host in this call's one transfer), or the batch as `advantages` took
+        it (`features` and `rollouts`). The record's prompt ids group the rows for K-fold layer selection (without
+        them each group of G rows is a prompt of its own) and, with `history`, the step's rewards then enter their
+        prompts' history, for later steps. Returns `probe_fit_seconds`, the buffer sizes after learning
+        (`buffer_size`, and per domain with domains) and, when the layer was re-chosen, `layer_mae/<layer>`."""
         start = time.perf_counter()
-        if result is not None:
-            batch = result.batch
-            if rewards is not None and rewards.shape[:1] != (batch.rows,):
-                raise ValueError(f"Got {rewards.shape[0]} rewards, but `result` holds a batch of {batch.rows} rows.")
-        elif features is None or rewards is None:
-            raise ValueError("observe needs the batch (features and rewards) or `result`, what advantages returned.")
-        else:
-            batch = self.prepare(features, rewards, num_generations, domains, has_completion, group_ids)
+        if result is not None and (features is not None or rollouts is not None):
+            raise ValueError("observe takes `result` or the batch (features= and rollouts=), not both.")
+        if result is None and (features is None or rollouts is None):
+            raise ValueError(
+                "observe needs `result`, what advantages returned for the batch, or the batch itself: features= and "
+                "rollouts=."
+            )
+        batch = self.prepare(features, rollouts) if result is None else result.batch
         targets, scorable = batch.targets, batch.scorable
         examples = batch.usable & scorable & torch.isfinite(targets)
+        group_ids = batch.prompt_ids
         if group_ids is None:  # every group of G consecutive rows is its own prompt, distinct across steps
             rows = torch.arange(targets.numel(), device=targets.device)
             group_ids = (self.steps << 32) + rows // batch.num_generations

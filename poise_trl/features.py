@@ -1,16 +1,19 @@
-"""POISE features φ(x, y) from one teacher-forced pass: pooled hidden states of one layer plus entropy statistics.
+"""POISE features φ(x, y) from one teacher-forced pass: pooled hidden states of one layer plus rollout scalars.
 
 Pure torch (no TRL, no transformers): the trainer hands in masks, ids and per-token entropies; this module finds
 the spans, hooks one decoder layer for exactly one scoped pass, and pools as the pass runs so that no (B, T, d)
-activation outlives its layer call.
+activation outlives its layer call. `FeatureLayout` lays φ out; the rollout scalars are columns.py's.
 """
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+
+from .columns import DEFAULT_SCALARS, scalar_columns
 
 FEATURE_BLOCKS = ("prompt", "reasoning", "entropy", "length")
 HIDDEN_BLOCKS = ("prompt", "reasoning")
@@ -90,7 +93,8 @@ class FeatureSpans:
     `pool_index`/`pool_weight` are (B, 2, n): positions (in the concatenated prompt+completion sequence) of the last
     n prompt tokens and the last n reasoning tokens, with weight 0 on slots a short span cannot fill.
     `completion_mask` marks the completion tokens the policy generated (tool results and environment feedback
-    excluded); `reasoning_mask`/`answer_mask` are (B, C) subsets of it for the entropy statistics.
+    excluded); `reasoning_mask`/`answer_mask` are (B, C) subsets of it for the rollout scalars (columns.py), which
+    also read the (B, C) `completion_ids`.
     """
 
     pool_index: torch.Tensor
@@ -98,6 +102,7 @@ class FeatureSpans:
     completion_mask: torch.Tensor
     reasoning_mask: torch.Tensor
     answer_mask: torch.Tensor
+    completion_ids: torch.Tensor
 
     def rows(self, index: torch.Tensor) -> "FeatureSpans":
         """The spans of some of the batch's rows (a micro-batch the loss's forward sees), in `index` order."""
@@ -133,11 +138,11 @@ def feature_spans(
     marker_ids: Sequence[int] | None,
     generated_mask: torch.Tensor | None = None,
 ) -> FeatureSpans:
-    """Spans for pooling and entropy statistics (paper §3), over the tokens the policy generated.
+    """Spans for pooling and the rollout scalars (paper §3), over the tokens the policy generated.
 
     `generated_mask` (B, C) is 0 on completion tokens the policy did not write (TRL's `tool_mask`: tool results,
-    environment feedback); None means it wrote them all. Only generated tokens are pooled, enter the entropy
-    statistics or count as length, and only a marker the policy wrote ends the reasoning span, so a `</think>` inside
+    environment feedback); None means it wrote them all. Only generated tokens are pooled, enter the rollout
+    scalars or count as length, and only a marker the policy wrote ends the reasoning span, so a `</think>` inside
     a tool result cannot move the cut. The reasoning span runs from the first completion token to the last occurrence
     of the marker, marker included; without a marker it is the whole completion. The answer span is what follows the
     marker; without a marker it is the last n generated tokens.
@@ -169,6 +174,7 @@ def feature_spans(
         completion_mask=generated,
         reasoning_mask=reasoning_mask,
         answer_mask=answer_mask,
+        completion_ids=completion_ids,
     )
 
 
@@ -224,71 +230,71 @@ def capture_layer(layer: nn.Module, capture: FeatureSpans | Callable) -> Iterato
         handle.remove()
 
 
-def _masked_row_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per row, the mean of `values` (B, T) over `mask`; 0 for a row with no masked entry."""
-    mask = mask.to(values.dtype)
-    return (values * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+@dataclass(frozen=True)
+class FeatureLayout:
+    """φ as ordered column sources: the hidden-state blocks `blocks` names ("prompt", "reasoning": the pooled states,
+    d columns each, each its own PCA block), then the rollout scalars (columns.py, one column each, never in a PCA
+    block): `scalars` in order where `blocks` holds "entropy" (named after its default, the paper's three entropy
+    statistics), and "output_length" where it holds "length". Blocks are laid out in `FEATURE_BLOCKS` order whatever
+    order `blocks` gives. `POISEConfig.probe_features` and `probe_scalars` set it (`from_config`)."""
 
+    blocks: tuple[str, ...] = ("prompt", "reasoning", "entropy")
+    scalars: tuple[str, ...] = DEFAULT_SCALARS
 
-def entropy_statistics(entropies: torch.Tensor, spans: FeatureSpans) -> torch.Tensor:
-    """(B, 3): mean token entropy over the whole completion, the reasoning span and the answer span."""
-    entropies = entropies.float().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-    return torch.stack(
-        [
-            _masked_row_mean(entropies, spans.completion_mask),
-            _masked_row_mean(entropies, spans.reasoning_mask),
-            _masked_row_mean(entropies, spans.answer_mask),
-        ],
-        dim=1,
-    )
+    @classmethod
+    def from_config(cls, config: Any) -> "FeatureLayout":
+        return cls(tuple(config.probe_features), tuple(config.probe_scalars))
 
+    @property
+    def read_scalars(self) -> tuple[str, ...]:
+        """The scalars of `scalars` that φ holds: all of them with the "entropy" block, none without (what the
+        estimator's file records)."""
+        return self.scalars if "entropy" in self.blocks else ()
 
-def block_sizes(blocks: Sequence[str], hidden_size: int) -> dict[str, int]:
-    """Width of each feature block, in FEATURE_BLOCKS order: d, d, 3, 1."""
-    widths = {"prompt": hidden_size, "reasoning": hidden_size, "entropy": 3, "length": 1}
-    return {b: widths[b] for b in FEATURE_BLOCKS if b in blocks}
+    def block_scalars(self) -> dict[str, tuple[str, ...]]:
+        """The scalar blocks of φ and the scalars each holds, in order."""
+        return {"entropy": self.scalars, "length": ("output_length",)}
 
+    def sizes(self, hidden_size: int) -> dict[str, int]:
+        """Width of each block of φ, in `FEATURE_BLOCKS` order: d, d, len(scalars), 1."""
+        widths = {name: hidden_size for name in HIDDEN_BLOCKS}
+        widths.update({name: len(scalars) for name, scalars in self.block_scalars().items()})
+        return {name: widths[name] for name in FEATURE_BLOCKS if name in self.blocks}
 
-def block_slices(blocks: Sequence[str], hidden_size: int) -> dict[str, tuple[int, int]]:
-    """Column range [start, stop) of each block in the assembled feature vector."""
-    slices, start = {}, 0
-    for name, width in block_sizes(blocks, hidden_size).items():
-        slices[name] = (start, start + width)
-        start += width
-    return slices
+    def slices(self, hidden_size: int) -> dict[str, tuple[int, int]]:
+        """Column range [start, stop) of each block in φ."""
+        slices, start = {}, 0
+        for name, width in self.sizes(hidden_size).items():
+            slices[name] = (start, start + width)
+            start += width
+        return slices
 
+    def pca_blocks(
+        self, hidden_size: int, pca_dims: Sequence[int], cap_at_width: bool = False
+    ) -> list[tuple[int, int, int]]:
+        """(start, stop, k) column blocks for a head's `pca_dims` from [prompt k, reasoning k] (0 = no PCA).
 
-def pca_blocks(
-    blocks: Sequence[str], hidden_size: int, pca_dims: Sequence[int], cap_at_width: bool = False
-) -> list[tuple[int, int, int]]:
-    """(start, stop, k) column blocks for `ValueProbe(pca_dims=...)` from [prompt k, reasoning k] (0 = no PCA).
+        `cap_at_width` caps k at the block's width, for a preset's dims, which were chosen for a large model (a small
+        model keeps every component); an explicit k wider than its block is a mistake and raises.
+        """
+        slices, out = self.slices(hidden_size), []
+        for name, k in zip(HIDDEN_BLOCKS, pca_dims, strict=True):
+            if name in slices and k > 0:
+                start, stop = slices[name]
+                if cap_at_width:
+                    k = min(k, stop - start)
+                elif k > stop - start:
+                    raise ValueError(
+                        f"probe_pca_dims asks for {k} components of the {name} block, which has only {stop - start} "
+                        f"columns (hidden size {hidden_size}): use at most {stop - start}, or 0 for no PCA."
+                    )
+                out.append((start, stop, k))
+        return out
 
-    `cap_at_width` caps k at the block's width, for a preset's dims, which were chosen for a large model (a small
-    model keeps every component); an explicit k wider than its block is a mistake and raises.
-    """
-    slices, out = block_slices(blocks, hidden_size), []
-    for name, k in zip(HIDDEN_BLOCKS, pca_dims, strict=True):
-        if name in slices and k > 0:
-            start, stop = slices[name]
-            if cap_at_width:
-                k = min(k, stop - start)
-            elif k > stop - start:
-                raise ValueError(
-                    f"probe_pca_dims asks for {k} components of the {name} block, which has only {stop - start} "
-                    f"columns (hidden size {hidden_size}): use at most {stop - start}, or 0 for no PCA."
-                )
-            out.append((start, stop, k))
-    return out
-
-
-def assemble_features(
-    blocks: Sequence[str], pooled: torch.Tensor, entropies: torch.Tensor, spans: FeatureSpans
-) -> torch.Tensor:
-    """φ = [prompt mean | reasoning mean | 3 entropy stats | length], keeping only the requested blocks."""
-    parts = {
-        "prompt": lambda: pooled[:, 0],
-        "reasoning": lambda: pooled[:, 1],
-        "entropy": lambda: entropy_statistics(entropies, spans).to(pooled.device),
-        "length": lambda: spans.completion_mask.sum(1, keepdim=True).float().to(pooled.device),
-    }
-    return torch.cat([parts[b]() for b in FEATURE_BLOCKS if b in blocks], dim=1)
+    def assemble(self, pooled: torch.Tensor, entropies: torch.Tensor, spans: FeatureSpans) -> torch.Tensor:
+        """(B, D) φ of the (B, 2, d) pooled [prompt, reasoning] states, the (B, T) per-token entropies and the spans,
+        on the pooled states' device."""
+        parts = {"prompt": lambda: pooled[:, 0], "reasoning": lambda: pooled[:, 1]}
+        for name, scalars in self.block_scalars().items():
+            parts[name] = lambda scalars=scalars: scalar_columns(scalars, entropies, spans).to(pooled.device)
+        return torch.cat([parts[name]() for name in self.sizes(pooled.size(-1))], dim=1)

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .buffer import ProbeBuffer
+from .features import FeatureLayout
 from .heads import head_from_config
 from .probe import ValueProbe
 
@@ -46,8 +47,18 @@ def strip_prefix(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, tor
     return {key[len(prefix) :]: value for key, value in tensors.items() if key.startswith(prefix)}
 
 
+def with_scalars(features: dict[str, Any]) -> dict[str, Any]:
+    """A feature configuration that records the rollout scalars its rows hold: one written before `probe_scalars`
+    (or by a loop that names none) holds the paper's three entropy statistics where its blocks hold "entropy"."""
+    if "probe_scalars" in features:
+        return features
+    return {**features, "probe_scalars": list(FeatureLayout(tuple(features.get("probe_features", ()))).read_scalars)}
+
+
 def check_feature_config(saved: dict[str, Any], current: dict[str, Any], source: str) -> None:
-    """Refuse a state fitted on features this run does not extract, naming each setting that differs."""
+    """Refuse a state fitted on features this run does not extract, naming each setting that differs (the rollout
+    scalars compared as `with_scalars` records them)."""
+    saved, current = with_scalars(saved), with_scalars(current)
     if saved != current:
         changed = ", ".join(
             f"{key}={current.get(key)!r} (saved: {saved.get(key)!r})"

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .settings import Refused
+
 HISTORY_COLUMNS = ("seen", "log_count", "mean")  # the probe's input columns, in order
 EMPTY = torch.iinfo(torch.long).max  # the key of an empty slot: sorted after every prompt, and its count is 0
 SLOT_FIELDS = ("keys", "count", "weight", "total", "last")  # a slot: the prompt id, rewards seen, the decayed weight
@@ -55,9 +57,10 @@ class PromptHistory:
 
     def __init__(self, size: int = 65536, decay: float = 1.0):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"size={size!r} must be an int >= 1 (slots of the history table).")
-        if not 0 < decay <= 1:
-            raise ValueError(f"decay={decay!r} must be in (0, 1] (the weight of a step-older reward in the mean).")
+            raise Refused("size", size, "must be an int >= 1: the prompts the history table remembers.")
+        if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0 < decay <= 1:
+            rule = "must be in (0, 1]: the weight of a reward one step older in the mean (1: plain)."
+            raise Refused("decay", decay, rule)
         self.size = size
         self.decay = float(decay)
         self.steps = 0  # updates so far: the step number a slot's `last` refers to

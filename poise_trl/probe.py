@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from .settings import Refused
+
 PCABlock = tuple[int, int, int]  # (start column, stop column, n_components)
 
 
@@ -84,10 +86,10 @@ class ScaledHead:
         pca_dims: int | Sequence[PCABlock] | None = None,
         clip: tuple[float, float] | str | None = "observed",
     ):
-        if not alpha > 0:
-            raise ValueError(f"alpha={alpha} must be > 0.")
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
+            raise Refused("alpha", alpha, "must be > 0: the L2 penalty (ridge needs a positive one).")
         if isinstance(clip, str) and clip != "observed":
-            raise ValueError(f"clip={clip!r}: use None, (low, high) or 'observed'.")
+            raise Refused("clip", clip, "is not a clip: use None, (low, high) or 'observed'.")
         self.alpha = float(alpha)
         self.pca_dims = pca_dims
         self.clip = clip

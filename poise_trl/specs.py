@@ -19,10 +19,12 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from .baselines import BOOTSTRAPS, REWARD_SCALINGS
-from .features import HIDDEN_BLOCKS, block_slices, layer_candidates, pca_blocks, resolve_layer_index
+from .features import HIDDEN_BLOCKS, FeatureLayout, layer_candidates, resolve_layer_index
 from .granularity import GRANULARITIES
 from .heads import HEADS, make_head, own_settings
-from .probe import PCABlock
+from .history import PromptHistory
+from .probe import PCABlock, ScaledHead
+from .settings import Refused
 
 Name = Callable[[type, str], str]
 """How a refusal names a setting: (spec class, field) -> the name shown."""
@@ -104,8 +106,10 @@ class HeadSpec:
         _normalise(self, pca_dims=_tuples(self.pca_dims), clip=_tuples(self.clip), kwargs=_tuples(self.kwargs or {}))
         if self.name not in HEADS:
             raise _bad(HeadSpec, "name", self.name, f"is not a value head: choose one of {sorted(HEADS)}.")
-        if not (isinstance(self.alpha, int | float) and self.alpha > 0):
-            raise _bad(HeadSpec, "alpha", self.alpha, "must be > 0 (ridge needs a positive penalty).")
+        try:  # the front end every head shares checks the shared settings
+            ScaledHead(self.alpha, clip="observed" if self.clip is None else self.clip)
+        except Refused as refused:
+            raise _bad(HeadSpec, refused.key, refused.value, refused.rule) from None
         if self.clip is not None and (len(self.clip) != 2 or not self.clip[0] < self.clip[1]):
             raise _bad(HeadSpec, "clip", self.clip, "is not a range: give [low, high] with low < high, or None.")
         own = own_settings(self.name)
@@ -139,11 +143,10 @@ class HistorySpec:
     decay: float = field(default=1.0, metadata=_config("probe_history_decay"))
 
     def __post_init__(self):
-        if not _is_int(self.size) or self.size < 1:
-            raise _bad(HistorySpec, "size", self.size, "must be an int >= 1: the prompts the history table remembers.")
-        if not (isinstance(self.decay, int | float) and not isinstance(self.decay, bool) and 0 < self.decay <= 1):
-            rule = "must be in (0, 1]: the weight of a reward one step older in the mean (1: plain)."
-            raise _bad(HistorySpec, "decay", self.decay, rule)
+        try:  # the table checks its own settings
+            PromptHistory(self.size, self.decay)
+        except Refused as refused:
+            raise _bad(HistorySpec, refused.key, refused.value, refused.rule) from None
 
 
 @dataclass(frozen=True)
@@ -348,10 +351,10 @@ def estimator_spec(config: Any, num_layers: int | None = None, hidden_size: int 
             index=min(range(len(ids)), key=lambda i: abs(ids[i] - start)),
             select_every=config.probe_layer_select_every if auto else None,
         )
-        features = config.probe_features
+        layout = FeatureLayout.from_config(config)
         cap = config.pca_dims_from_preset
-        head["pca_dims"] = pca_blocks(features, hidden_size, config.probe_pca_dims, cap_at_width=cap)
-        columns = block_slices(features, hidden_size).get("prompt")
+        head["pca_dims"] = layout.pca_blocks(hidden_size, config.probe_pca_dims, cap_at_width=cap)
+        columns = layout.slices(hidden_size).get("prompt")
         prompt = None if columns is None else PromptSpec(columns, config.probe_pca_dims[0])
     try:
         history = _read(HistorySpec, config)  # checked even when off
@@ -379,6 +382,7 @@ def feature_config(config: Any, spec: EstimatorSpec, hidden_size: int) -> dict[s
         "probe_layer_candidates": ids,
         "probe_pool_tokens": config.probe_pool_tokens,
         "probe_features": list(config.probe_features),
+        "probe_scalars": list(FeatureLayout.from_config(config).read_scalars),
         "reasoning_end_marker": config.reasoning_end_marker,
         "hidden_size": hidden_size,
         "probe_partner_reward": config.probe_partner_reward,
@@ -386,13 +390,13 @@ def feature_config(config: Any, spec: EstimatorSpec, hidden_size: int) -> dict[s
     }
 
 
-def head_settings(blocks: Sequence[str], hidden_size: int, probe: Any) -> str:
+def head_settings(layout: FeatureLayout, hidden_size: int, probe: Any) -> str:
     """A value head's refit settings in POISEConfig's terms, for the estimator's error messages (an ensemble's from
     its first child: the spec builds every child from the same shared settings)."""
     head, probe = probe.name, getattr(probe, "children", [probe])[0]
     pca = probe.pca_dims
     if isinstance(pca, list | tuple):
-        slices = block_slices(blocks, hidden_size)
+        slices = layout.slices(hidden_size)
         ks = {int(start): int(k) for start, _, k in pca}
         pca = [ks.get(slices[name][0], 0) if name in slices else 0 for name in HIDDEN_BLOCKS]
     clip = None if probe.clip == "observed" else list(probe.clip) if probe.clip is not None else "no clipping"

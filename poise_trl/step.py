@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .batch import Rollouts
 from .contract import ContractError
 from .features import FeatureSpans
 from .prefix import PrefixBatch, PrefixCapture
@@ -32,9 +33,9 @@ ROW_KEY = "poise_row"  # each row's index in this process's batch, in TRL's batc
 class GenerationStep:
     """One generation batch's state. `rows` rows of this process, global rows `offset`.. of the gathered batch.
 
-    `estimator_inputs` are the gathered per-row arguments of `POISEEstimator.advantages` besides the features
-    (rewards, num_generations, domains, has_completion, weights, prompt_ids); `pieces` are the captured
-    (this process's row indices, (b, C, D) features, the token capture) of each pass or micro-batch."""
+    `rollouts` is the gathered batch record `POISEEstimator.advantages` reads besides the features (rewards,
+    num_generations, domains, has_completion, weights, prompt_ids); `pieces` are the captured (this process's row
+    indices, (b, C, D) features, the token capture) of each pass or micro-batch."""
 
     mode: str
     route: str
@@ -47,7 +48,7 @@ class GenerationStep:
     tokens: PrefixCapture | None = None  # the token capture over this process's rows (per-prefix baseline)
     rows: int = 0
     offset: int = 0
-    estimator_inputs: dict[str, Any] = field(default_factory=dict)
+    rollouts: Rollouts | None = None
     pieces: list[tuple[torch.Tensor, torch.Tensor, PrefixBatch | None]] = field(default_factory=list)
     micro_batch: dict[str, Any] | None = None  # the loss route: the micro-batch whose forward is being captured
 
@@ -79,19 +80,10 @@ class GenerationStep:
             return features, None
         return features, concat_prefix(prefixes, order)
 
-    def inputs_for(self, rows: torch.Tensor) -> dict[str, Any]:
-        """`estimator_inputs` restricted to this process's rows `rows` (ascending, whole groups), for the advantages
-        of one micro-batch."""
-        index = rows + self.offset
-        out = {}
-        for name, value in self.estimator_inputs.items():
-            if isinstance(value, torch.Tensor):
-                out[name] = value[index.to(value.device)]
-            elif isinstance(value, list):
-                out[name] = [value[i] for i in index.tolist()]
-            else:
-                out[name] = value
-        return out
+    def rollouts_of(self, rows: torch.Tensor) -> Rollouts:
+        """The batch record of this process's rows `rows` (ascending, whole groups), for the advantages of one
+        micro-batch."""
+        return self.rollouts.take(rows + self.offset)
 
 
 def concat_prefix(parts: list[PrefixBatch], order: torch.Tensor) -> PrefixBatch:

@@ -32,8 +32,8 @@ from .capture import capture_pass
 from .card import card_section
 from .config import POISEConfig
 from .contract import TESTED_TRL, ContractError
-from .estimator import POISEEstimator
-from .features import feature_spans, find_decoder_layers
+from .estimator import POISEEstimator, Rollouts
+from .features import FeatureLayout, feature_spans, find_decoder_layers
 from .files import DEFAULT_DOMAIN
 from .heads import ValueHead
 from .prefix import PrefixBatch
@@ -301,7 +301,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         earlier steps) written into the micro-batch before TRL's loss reads them. The batch is observed once its last
         micro-batch has run (`training_step`, `_compute_loss`)."""
         inputs, step.micro_batch = step.micro_batch, None
-        check_whole_groups(inputs[ROW_KEY], step.estimator_inputs["num_generations"])
+        check_whole_groups(inputs[ROW_KEY], step.rollouts.num_generations)
         rows = torch.tensor(inputs[ROW_KEY])
         spans = step.spans.rows(rows)
         with self._capture(spans, None if step.tokens is None else step.tokens.for_rows(rows)) as capture:
@@ -313,7 +313,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
             order = rows.argsort()  # the estimator reads consecutive groups: the rows in batch order
             result = self.estimator.advantages(
                 features[order.to(features.device)],
-                **step.inputs_for(rows[order]),
+                step.rollouts_of(rows[order]),
                 prefix=None if prefix is None else concat_prefix([prefix], order),
             )
             advantages = result.advantages if result.token_advantages is None else result.token_advantages
@@ -325,7 +325,8 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
     def _capture(self, spans, tokens):
         """The capture of this generation batch's probe layer(s), for the passes inside the `with` block."""
         layers = find_decoder_layers(self.accelerator.unwrap_model(self.model))
-        return capture_pass([layers[i] for i in self.probe_layers], spans, self.args.probe_features, tokens)
+        layout = FeatureLayout.from_config(self.args)
+        return capture_pass([layers[i] for i in self.probe_layers], spans, layout, tokens)
 
     def _track_spans(self, step: GenerationStep, prompt_mask, completion_ids, completion_mask) -> None:
         """This process's feature spans and, for a per-token baseline, its token capture: which tokens it learns
@@ -412,7 +413,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         # Each row's prompt id: the K-fold groups of the layer choice and the prompt history's key. Environment-routed
         # datasets may have no `prompt` column; the row then names the prompt.
         device = self.accelerator.device
-        step.estimator_inputs = dict(
+        step.rollouts = Rollouts(
             rewards=self._scalar_rewards(step.rewards_per_func),
             num_generations=num_generations,
             domains=self._domain_names(inputs, num_generations),
@@ -500,11 +501,11 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         local_features, local_prefix = step.assemble()
         features = self.accelerator.gather(local_features.to(self.accelerator.device))  # (N, len(probe_layers), D)
         prefix = None if local_prefix is None else self._gather_prefix(local_prefix)
-        result = self.estimator.advantages(features, **step.estimator_inputs, prefix=prefix)
-        rewards, num_generations = step.estimator_inputs["rewards"], step.estimator_inputs["num_generations"]
+        result = self.estimator.advantages(features, step.rollouts, prefix=prefix)
+        rewards, num_generations = step.rollouts.rewards, step.rollouts.num_generations
         fit_metrics = {}
         if step.mode == "train":  # learn only after this batch's advantages were taken
-            fit_metrics = self.estimator.observe(group_ids=step.estimator_inputs["prompt_ids"], result=result)
+            fit_metrics = self.estimator.observe(result)
         metrics = {**result.metrics(), **fit_metrics}  # the step's one device->host transfer (done by `observe`)
         advantages, baselines = result.logged_rows()
         logged = self._logs["advantages"]  # TRL logged its group-mean advantages for this batch: replace them
@@ -521,7 +522,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
                 stacklevel=2,
             )
         if step.mode == "train":
-            metrics.update(self._selection_metrics(step, rewards, num_generations, step.estimator_inputs["weights"]))
+            metrics.update(self._selection_metrics(step, rewards, num_generations, step.rollouts.weights))
             self._card_metrics = metrics
         for name, value in metrics.items():
             if not math.isnan(value):  # undefined (NaN) is left out: TRL would log None, which trackers drop

@@ -8,6 +8,7 @@ import math
 from difflib import get_close_matches
 from typing import Any
 
+from .columns import DEFAULT_SCALARS, SCALARS
 from .features import FEATURE_BLOCKS
 from .granularity import GRANULARITIES
 from .sampling import RULES, rule_from_config
@@ -41,6 +42,7 @@ def validate(config: Any, presets: dict[str, tuple[float, list[int]]]) -> None:
             f"repeats (unknown: {unknown})."
         )
     config.probe_features = [b for b in FEATURE_BLOCKS if b in config.probe_features]
+    _check_scalars(config)
     _fill_preset(config, presets)
     _parse_layer(config)
     _check_domains(config)
@@ -56,6 +58,34 @@ def validate(config: Any, presets: dict[str, tuple[float, list[int]]]) -> None:
         raise ValueError(
             f"probe_granularity={config.probe_granularity!r} needs one fixed probe_layer (its buffer holds one "
             "layer's states): set probe_layer to an index or None, or probe_granularity='sequence'."
+        )
+
+
+def _check_scalars(config: Any) -> None:
+    """probe_scalars: known names, no repeats, read through the 'entropy' block, no column twice."""
+    scalars = config.probe_scalars
+    if isinstance(scalars, str) or not scalars or len(set(scalars)) != len(scalars):
+        raise ValueError(
+            f"probe_scalars={scalars!r}: give a non-empty list of rollout scalars without repeats, e.g. "
+            f"{list(DEFAULT_SCALARS)} (the paper's)."
+        )
+    unknown = [name for name in scalars if name not in SCALARS]
+    if unknown:
+        close = {name: get_close_matches(str(name), SCALARS, n=1) for name in unknown}
+        hints = "".join(f" ({name!r}: did you mean {match[0]!r}?)" for name, match in close.items() if match)
+        raise ValueError(
+            f"probe_scalars names {unknown}, not rollout scalars{hints}: choose from {list(SCALARS)}."
+        )
+    config.probe_scalars = list(scalars)
+    if "entropy" not in config.probe_features and tuple(scalars) != DEFAULT_SCALARS:
+        raise ValueError(
+            f"probe_scalars={config.probe_scalars} is read through the 'entropy' block of probe_features, which "
+            f"{config.probe_features} leaves out: add 'entropy' to probe_features, or leave probe_scalars at its "
+            "default."
+        )
+    if "length" in config.probe_features and "output_length" in scalars:
+        raise ValueError(
+            "probe_features holds 'length' and probe_scalars 'output_length': the same column twice. Drop one."
         )
 
 

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from poise_trl.capture import capture_pass
-from poise_trl.features import assemble_features, capture_layer, feature_spans, find_decoder_layers
+from poise_trl.features import FeatureLayout, capture_layer, feature_spans, find_decoder_layers
 from poise_trl.prefix import PrefixCapture, prefix_spans
 from poise_trl.tiny import build_tiny_model, build_tiny_tokenizer
 
-BLOCKS = ("prompt", "reasoning", "entropy")
+LAYOUT = FeatureLayout()
 
 
 @pytest.fixture(scope="module")
@@ -32,18 +32,18 @@ def test_one_pass_equals_a_pass_per_layer_and_the_token_capture_reads_the_first(
     mask = torch.cat([prompt_mask, completion_mask], 1)
     spans = feature_spans(prompt_mask, completion_ids, completion_mask, 2, None)
     token_spans = prefix_spans(prompt_mask, completion_mask, 2, 2, None, torch.Generator().manual_seed(0))
-    with torch.no_grad(), capture_pass([layers[2], layers[0]], spans, BLOCKS, PrefixCapture(token_spans, None)) as c:
+    with torch.no_grad(), capture_pass([layers[2], layers[0]], spans, LAYOUT, PrefixCapture(token_spans, None)) as c:
         entropies = _entropies(model, ids, mask, 4)
     features, tokens = c.result(entropies)
     assert features.shape == (2, 2, 2 * 32 + 3)
     for slot, index in enumerate((2, 0)):
         with torch.no_grad(), capture_layer(layers[index], spans) as alone:
             _entropies(model, ids, mask, 4)
-        torch.testing.assert_close(features[:, slot], assemble_features(BLOCKS, alone.pooled(), entropies, spans))
+        torch.testing.assert_close(features[:, slot], LAYOUT.assemble(alone.pooled(), entropies, spans))
     with torch.no_grad(), capture_layer(layers[2], PrefixCapture(token_spans, None)) as alone:
         _entropies(model, ids, mask, 4)
     torch.testing.assert_close(tokens.rows, alone.batch(entropies).rows)
-    with torch.no_grad(), capture_pass([layers[1]], spans, BLOCKS) as sequence_only:
+    with torch.no_grad(), capture_pass([layers[1]], spans, LAYOUT) as sequence_only:
         _entropies(model, ids, mask, 4)
     assert sequence_only.result(entropies)[1] is None
 
@@ -53,7 +53,7 @@ def test_no_hook_outlives_the_block_even_when_the_pass_fails(tiny):
     spans = feature_spans(prompt_mask, completion_ids, completion_mask, 2, None)
     token_spans = prefix_spans(prompt_mask, completion_mask, 2, 2, None, torch.Generator().manual_seed(0))
     with pytest.raises(RuntimeError, match="boom"):
-        with capture_pass(list(layers), spans, BLOCKS, PrefixCapture(token_spans, None)):
+        with capture_pass(list(layers), spans, LAYOUT, PrefixCapture(token_spans, None)):
             assert sum(len(layer._forward_hooks) for layer in layers) == len(layers) + 1
             raise RuntimeError("boom")
     assert all(not layer._forward_hooks for layer in layers)

@@ -19,6 +19,8 @@ def test_the_model_card_says_how_poise_was_configured(tiny_model_path, tmp_path)
         "Value head (probe_head): ridge; granularity (probe_granularity): sequence",
         "Probe layer: default (in use: 2; candidates: [2])",
         "Partner-aware probe (probe_partner_reward): False",
+        "rollout scalars (probe_scalars): ['output_mean_token_entropy', 'reasoning_mean_token_entropy', "
+        "'answer_mean_token_entropy']",
         "Prompt history (probe_history): off",
         "Bootstrap (probe_bootstrap): shrunk",
         "Prompt selection: value (oversample 2.0)",

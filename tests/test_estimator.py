@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from poise_trl import sampling
-from poise_trl.estimator import POISEEstimator
+from poise_trl.columns import DEFAULT_SCALARS
+from poise_trl.estimator import POISEEstimator, Rollouts
 from poise_trl.specs import BufferSpec, EstimatorSpec, HeadSpec, LayerSpec, PromptSpec
 
 from .host_sync import HostSyncCounter
@@ -44,44 +45,52 @@ def _batch(step: int, n: int = 16, width: int = 6, domains: bool = False, reward
     return x, r, groups, names
 
 
+def _observe(estimator: POISEEstimator, step: int, domains: bool = False, **batch) -> None:
+    """`estimator` learns from `_batch(step)` handed as features and record (no advantages taken)."""
+    x, r, groups, names = _batch(step, domains=domains, **batch)
+    estimator.observe(features=x, rollouts=Rollouts(r, domains=names, prompt_ids=groups))
+
+
 def _trained(steps: int = 4, settings: EstimatorSpec = SPEC, domains: bool = False) -> POISEEstimator:
     estimator = POISEEstimator(G, settings)
     for step in range(steps):
-        x, r, groups, names = _batch(step, domains=domains)
-        estimator.advantages(x, r, domains=names)
-        estimator.observe(x, r, groups, domains=names)
+        x, r, _, names = _batch(step, domains=domains)
+        estimator.advantages(x, Rollouts(r, domains=names))
+        _observe(estimator, step, domains)
     return estimator
 
 
 def test_advantages_use_only_earlier_observations():
     estimator = _trained()
     x, r, _, _ = _batch(10)
-    first = estimator.advantages(x, r)
-    again = estimator.advantages(x, r)
+    first = estimator.advantages(x, Rollouts(r))
+    again = estimator.advantages(x, Rollouts(r))
     assert torch.equal(first.advantages, again.advantages)  # advantages learn nothing
     assert first.metrics()["bootstrap"] == 0.0 and torch.isfinite(first.baselines).all()
-    estimator.observe(x, r)
-    assert not torch.equal(estimator.advantages(x, r).advantages, first.advantages)  # observe does
+    estimator.observe(features=x, rollouts=Rollouts(r))
+    assert not torch.equal(estimator.advantages(x, Rollouts(r)).advantages, first.advantages)  # observe does
 
 
 def test_predict_and_advantages_change_nothing_and_observe_reuses_the_handed_batch():
     estimator = _trained()
     before = estimator.state_dict()
     x, r, groups, _ = _batch(11)
-    values = estimator.predict(x, r)
-    result = estimator.advantages(x, r)
+    values = estimator.predict(x, Rollouts(r))
+    result = estimator.advantages(x, Rollouts(r))
     assert torch.equal(values, result.values) and values.isfinite().all()
     after = estimator.state_dict()
     assert before["info"] == after["info"]
     assert all(torch.equal(tensor, after["tensors"][key]) for key, tensor in before["tensors"].items())
     handed, fresh = _trained(), _trained()
-    handed.observe(group_ids=groups, result=handed.advantages(x, r))
-    fresh.observe(x, r, groups)  # the same learning, the batch prepared again
+    handed.observe(handed.advantages(x, Rollouts(r, prompt_ids=groups)))
+    fresh.observe(features=x, rollouts=Rollouts(r, prompt_ids=groups))  # the same learning, the batch prepared again
     assert torch.equal(
         handed.probes["default"].probe.state_dict()["coef"], fresh.probes["default"].probe.state_dict()["coef"]
     )
-    with pytest.raises(ValueError, match="holds a batch of 16 rows"):
-        handed.observe(x[:8], r[:8], result=result)
+    with pytest.raises(ValueError, match="not both"):
+        handed.observe(result, features=x, rollouts=Rollouts(r))
+    with pytest.raises(ValueError, match="observe needs `result`"):
+        handed.observe(features=x)
 
 
 def test_the_random_selection_stream_resumes_where_the_checkpoint_left_it(tmp_path):
@@ -89,7 +98,7 @@ def test_the_random_selection_stream_resumes_where_the_checkpoint_left_it(tmp_pa
 
     def choice(estimator: POISEEstimator) -> list[int]:
         drawn = sampling.draw(sampling.HighestVariance(), 10, 4, seed=7, rank=0, step=estimator.steps).indices
-        estimator.observe(*_batch(estimator.steps)[:3])
+        _observe(estimator, estimator.steps)
         return drawn
 
     never_trusted = spec(EstimatorSpec(), buffer={"warmup_steps": 100})
@@ -114,7 +123,7 @@ def test_a_resumed_estimator_draws_the_importance_samplers_prompts_and_weights_e
         reward_range = None if values is None else estimator.target_range()
         rule = sampling.Importance()
         drawn = sampling.draw(rule, 10, 4, values, reward_range, seed=7, rank=0, step=estimator.steps)
-        estimator.observe(*_batch(estimator.steps)[:3])
+        _observe(estimator, estimator.steps)
         return drawn
 
     def estimator() -> POISEEstimator:
@@ -137,8 +146,7 @@ def test_selection_scores_the_reward_variance_on_the_observed_reward_range(low, 
     prompt predicted at 0 (50% success) scores highest, not one at 0.5 (75% success) as p(1 - p) would say."""
     estimator = POISEEstimator(G, spec(prompt=PromptSpec((0, 6))))
     for step in range(3):
-        x, r, groups, _ = _batch(step, rewards=(low, high))
-        estimator.observe(x, r, groups)
+        _observe(estimator, step, rewards=(low, high))
     values = torch.tensor([low, low + 0.5 * (high - low), low + 0.75 * (high - low), high])
     scores = sampling.reward_variance(values, *estimator.target_range())
     torch.testing.assert_close(scores, torch.tensor([0.0, 0.25, 0.1875, 0.0], dtype=torch.float64))
@@ -147,8 +155,7 @@ def test_selection_scores_the_reward_variance_on_the_observed_reward_range(low, 
 def test_selection_waits_for_a_trusted_probe_and_a_warm_start_is_trusted(tmp_path):
     slow = spec(buffer={"warmup_steps": 5}, prompt=PromptSpec((0, 6)))
     cold = POISEEstimator(G, slow)
-    x, r, groups, _ = _batch(0)
-    cold.observe(x, r, groups)
+    _observe(cold, 0)
     assert not cold.trusted and cold.prompt_values(torch.zeros(3, 6)) is None
     _trained(3, spec(prompt=PromptSpec((0, 6)))).save(tmp_path / "e.safetensors")
     warm = POISEEstimator(G, slow)
@@ -166,8 +173,8 @@ def test_one_host_transfer_per_step():
         x[3] = float("inf")
         counter.count, counter.calls = 0, []
         with counter:
-            result = estimator.advantages(x, r)
-            estimator.observe(group_ids=groups, result=result)
+            result = estimator.advantages(x, Rollouts(r, prompt_ids=groups))
+            estimator.observe(result)
             result.metrics()
             result.logged_rows()
         assert counter.count == 1, (step, counter.calls)
@@ -178,7 +185,8 @@ def _legacy_estimator() -> POISEEstimator:
     """Configured as tests/fixtures/legacy/make_legacy.py's run (its probe file's settings)."""
     info = json.loads((LEGACY / "probe.safetensors.json").read_text())
     settings = spec(head={"alpha": 100.0, "pca_dims": [(0, 16, 16), (16, 32, 16)]}, layers=LayerSpec(ids=(1,)))
-    return POISEEstimator(G, settings, feature_config={**info["feature_config"], "probe_domain_column": None})
+    features = {**info["feature_config"], "probe_domain_column": None, "probe_scalars": list(DEFAULT_SCALARS)}
+    return POISEEstimator(G, settings, feature_config=features)
 
 
 def test_the_trainer_resumes_a_0_1_checkpoint_and_warns_without_one(tmp_path):

@@ -5,15 +5,13 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from poise_trl.columns import DEFAULT_SCALARS, SCALARS, scalar_columns
 from poise_trl.features import (
-    assemble_features,
-    block_slices,
+    FeatureLayout,
     capture_layer,
-    entropy_statistics,
     feature_spans,
     find_decoder_layers,
     find_last_subsequence,
-    pca_blocks,
     pool_hidden,
     resolve_layer_index,
 )
@@ -75,11 +73,11 @@ def test_spans_use_only_generated_tokens_and_a_tool_marker_does_not_move_the_cut
     assert on(spans.reasoning_mask[1]) == [0, 3, 4, 5] and on(spans.answer_mask[1]) == [6]
     assert on(spans.reasoning_mask[2]) == [0, 2] and on(spans.answer_mask[2]) == [0, 2]
     entropies = torch.arange(8.0).repeat(3, 1)
-    stats = entropy_statistics(entropies, spans)
+    stats = scalar_columns(DEFAULT_SCALARS, entropies, spans)
     torch.testing.assert_close(stats[0], torch.tensor([19 / 5, 19 / 5, 19 / 4]))
     torch.testing.assert_close(stats[1], torch.tensor([18 / 5, 3.0, 6.0]))
     pooled = torch.zeros(3, 2, 1)
-    assert assemble_features(["length"], pooled, entropies, spans).flatten().tolist() == [5, 5, 2]
+    assert FeatureLayout(("length",)).assemble(pooled, entropies, spans).flatten().tolist() == [5, 5, 2]
 
 
 def test_pooling_matches_unpadded_per_row_recomputation():
@@ -108,7 +106,7 @@ def test_empty_completion_pools_to_zero_and_entropy_is_finite():
     spans = feature_spans(prompt_mask, completion_ids, completion_mask, 4, MARKER)
     pooled = pool_hidden(torch.ones(2, 5, 3), spans.pool_index, spans.pool_weight)
     assert pooled[1, 1].abs().sum() == 0 and pooled[0, 1].eq(1).all()
-    stats = entropy_statistics(torch.tensor([[1.0, 3.0], [float("nan"), 2.0]]), spans)
+    stats = scalar_columns(DEFAULT_SCALARS, torch.tensor([[1.0, 3.0], [float("nan"), 2.0]]), spans)
     assert torch.isfinite(stats).all()
     torch.testing.assert_close(stats[0], torch.tensor([2.0, 2.0, 2.0]))
     torch.testing.assert_close(stats[1], torch.zeros(3))
@@ -118,21 +116,22 @@ def test_entropy_statistics_by_hand():
     _, prompt_mask, completion_ids, completion_mask = _batch([[1]], [[3, 7, 8, 4, 5]])
     spans = feature_spans(prompt_mask, completion_ids, completion_mask, 10, MARKER)
     entropies = torch.tensor([[1.0, 2.0, 3.0, 10.0, 20.0]])
-    torch.testing.assert_close(entropy_statistics(entropies, spans), torch.tensor([[7.2, 2.0, 15.0]]))
+    torch.testing.assert_close(scalar_columns(DEFAULT_SCALARS, entropies, spans), torch.tensor([[7.2, 2.0, 15.0]]))
 
 
-def test_assemble_features_order_and_width():
+def test_the_layout_orders_the_blocks_and_holds_the_scalars_it_is_given():
     _, prompt_mask, completion_ids, completion_mask = _batch([[1, 2]], [[3, 4, 5]])
     spans = feature_spans(prompt_mask, completion_ids, completion_mask, 2, None)
     pooled = torch.arange(8.0).view(1, 2, 4)
-    features = assemble_features(["length", "prompt", "entropy"], pooled, torch.ones(1, 3), spans)
+    features = FeatureLayout(("length", "prompt", "entropy")).assemble(pooled, torch.ones(1, 3), spans)
     assert features.shape == (1, 4 + 3 + 1)
     assert features[0, :4].tolist() == [0, 1, 2, 3] and features[0, -1] == 3
-    assert block_slices(["prompt", "reasoning", "entropy"], 4) == {
-        "prompt": (0, 4),
-        "reasoning": (4, 8),
-        "entropy": (8, 11),
-    }
+    assert FeatureLayout().slices(4) == {"prompt": (0, 4), "reasoning": (4, 8), "entropy": (8, 11)}
+    scalars = ("answer_tokens", "output_max_token_entropy")
+    layout = FeatureLayout(("reasoning", "entropy", "length"), scalars)
+    assert layout.slices(4) == {"reasoning": (0, 4), "entropy": (4, 6), "length": (6, 7)}
+    assert layout.assemble(pooled, torch.tensor([[1.0, 5.0, 2.0]]), spans)[0, 4:].tolist() == [2, 5, 3]
+    assert layout.read_scalars == scalars and FeatureLayout(("prompt",), scalars).read_scalars == ()
 
 
 @pytest.mark.parametrize(("layer", "expected"), [(None, 19), (0, 0), (-1, 35), (35, 35), (-36, 0)])
@@ -205,11 +204,12 @@ def test_nan_at_padding_never_reaches_the_pooled_mean_and_zero_width_completions
         MARKER,
     )
     pooled = pool_hidden(torch.randn(2, 3, 4), empty.pool_index, empty.pool_weight)
-    assert pooled[:, 1].eq(0).all() and torch.equal(entropy_statistics(torch.zeros(2, 0), empty), torch.zeros(2, 3))
+    assert pooled[:, 1].eq(0).all()
+    assert torch.equal(scalar_columns(list(SCALARS), torch.zeros(2, 0), empty), torch.zeros(2, len(SCALARS)))
 
 
 def test_pca_blocks_cap_a_preset_at_the_block_width_and_refuse_explicit_dims_beyond_it():
-    assert pca_blocks(["prompt", "reasoning", "entropy"], 8, [32, 64], cap_at_width=True) == [(0, 8, 8), (8, 16, 8)]
-    assert pca_blocks(["reasoning"], 8, [32, 4], cap_at_width=True) == [(0, 8, 4)]
+    assert FeatureLayout().pca_blocks(8, [32, 64], cap_at_width=True) == [(0, 8, 8), (8, 16, 8)]
+    assert FeatureLayout(("reasoning",)).pca_blocks(8, [32, 4], cap_at_width=True) == [(0, 8, 4)]
     with pytest.raises(ValueError, match="asks for 32 components of the prompt block, which has only 8 columns"):
-        pca_blocks(["prompt", "reasoning"], 8, [32, 0])
+        FeatureLayout(("prompt", "reasoning")).pca_blocks(8, [32, 0])

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from poise_trl import files
 from poise_trl.buffer import ProbeBuffer
-from poise_trl.estimator import POISEEstimator
+from poise_trl.columns import DEFAULT_SCALARS
+from poise_trl.estimator import POISEEstimator, Rollouts
 from poise_trl.files import load_probe_file, read_state, save_probe_file
 from poise_trl.heads import HEADS
 from poise_trl.probe import ValueProbe
@@ -41,10 +42,10 @@ def test_state_round_trips_bit_for_bit_through_one_atomic_file(tmp_path):
     assert len(loaded.probes["code"].buffer) == 8
     for step in range(6, 9):  # the two continue identically
         x, r, groups, names = _batch(step, domains=True)
-        a, b = estimator.advantages(x, r, domains=names), loaded.advantages(x, r, domains=names)
+        a, b = estimator.advantages(x, Rollouts(r, domains=names)), loaded.advantages(x, Rollouts(r, domains=names))
         assert torch.equal(a.advantages, b.advantages) and a.metrics() == pytest.approx(b.metrics(), nan_ok=True)
-        estimator.observe(x, r, groups, domains=names)
-        loaded.observe(x, r, groups, domains=names)
+        for learner in (estimator, loaded):
+            learner.observe(features=x, rollouts=Rollouts(r, domains=names, prompt_ids=groups))
     for name, online in estimator.probes.items():
         for key, tensor in online.probe.state_dict().items():
             assert torch.equal(loaded.probes[name].probe.state_dict()[key], tensor), (name, key)
@@ -127,11 +128,11 @@ def test_every_head_resumes_exactly_from_the_file(tmp_path, head):
     assert type(loaded.probes["default"].probe) is HEADS[head]
     for step in range(3, 5):
         x, r, groups, _ = _batch(step)
-        a, b = estimator.advantages(x, r), loaded.advantages(x, r)
+        a, b = estimator.advantages(x, Rollouts(r)), loaded.advantages(x, Rollouts(r))
         assert torch.equal(a.advantages, b.advantages)
         assert torch.equal(estimator.prompt_values(x[:, :4]), loaded.prompt_values(x[:, :4]))
-        estimator.observe(x, r, groups)
-        loaded.observe(x, r, groups)
+        for learner in (estimator, loaded):
+            learner.observe(features=x, rollouts=Rollouts(r, prompt_ids=groups))
 
 
 def test_a_file_without_head_names_holds_ridge_and_another_head_is_refused(tmp_path):
@@ -145,3 +146,19 @@ def test_a_file_without_head_names_holds_ridge_and_another_head_is_refused(tmp_p
         POISEEstimator(G, spec(head={"name": "logistic"})).load_state_dict(state)
     with pytest.raises(ValueError, match="is a 'ridge' head, but this run's head is 'mlp'"):
         POISEEstimator(G, spec(head={"name": "mlp"})).load_state_dict(state, warm_start=True)
+
+
+def test_a_file_records_its_rows_scalars_and_refuses_other_ones(tmp_path):
+    """Files written before `probe_scalars` hold the paper's three where their blocks hold "entropy" (none without);
+    a file whose rows hold other scalars than this run's is refused, naming the setting."""
+    features = {"probe_features": ["prompt", "reasoning", "entropy"], "probe_layer": 1}
+    estimator = _trained(2)
+    estimator.feature_config = features  # as a file written before probe_scalars has it
+    estimator.save(tmp_path / "old.safetensors")
+    paper = {**features, "probe_scalars": list(DEFAULT_SCALARS)}
+    POISEEstimator(G, spec(), feature_config=paper).load(tmp_path / "old.safetensors")
+    without = {"probe_features": ["prompt", "reasoning"], "probe_layer": 1}
+    assert files.with_scalars(without) == {**without, "probe_scalars": []} and files.with_scalars(paper) == paper
+    lengths = {**features, "probe_scalars": ["output_length", "output_repetition_ratio"]}
+    with pytest.raises(ValueError, match=r"sets probe_scalars=\['output_length', 'output_repetition_ratio'\]"):
+        POISEEstimator(G, spec(), feature_config=lengths).load(tmp_path / "old.safetensors")

@@ -1,6 +1,7 @@
 """The granularity table: both token baselines answer the same calls; "sequence" adds nothing per token, "prefix"
 learns V(x, y_<t) with an OnlineLearner whose head is sized once the rows tell the model's width."""
 
+import pytest
 import torch
 
 from poise_trl.granularity import GRANULARITIES, PrefixBaseline, SequenceBaseline
@@ -22,15 +23,27 @@ def _batch(n: int = 4, k: int = 4, t: int = 5, seed: int = 0, values: bool = Fal
     )
 
 
-def test_the_table_maps_each_name_to_an_entry_with_the_same_calls():
-    assert GRANULARITIES == {"sequence": SequenceBaseline, "prefix": PrefixBaseline}
+@pytest.mark.parametrize("name", list(GRANULARITIES))
+def test_every_entry_has_its_name_and_the_same_calls_and_adds_nothing_without_a_capture(name):
+    """Every granularity answers the calls the estimator and the trainer make, whichever it is: built with an
+    estimator's settings, with no token capture it changes no advantage, learns nothing and round-trips its state."""
+    entry = GRANULARITIES[name]
     calls = ("capturer", "advantages", "diagnostics", "host_metrics", "observe", "fit", "state_dict", "info")
-    for name, entry in GRANULARITIES.items():
-        assert entry.name == name
-        for call in (*calls, "load_state"):
-            assert callable(getattr(entry, call)), (name, call)
-        assert isinstance(entry.takes_history, bool) and isinstance(entry.one_layer, bool)
-        assert all(isinstance(method, str) for method in entry.head_methods)
+    assert entry.name == name
+    for call in (*calls, "load_state"):
+        assert callable(getattr(entry, call)), (name, call)
+    assert isinstance(entry.takes_history, bool) and isinstance(entry.one_layer, bool)
+    assert all(isinstance(method, str) for method in entry.head_methods)
+    built = entry(head=RIDGE, pca_dims=(0, 0), buffer_size=64, warmup_steps=1)
+    rewards, receives = torch.rand(4), torch.ones(4, dtype=torch.bool)
+    assert built.advantages(None, rewards, receives, rewards) is None
+    assert built.diagnostics(None, rewards, receives, None) == {}
+    built.observe(None, rewards, receives)
+    assert not built.fit(None)  # without a capture there is nothing to refit
+    state, info = built.state_dict(), built.info()
+    again = entry(head=RIDGE, pca_dims=(0, 0), buffer_size=64, warmup_steps=1)
+    again.load_state(state, info or {}, warm_start=False)
+    assert again.state_dict().keys() == state.keys() and isinstance(built.host_metrics(), dict)
 
 
 def test_the_sequence_granularity_adds_nothing_per_token():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from poise_trl.buffer import prompt_group_ids
-from poise_trl.estimator import POISEEstimator
+from poise_trl.estimator import POISEEstimator, Rollouts
 from poise_trl.history import PromptHistory, segmented_sums
 from poise_trl.specs import EstimatorSpec, GranularitySpec, HistorySpec, PromptSpec
 
@@ -138,7 +138,7 @@ def _estimator(steps: int = 4, settings: EstimatorSpec = HISTORY) -> POISEEstima
     estimator = POISEEstimator(G, settings)
     for step in range(steps):
         x, r, ids = _batch(step)
-        estimator.observe(group_ids=ids, result=estimator.advantages(x, r, prompt_ids=ids))
+        estimator.observe(estimator.advantages(x, Rollouts(r, prompt_ids=ids)))
     return estimator
 
 
@@ -154,11 +154,11 @@ def test_a_steps_rewards_never_reach_its_own_baselines_but_reach_the_next_steps(
     states, baselines, nexts, columns = [], [], [], []
     for rewards in (r, flipped):
         state = copy.deepcopy(estimator)
-        result = state.advantages(x, rewards, prompt_ids=ids)
+        result = state.advantages(x, Rollouts(rewards, prompt_ids=ids))
         baselines.append(result.baselines)
-        state.observe(group_ids=ids, result=result)
+        state.observe(result)
         columns.append(state.history_columns(follow[2], follow[2].numel()))
-        nexts.append(state.advantages(follow[0], follow[1], prompt_ids=follow[2]).baselines)
+        nexts.append(state.advantages(follow[0], Rollouts(follow[1], prompt_ids=follow[2])).baselines)
         states.append(state)
     assert torch.isfinite(baselines[0]).all() and baselines[0].abs().sum() > 0
     if partner_reward:  # the flipped rollouts' own baselines (their partners' inputs hold only the partners' rewards)
@@ -172,11 +172,11 @@ def test_a_steps_rewards_never_reach_its_own_baselines_but_reach_the_next_steps(
 def test_without_prompt_ids_the_history_refuses_and_a_step_reads_only_earlier_ones():
     estimator = _estimator(steps=0)
     x, r, ids = _batch(0)
-    with pytest.raises(ValueError, match=r"history=True \(probe_history\) .* pass prompt_ids"):
-        estimator.advantages(x, r)
-    result = estimator.advantages(x, r, prompt_ids=ids)
+    with pytest.raises(ValueError, match=r"history=True \(probe_history\) .* give prompt_ids"):
+        estimator.advantages(x, Rollouts(r))
+    result = estimator.advantages(x, Rollouts(r, prompt_ids=ids))
     assert (result.batch.features[:, 0, -3:] == 0).all()  # nothing seen before the first step
-    estimator.observe(group_ids=ids, result=result)
+    estimator.observe(result)
     seen, count, _ = estimator.prompt_history.lookup(ids)
     assert seen.all() and count.min() >= G and estimator.probes["default"].buffer.features.size(-1) == 6 + 1 + 3
 
@@ -190,7 +190,7 @@ def test_the_samplers_prompt_values_read_the_history_before_the_step():
     assert before.shape == (2,) and before[0] != before[1]
     assert torch.equal(estimator.prompt_values(states, ids), before)  # reading changes nothing
     x, r, batch_ids = _batch(20)
-    estimator.advantages(x, r, prompt_ids=batch_ids)
+    estimator.advantages(x, Rollouts(r, prompt_ids=batch_ids))
     assert torch.equal(estimator.prompt_values(states, ids), before)  # nor does taking a step's advantages
 
 
@@ -205,13 +205,14 @@ def test_a_resume_from_the_file_is_exact_and_files_without_history_still_load(tm
     for step in range(3, 6):
         x, r, ids = _batch(step)
         for estimator in (first, resumed):
-            estimator.observe(group_ids=ids, result=estimator.advantages(x, r, prompt_ids=ids))
+            estimator.observe(estimator.advantages(x, Rollouts(r, prompt_ids=ids)))
     a, b = first.state_dict(), resumed.state_dict()
     assert a["info"] == b["info"] and a["tensors"].keys() == b["tensors"].keys()
     assert all(torch.equal(v, b["tensors"][k]) for k, v in a["tensors"].items())
     assert a["info"]["history"] == {"size": 5, "decay": 0.9, "steps": 6} and "history.keys" in a["tensors"]
     plain = POISEEstimator(G, spec())
-    plain.observe(*_batch(0)[:2])
+    x, r, _ = _batch(0)
+    plain.observe(features=x, rollouts=Rollouts(r))
     plain.save(tmp_path / "plain.safetensors")
     POISEEstimator(G, spec()).load(tmp_path / "plain.safetensors")
     with pytest.raises(ValueError, match=r"probe_history=False, but this run sets probe_history=True"):

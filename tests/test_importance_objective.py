@@ -8,6 +8,7 @@ import ast
 import importlib.util
 import inspect
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -174,8 +175,9 @@ def test_the_estimator_gets_each_rows_1_over_nq_and_the_loss_the_weighted_token_
     advantages = trainer.estimator.advantages
 
     def recorded_advantages(args, kwargs, result):
-        plain = advantages(*args, **{**kwargs, "weights": None}).advantages
-        applied.append((kwargs["weights"].clone(), plain, result.advantages))
+        features, rollouts = args
+        plain = advantages(features, replace(rollouts, weights=None), **kwargs).advantages
+        applied.append((rollouts.weights.clone(), plain, result.advantages))
 
     monkeypatch.setattr(selection_module, "draw", recorded_draw)
     spy_batch_advantages(trainer, monkeypatch, recorded_advantages)

@@ -3,7 +3,7 @@ same class learns the sequence value and the per-prefix value."""
 
 import torch
 
-from poise_trl.estimator import POISEEstimator
+from poise_trl.estimator import POISEEstimator, Rollouts
 from poise_trl.learner import OnlineLearner
 from poise_trl.probe import ValueProbe
 from poise_trl.specs import EstimatorSpec, GranularitySpec
@@ -68,7 +68,7 @@ def test_a_buffer_saved_as_n_by_d_loads_as_one_slice():
 
 def test_one_learner_class_serves_both_granularities():
     estimator = POISEEstimator(2, EstimatorSpec(granularity=GranularitySpec("prefix")))
-    estimator.observe(torch.randn(4, 3), torch.rand(4))
+    estimator.observe(features=torch.randn(4, 3), rollouts=Rollouts(torch.rand(4)))
     assert all(type(online) is OnlineLearner for online in estimator.probes.values())
     assert [type(learner) for learner in estimator.token_baseline.learners] == [OnlineLearner]
     assert POISEEstimator(2).token_baseline.learners == ()

@@ -14,14 +14,11 @@ from hypothesis import strategies as st
 
 from poise_trl.baselines import DIAGNOSTICS, cross_rollout_baselines, diagnostic_tensors, leave_one_out_targets
 from poise_trl.buffer import ProbeBuffer
-from poise_trl.features import (
-    assemble_features,
-    entropy_statistics,
-    feature_spans,
-    find_last_subsequence,
-    pool_hidden,
-)
+from poise_trl.columns import DEFAULT_SCALARS, SCALARS, scalar_columns
+from poise_trl.features import FEATURE_BLOCKS, FeatureLayout, feature_spans, find_last_subsequence, pool_hidden
 from poise_trl.probe import ValueProbe
+
+from .test_columns import assert_matches_reference
 
 NAN, INF = float("nan"), float("inf")
 SETTINGS = settings(max_examples=80, deadline=None, derandomize=True)
@@ -255,7 +252,8 @@ def _mean_values(values: list[float]) -> float:
 @SETTINGS
 @given(span_batches())
 def test_spans_pooling_and_entropy_match_a_brute_force_oracle(case):
-    """feature_spans + pool_hidden + entropy_statistics equal a per-row list computation, and are finite, for empty
+    """feature_spans + pool_hidden + every rollout scalar equal a per-row list computation (the scalars: the official
+    code's formulas, test_columns.py), and are finite, for empty
     prompts, empty completions, markers at any position or absent, tokens the policy did not generate, and NaN/±inf
     entropies (counted as 0)."""
     n = case["pool_tokens"]
@@ -264,8 +262,9 @@ def test_spans_pooling_and_entropy_match_a_brute_force_oracle(case):
         case["prompt_mask"], case["completion_ids"], case["completion_mask"], n, case["marker"], generated_mask
     )
     pooled = pool_hidden(case["hidden"], spans.pool_index, spans.pool_weight)
-    stats = entropy_statistics(case["entropies"], spans)
-    features = assemble_features(("prompt", "reasoning", "entropy", "length"), pooled, case["entropies"], spans)
+    stats = scalar_columns(DEFAULT_SCALARS, case["entropies"], spans)
+    features = FeatureLayout(FEATURE_BLOCKS).assemble(pooled, case["entropies"], spans)
+    assert_matches_reference(scalar_columns(list(SCALARS), case["entropies"], spans), case["entropies"], spans)
     batch, prompt_width = case["prompt_mask"].shape
     hidden_size = case["hidden"].size(-1)
     assert pooled.shape == (batch, 2, hidden_size) and stats.shape == (batch, 3)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from poise_trl import sampling
-from poise_trl.estimator import POISEEstimator
+from poise_trl.estimator import POISEEstimator, Rollouts
 from poise_trl.specs import BufferSpec, EstimatorSpec
 
 UNIT = (torch.tensor(0.0), torch.tensor(1.0))
@@ -24,13 +24,6 @@ def test_the_value_rule_keeps_the_highest_predicted_variance_or_draws_uniformly_
     assert len({tuple(d.indices) for d in blind}) > 5  # ranks and steps draw differently
     again = sampling.draw(VALUE, 6, 3, seed=0, rank=1, step=7)
     assert again == blind[20 + 7]  # a pure function of (seed, rank, step): a resumed run draws the same
-
-
-def test_an_unknown_rule_is_refused_with_the_rules_there_are():
-    with pytest.raises(
-        ValueError, match=r"prompt_selection='nope' is not a sampling rule: choose one of \['importance', 'value'\]"
-    ):
-        sampling.rule_from_config(SimpleNamespace(prompt_selection="nope"))
 
 
 def test_importance_probabilities_mix_the_predicted_spread_with_uniform_and_weigh_uniform_as_one():
@@ -112,7 +105,8 @@ def test_weighted_advantages_give_the_uniform_prompt_gradient_in_expectation(gro
         prompts = torch.tensor([i for d in draws for i in d.indices]).repeat_interleave(group)
         weights = torch.tensor([w for d in draws for w in (d.weights or [1.0] * keep)]).repeat_interleave(group)
         y = (torch.rand(len(prompts), generator=g, dtype=torch.float64) < p[prompts]).double()
-        result = estimator.advantages(torch.randn(len(y), 3), y, weights=weights.double() if weighted else None)
+        record = Rollouts(y, weights=weights.double() if weighted else None)
+        result = estimator.advantages(torch.randn(len(y), 3), record)
         score = result.advantages.double() * (y - p[prompts]) / (keep * group)
         per_trial = torch.zeros(trials, 8, dtype=torch.float64)
         per_trial.index_put_((torch.arange(len(y)) // (keep * group), prompts), score, accumulate=True)
@@ -127,14 +121,6 @@ def test_weighted_advantages_give_the_uniform_prompt_gradient_in_expectation(gro
     assert z(gradients(importance, weighted=True)).abs().max() < 4.5
     assert z(gradients(no_probe_yet, weighted=True)).abs().max() < 4.5
     assert z(gradients(importance, weighted=False)).abs().max() > 6  # unweighted, the draw's tilt shows
-
-
-def test_weights_that_are_not_finite_and_positive_are_refused():
-    estimator = POISEEstimator(2, NEVER_TRUSTED)
-    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
-    for weights in (torch.tensor([1.0, float("nan"), 1.0, 1.0]), torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.ones(3)):
-        with pytest.raises(ValueError, match="weights must be \\(4,\\) finite and positive"):
-            estimator.advantages(torch.randn(4, 3), rewards, weights=weights)
 
 
 def test_each_rule_takes_only_its_own_settings():

@@ -3,6 +3,7 @@ choice (highest predicted spread; importance draws whose weights multiply the ad
 trusted, the prefill that pools what the training pass pools, and draws that resume bit for bit."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -82,8 +83,9 @@ def test_importance_weights_multiply_the_advantages_of_the_drawn_rows(tiny_model
     advantages = trainer.estimator.advantages
 
     def recorded(args, kwargs, result):
-        plain = advantages(*args, **{**kwargs, "weights": None}).advantages
-        calls.append((kwargs["weights"], plain, result.advantages))
+        features, rollouts = args
+        plain = advantages(features, replace(rollouts, weights=None), **kwargs).advantages
+        calls.append((rollouts.weights, plain, result.advantages))
 
     spy_batch_advantages(trainer, monkeypatch, recorded)
     trainer.train()

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from poise_trl import POISEConfig
-from poise_trl.estimator import POISEEstimator
+from poise_trl.estimator import POISEEstimator, Rollouts
 from poise_trl.heads import HEADS
-from poise_trl.probe import ValueProbe
+from poise_trl.history import PromptHistory
+from poise_trl.probe import ScaledHead, ValueProbe
+from poise_trl.settings import Refused
 from poise_trl.specs import (
     BufferSpec,
     EstimatorSpec,
@@ -18,6 +20,7 @@ from poise_trl.specs import (
     HistorySpec,
     LayerSpec,
     PromptSpec,
+    SettingError,
     config_field,
     estimator_spec,
     spec_name,
@@ -62,6 +65,26 @@ def test_a_spec_refuses_what_the_config_refuses_in_the_same_words(part, key, val
 
 
 @pytest.mark.parametrize(
+    ("part", "key", "value", "build"),
+    [
+        (HeadSpec, "alpha", 0.0, lambda value: ScaledHead(alpha=value)),
+        (HeadSpec, "alpha", True, lambda value: ScaledHead(alpha=value)),
+        (HeadSpec, "clip", "max", lambda value: ScaledHead(clip=value)),
+        (HistorySpec, "size", 0, lambda value: PromptHistory(size=value)),
+        (HistorySpec, "decay", 0.0, lambda value: PromptHistory(decay=value)),
+    ],
+)
+def test_a_spec_refuses_its_objects_settings_by_their_own_check(part, key, value, build):
+    """One check per setting, in the object that takes it (the heads' front end, the history table); the spec
+    names the refused setting its way."""
+    with pytest.raises(Refused) as by_object:
+        build(value)
+    with pytest.raises(SettingError) as by_spec:
+        part(**{key: value})
+    assert str(by_spec.value) == str(by_object.value).replace(key, spec_name(part, key), 1)
+
+
+@pytest.mark.parametrize(
     ("buffer", "field", "value", "extra"),
     [
         (BufferSpec(size=3), "probe_buffer_size", 3, {}),
@@ -99,7 +122,7 @@ def test_head_kwargs_reach_the_head_from_the_config_and_the_command_line():
     for fields in (dict(probe_head_kwargs={"hidden": 5}), dict(probe_head_kwargs='{"hidden": 5}')):
         config = _config(probe_head="mlp", probe_features=["entropy"], probe_warmup_steps=0, **fields)
         estimator = POISEEstimator.from_config(config, num_layers=4, hidden_size=16)
-        estimator.observe(x[:, :3], r, groups)
+        estimator.observe(features=x[:, :3], rollouts=Rollouts(r, prompt_ids=groups))
         state = estimator.probes["default"].probe.state_dict()
         assert state["hidden_weight"].shape == (3 + 1, 5) and state["coef"].shape == (5,)
     config = _config(
@@ -169,12 +192,13 @@ def test_a_spec_round_trips_through_the_file(tmp_path):
     x, r, _, _ = _batch(0)
     ids = torch.arange(x.size(0)) // G
     features = torch.stack([x, -x], 1)
-    estimator.observe(group_ids=ids, result=estimator.advantages(features, r, prompt_ids=ids))
+    estimator.observe(estimator.advantages(features, Rollouts(r, prompt_ids=ids)))
     estimator.save(tmp_path / "e.safetensors")
     loaded = POISEEstimator.from_file(tmp_path / "e.safetensors")
     assert loaded.spec == SPEC and loaded.feature_config == {"probe_layer": "auto"} and loaded.steps == 1
     assert EstimatorSpec.from_dict(SPEC.to_dict()) == SPEC
-    assert torch.equal(loaded.predict(features, r, prompt_ids=ids), estimator.predict(features, r, prompt_ids=ids))
+    record = Rollouts(r, prompt_ids=ids)
+    assert torch.equal(loaded.predict(features, record), estimator.predict(features, record))
 
 
 def test_a_file_without_a_spec_is_refused_by_from_file():
@@ -193,16 +217,17 @@ def test_refit_with_another_spec_learns_what_an_estimator_of_that_spec_learned_f
     for step in range(3):
         x, r, _, _ = _batch(step)
         ids = torch.arange(x.size(0)) // G + 10 * (step % 2)
-        saved.observe(group_ids=ids, result=saved.advantages(x, r, prompt_ids=ids))
-        direct.observe(x, r, ids)
+        saved.observe(saved.advantages(x, Rollouts(r, prompt_ids=ids)))
+        direct.observe(features=x, rollouts=Rollouts(r, prompt_ids=ids))
     refit = saved.refit(other)
     assert refit.spec == other and refit.steps == direct.steps == 3 and refit.prompt_history is None
     ours, theirs = refit.probes["default"], direct.probes["default"]
     assert torch.equal(ours.buffer.features, theirs.buffer.features) and ours.trusted
     x, r, _, _ = _batch(9)
-    assert torch.equal(refit.predict(x, r), direct.predict(x, r))
+    assert torch.equal(refit.predict(x, Rollouts(r)), direct.predict(x, Rollouts(r)))
     assert torch.equal(refit.prompt_values(x[:, :3]), direct.prompt_values(x[:, :3]))
-    assert torch.equal(saved.refit(with_history).predict(x, r, prompt_ids=ids), saved.predict(x, r, prompt_ids=ids))
+    record = Rollouts(r, prompt_ids=ids)
+    assert torch.equal(saved.refit(with_history).predict(x, record), saved.predict(x, record))
     with pytest.raises(ValueError, match="do not hold the columns"):
         direct.refit(with_history)
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
+from poise_trl.batch import Rollouts
 from poise_trl.contract import ContractError
 from poise_trl.prefix import PrefixBatch
 from poise_trl.step import (
@@ -115,12 +116,12 @@ def test_the_record_refuses_rows_captured_twice_or_missing():
         step.assemble()
 
 
-def test_inputs_for_a_micro_batch_are_its_global_rows():
+def test_the_record_of_a_micro_batch_holds_its_global_rows():
     step = GenerationStep("train", "loss", rows=4, offset=4)
-    step.estimator_inputs = dict(rewards=torch.arange(8.0), domains=list("abcdefgh"), weights=None, num_generations=2)
-    part = step.inputs_for(torch.tensor([2, 3]))
-    assert part["rewards"].tolist() == [6.0, 7.0] and part["domains"] == ["g", "h"]
-    assert part["weights"] is None and part["num_generations"] == 2
+    step.rollouts = Rollouts(torch.arange(8.0), num_generations=2, domains=list("abcdefgh"))
+    part = step.rollouts_of(torch.tensor([2, 3]))
+    assert part.rewards.tolist() == [6.0, 7.0] and part.domains == ["g", "h"]
+    assert part.weights is None and part.num_generations == 2
 
 
 def test_concat_prefix_orders_every_field():

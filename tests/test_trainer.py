@@ -300,6 +300,32 @@ def test_warm_start_uses_the_loaded_probe_from_the_first_step(tiny_model_path, t
     assert len(second.probe_buffer) == (3 * 8 if include_buffer else 0) + 2 * 8
 
 
+def test_the_probe_reads_the_rollout_scalars_it_is_given(tiny_model_path, tmp_path):
+    """probe_scalars: φ holds the chosen scalars after the pooled states, as recomputed row by row from the batch's
+    tokens and a plain pass's entropies (the answer: after the last marker, else the last n tokens)."""
+    scalars = ["answer_max_token_entropy", "output_length", "output_repetition_ratio"]
+    args = poise_args(tmp_path, max_steps=1, probe_pool_tokens=3, probe_scalars=scalars)
+    trainer = RecordingTrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
+    trainer.records = []
+    trainer.train()
+    record, buffered = trainer.recorded[0], trainer.probe_buffer.features[:, 0]
+    out, logits, width = record["output"], record["logits"], 2 * trainer.hidden_size
+    assert buffered.shape == (8, width + len(scalars))  # the paper's probe: no partner-reward column
+    p_len = out["prompt_ids"].size(1)
+    for i in range(8):
+        completion = out["completion_ids"][i][out["completion_mask"][i].bool()].tolist()
+        log_p = torch.log_softmax(logits[i, p_len - 1 : p_len - 1 + len(completion)].float(), -1)
+        entropy = -(log_p.exp() * log_p).sum(-1)
+        markers = [j for j, tok in enumerate(completion) if tok == MARKER_ID]
+        answer = entropy[markers[-1] + 1 :] if markers else entropy[-3:]
+        expected = [
+            answer.max().item() if len(answer) else 0.0,
+            len(completion),
+            1 - len(set(completion)) / len(completion) if completion else 0.0,
+        ]
+        torch.testing.assert_close(buffered[i, width:], torch.tensor(expected), atol=2e-4, rtol=1e-4)
+
+
 def test_warm_start_refuses_a_probe_from_another_feature_space(tiny_model_path, tmp_path):
     first = POISETrainer(
         str(tiny_model_path), digit_reward, args=poise_args(tmp_path, max_steps=1), train_dataset=_dataset()

@@ -130,7 +130,7 @@ class SpyTrainer(POISETrainer):
                 dict(
                     features=features,
                     advantages=advantages.clone(),
-                    rewards=step.estimator_inputs["rewards"].clone(),
+                    rewards=step.rollouts.rewards.clone(),
                     baselines=torch.tensor(result.logged_rows()[1][rows]),
                     divisor=divisor,
                     result=result,

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from poise_trl.estimator import POISEEstimator
+from poise_trl.estimator import POISEEstimator, Rollouts
 from poise_trl.settings import DEFAULT_FLOOR, check_floor
 
 from .common import CONTENDERS, config_default, format_table, other_heads, resolve_device, write_json
@@ -190,7 +190,7 @@ def fitted_probe(
     features = probe.columns(blocks, layer, pool)
     for chunk in np.array_split(keep, estimator.spec.buffer.warmup_steps + 4):
         rows = torch.from_numpy((chunk[:, None] * PROBE_K + np.arange(PROBE_K)).ravel())
-        estimator.observe(features[rows], probe.rewards[rows].nan_to_num(0.0))
+        estimator.observe(features=features[rows], rollouts=Rollouts(probe.rewards[rows].nan_to_num(0.0)))
     return estimator, blocks
 
 
@@ -275,7 +275,8 @@ def online_values(
             raise RuntimeError(f"{label(row)}: the probe is not trusted; give more --probe-prompts")
         keys = row_prompt_keys(collection) if estimator.prompt_history is not None else None
         features = collection.columns(blocks, layer, pool)
-        out = estimator.predict(features, collection.rewards.nan_to_num(0.0), prompt_ids=keys).double().numpy()
+        record = Rollouts(collection.rewards.nan_to_num(0.0), prompt_ids=keys)
+        out = estimator.predict(features, record).double().numpy()
         if not np.isfinite(out).all():
             raise RuntimeError(
                 f"{label(row)}: the probe gave non-finite values for {int((~np.isfinite(out)).sum())} rows"

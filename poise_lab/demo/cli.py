@@ -5,6 +5,7 @@ from typing import Any
 
 from poise_lab.models.real import REAL_MODELS
 from poise_lab.tasks.toy import TASKS
+from poise_trl.choices import GRANULARITIES, HEADS, PROBE_PRESETS
 
 from .defaults import REAL_DEFAULTS as REAL
 from .defaults import TOY_DEFAULTS as TOY
@@ -83,7 +84,7 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
         f"{REAL.probe_warmup_steps})",
     )
     parser.add_argument(
-        "--probe-preset", choices=("release", "paper"), default=DEFAULT.probe_preset, help="probe settings"
+        "--probe-preset", choices=list(PROBE_PRESETS), default=DEFAULT.probe_preset, help="probe settings"
     )
     parser.add_argument(
         "--paper-rules",
@@ -93,14 +94,15 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--probe-granularity",
-        choices=("sequence", "prefix"),
+        choices=list(GRANULARITIES),
         default=DEFAULT.probe_granularity,
         help="one baseline per rollout, or per token from the prefix (docs: the per-prefix baseline)",
     )
     parser.add_argument(
         "--probe-head",
+        choices=list(HEADS),
         default=DEFAULT.probe_head,
-        help="the probe's value head, a key of poise_trl.heads.HEADS (POISEConfig.probe_head; default: its default)",
+        help="the probe's value head (POISEConfig.probe_head; default: its default)",
     )
     parser.add_argument(
         "--probe-history",

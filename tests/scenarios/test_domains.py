@@ -7,7 +7,7 @@ import torch
 from datasets import Dataset
 
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl.estimator import POISEEstimator
+from poise_trl.estimator import POISEEstimator, Rollouts
 from poise_trl.files import read_state
 from poise_trl.learner import OnlineLearner
 from poise_trl.probe import ValueProbe
@@ -206,10 +206,10 @@ def test_the_estimator_refuses_a_domain_past_max_domains_and_buffers_grow_with_t
     buffers = BufferSpec(size=4096, max_domains=2, warmup_steps=0)
     estimator = POISEEstimator(2, EstimatorSpec(head=HeadSpec(alpha=1.0), buffer=buffers))
     x, r = torch.randn(8, 1, 16), torch.tensor([0.0, 1.0] * 4)
-    estimator.observe(x, r, domains=["a"] * 6 + ["b"] * 2)
+    estimator.observe(features=x, rollouts=Rollouts(r, domains=["a"] * 6 + ["b"] * 2))
     assert {name: online.buffer.allocated for name, online in estimator.probes.items()} == {"a": 8, "b": 8}
     with pytest.raises(ValueError, match=r"3 distinct domains \('a', 'b', 'c'\) exceed max_domains=2"):
-        estimator.advantages(x, r, domains=["c"] * 8)
+        estimator.advantages(x, Rollouts(r, domains=["c"] * 8))
 
 
 @pytest.mark.parametrize(

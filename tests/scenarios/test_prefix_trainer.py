@@ -1,11 +1,13 @@
 """probe_granularity="prefix" in POISETrainer: (B, T) advantages r - V(x, y_<t) reach every TRL loss type, only on
 the tokens the policy generated; the probe learns from earlier steps only; PEFT, resume and bad settings."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from poise_trl import POISETrainer
-from poise_trl.estimator import POISEEstimator
+from poise_trl.estimator import POISEEstimator, Rollouts
 from poise_trl.prefix import PrefixBatch
 from poise_trl.resume import ESTIMATOR_FILE
 from poise_trl.specs import BufferSpec, EstimatorSpec, GranularitySpec, LayerSpec
@@ -134,7 +136,7 @@ def test_resume_restores_the_prefix_probe_and_continues_as_the_uninterrupted_run
 def test_a_sequence_level_file_loads_into_a_prefix_run(tmp_path):
     sequence = POISEEstimator(2, EstimatorSpec(buffer=BufferSpec(warmup_steps=0)))
     features, rewards = torch.randn(8, 5), torch.rand(8)
-    sequence.observe(features, rewards)
+    sequence.observe(features=features, rollouts=Rollouts(rewards))
     sequence.save(tmp_path / "old.safetensors")
     prefix = POISEEstimator(2, EstimatorSpec(buffer=BufferSpec(warmup_steps=0), granularity=GranularitySpec("prefix")))
     prefix.load(tmp_path / "old.safetensors")
@@ -186,9 +188,10 @@ def test_importance_weights_multiply_the_token_advantages(model_path, tmp_path, 
     trainer = PrefixSpy(str(model_path), code_reward, args=args, train_dataset=prompts(16))
     calls, advantages = [], trainer.estimator.advantages
 
-    def recorded(*args, weights=None, **kwargs):
-        result = advantages(*args, weights=weights, **kwargs)
-        calls.append((weights, advantages(*args, **kwargs).token_advantages, result.token_advantages))
+    def recorded(features, rollouts, **kwargs):
+        result = advantages(features, rollouts, **kwargs)
+        plain = advantages(features, replace(rollouts, weights=None), **kwargs).token_advantages
+        calls.append((rollouts.weights, plain, result.token_advantages))
         return result
 
     monkeypatch.setattr(trainer.estimator, "advantages", recorded)
@@ -214,7 +217,7 @@ def _prefix_batch(seed: int, rows: int = 4, samples: int = 4, width: int = 21) -
 def test_prefix_state_round_trips_and_warm_starts(tmp_path):
     estimator = POISEEstimator(2, PREFIX)
     for step in range(3):
-        estimator.observe(torch.randn(4, 5), torch.rand(4), prefix=_prefix_batch(step))
+        estimator.observe(features=torch.randn(4, 5), rollouts=Rollouts(torch.rand(4)), prefix=_prefix_batch(step))
     assert estimator.token_baseline.trusted and len(estimator.token_baseline.buffer) == 48
     estimator.save(tmp_path / "full.safetensors")
     estimator.save(tmp_path / "probe.safetensors", include_buffer=False)
@@ -228,9 +231,10 @@ def test_prefix_state_round_trips_and_warm_starts(tmp_path):
     assert warm.token_baseline.trusted and len(warm.token_baseline.buffer) == 0
     loaded = warm.token_baseline.map().prefix.clone()
     assert torch.equal(loaded, estimator.token_baseline.map().prefix)
-    warm.observe(torch.randn(4, 5), torch.rand(4), prefix=_prefix_batch(10))  # 1 step of new rows: fit kept
+    new_rows = dict(features=torch.randn(4, 5), rollouts=Rollouts(torch.rand(4)))
+    warm.observe(**new_rows, prefix=_prefix_batch(10))  # 1 step of new rows: fit kept
     assert torch.equal(warm.token_baseline.map().prefix, loaded)
-    warm.observe(torch.randn(4, 5), torch.rand(4), prefix=_prefix_batch(11))  # warmup_steps of rows: refit
+    warm.observe(**new_rows, prefix=_prefix_batch(11))  # warmup_steps of rows: refit
     assert not torch.equal(warm.token_baseline.map().prefix, loaded)
 
 

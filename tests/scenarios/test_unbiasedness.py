@@ -30,7 +30,7 @@ from poise_trl.baselines import (
     poise_advantages,
     shrunk_rloo_line,
 )
-from poise_trl.estimator import POISEEstimator
+from poise_trl.estimator import POISEEstimator, Rollouts
 from poise_trl.files import DEFAULT_DOMAIN
 from poise_trl.probe import ValueProbe
 from poise_trl.specs import BufferSpec, EstimatorSpec, HistorySpec
@@ -156,7 +156,7 @@ def test_cross_rollout_baseline_is_unbiased_and_self_baseline_is_not(bandit, pro
     x, a, r, values, phi = _rollouts(bandit, probe, n, group, seed=10 + group)
     exact = bandit.exact_gradient()
 
-    result = estimator_with(probe, group).advantages(phi, r.reshape(-1))
+    result = estimator_with(probe, group).advantages(phi, Rollouts(r.reshape(-1)))
     cross = cross_rollout_baselines(values.reshape(-1), group).reshape(values.shape)
     assert torch.isfinite(result.baselines).all()
     torch.testing.assert_close(result.baselines.reshape(r.shape), cross)  # b_i = mean of the partners' g(φ_j)
@@ -178,7 +178,7 @@ def test_rloo_baseline_is_unbiased_and_the_group_mean_with_self_is_not(bandit, g
     exact = bandit.exact_gradient()
 
     rloo = leave_one_out_targets(r.reshape(-1), group).reshape(r.shape)
-    advantages = estimator_with(None, group).advantages(torch.zeros(r.numel(), 1), r.reshape(-1)).advantages
+    advantages = estimator_with(None, group).advantages(torch.zeros(r.numel(), 1), Rollouts(r.reshape(-1))).advantages
     torch.testing.assert_close(advantages.reshape(r.shape), r - rloo)  # before any observe: the RLOO bootstrap
     z, statistic, p_value = bias_statistics(bandit.batch_gradients(x, a, advantages.reshape(r.shape)), exact)
     assert z.abs().max() < UNBIASED_Z, f"RLOO z={z}"
@@ -209,7 +209,7 @@ def test_trainer_rule_with_action_dependent_feature_dropout_is_unbiased(bandit, 
     baselines = torch.where(torch.isnan(probe_baselines), rloo, probe_baselines).reshape(r.shape)
     assert 0.05 < torch.isnan(probe_baselines).double().mean() < 0.5  # the fallback is really exercised
     unusable = torch.where(feature_ok.reshape(-1, 1), phi, torch.full_like(phi, float("nan")))
-    result = estimator_with(probe, group).advantages(unusable, r.reshape(-1))
+    result = estimator_with(probe, group).advantages(unusable, Rollouts(r.reshape(-1)))
     torch.testing.assert_close(result.baselines.reshape(r.shape), baselines)
     advantages = result.advantages.reshape(r.shape)
     z, statistic, p_value = bias_statistics(bandit.batch_gradients(x, a, advantages), bandit.exact_gradient())
@@ -244,7 +244,7 @@ def test_partner_aware_baseline_is_unbiased_and_its_self_version_is_not(bandit, 
     flipped = probe.predict(torch.cat([phi[:, :-1], 1 - phi[:, -1:]], dim=1)).double()
     assert (values - flipped).abs().mean() > 0.05  # h really uses the reward column
 
-    result = estimator_with(probe, group, partner_reward=True).advantages(features, r.reshape(-1).float())
+    result = estimator_with(probe, group, partner_reward=True).advantages(features, Rollouts(r.reshape(-1).float()))
     baselines = cross_rollout_baselines(values, group).reshape(r.shape)
     torch.testing.assert_close(result.baselines.reshape(r.shape), baselines, check_dtype=False)
     advantages = result.advantages.double().reshape(r.shape)
@@ -266,12 +266,12 @@ def test_shrunk_bootstrap_from_earlier_steps_is_unbiased(bandit, group):
     intercept, weight = shrunk_rloo_line(leave_one_out_targets(earlier, group), earlier).tolist()
     assert abs(weight - 1) > 0.5  # a real shrinkage, not RLOO in disguise (this bandit: w ≈ 0.02)
     estimator = estimator_with(None, group, bootstrap="shrunk", buffer=BufferSpec(size=10**5, warmup_steps=10**6))
-    estimator.observe(torch.zeros(earlier.numel(), 1), earlier)
+    estimator.observe(features=torch.zeros(earlier.numel(), 1), rollouts=Rollouts(earlier))
 
     x, a, r = bandit.sample(REPS, 4, group, g)
     rewards = r.reshape(-1)
     fallback = intercept + weight * leave_one_out_targets(rewards, group)
-    result = estimator.advantages(torch.zeros(rewards.numel(), 1), rewards)
+    result = estimator.advantages(torch.zeros(rewards.numel(), 1), Rollouts(rewards))
     torch.testing.assert_close(result.baselines, fallback)
     ones = torch.ones_like(rewards, dtype=torch.bool)
     values = torch.full_like(rewards, float("nan"))
@@ -307,7 +307,7 @@ def test_history_baseline_is_unbiased_and_one_holding_the_own_rollouts_is_not(ba
         estimator = estimator_with(probe, group, history=HistorySpec())
         for rewards in past:
             estimator.prompt_history.update(keys, rewards)
-        advantages = estimator.advantages(noise, r.reshape(-1), prompt_ids=keys).advantages.reshape(r.shape)
+        advantages = estimator.advantages(noise, Rollouts(r.reshape(-1), prompt_ids=keys)).advantages.reshape(r.shape)
         return bias_statistics(bandit.batch_gradients(x, a, advantages), bandit.exact_gradient())
 
     z, statistic, p_value = bias(earlier)

@@ -26,6 +26,7 @@ The pool, its features and Gram matrices are cached (--cache-dir/gradient), so a
 import argparse
 from typing import Any
 
+from poise_trl.choices import HEADS
 from poise_trl.settings import DEFAULT_FLOOR
 
 from ..common import GRADIENT_CONTENDERS, GRADIENT_PREFIX_ROWS
@@ -73,8 +74,9 @@ def add_gradient_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--probe-heads",
         nargs="+",
         default=[],
+        choices=list(HEADS),
         metavar="HEAD",
-        help="POISE (default) again with each of these value heads (keys of poise_trl.heads.HEADS, as "
+        help=f"POISE (default) again with each of these value heads (of {', '.join(HEADS)}, as "
         "POISEConfig.probe_head takes them), fitted on the same probe pool (or, for a run's snapshot, its saved "
         "estimator refit on its own buffer), alone and with its own probe sampler; from a cached pool the analysis "
         "alone",

@@ -16,6 +16,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from poise_trl.choices import HEADS, PROBE_PRESETS
+
 from ..common import DEFAULT_MLPS, DEFAULT_POOLS
 from .collection import add_collection_arguments
 
@@ -49,7 +51,7 @@ def add_probe_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="BLOCK",
         help="any of prompt, reasoning, entropy, length (default: POISEConfig's)",
     )
-    add("--preset", choices=("release", "paper"), default=None, help="probe for the sweeps (default: POISEConfig's)")
+    add("--preset", choices=list(PROBE_PRESETS), default=None, help="probe for the sweeps (default: POISEConfig's)")
     add("--test-fraction", type=float, default=0.25, help="share of prompts held out")
     add("--bootstrap", type=int, default=1000, help="bootstrap resamples of held-out prompts for the CIs")
     add("--vr-group-size", type=int, default=2, help="G for the variance-reduction column (POISE uses 2)")
@@ -58,8 +60,9 @@ def add_probe_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--probe-heads",
         nargs="*",
         default=None,
+        choices=list(HEADS),
         metavar="HEAD",
-        help="the trainer's other value heads (keys of poise_trl.heads.HEADS, as POISEConfig.probe_head takes them) "
+        help=f"the trainer's other value heads (of {', '.join(HEADS)}, as POISEConfig.probe_head takes them) "
         "scored beside the default one at --preset, on the same front end (default: every other one; none when "
         "given alone)",
     )

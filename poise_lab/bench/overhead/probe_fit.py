@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from poise_trl.features import block_sizes, pca_blocks
+from poise_trl.features import FeatureLayout
 from poise_trl.heads import HEADS
 from poise_trl.probe import ValueProbe
 
@@ -77,14 +77,14 @@ def probe_fit_benchmark(
 
     from poise_trl.config import PROBE_PRESETS
 
-    blocks = ["prompt", "reasoning", "entropy"]
+    layout = FeatureLayout()  # the default φ: prompt, reasoning, the paper's three entropy statistics
     x, y = _probe_data(rows, hidden)
     x_new, _ = _probe_data(512, hidden, seed=1)
     x64, y64, x_new64 = x.double().numpy(), y.double().numpy(), x_new.double().numpy()
     results = []
     for preset in ("paper", "release"):
         alpha, dims = PROBE_PRESETS[preset]
-        pca = pca_blocks(blocks, hidden, dims)
+        pca = layout.pca_blocks(hidden, dims)
         probe = ValueProbe(alpha=alpha, pca_dims=pca or None, clip=None)
         torch_seconds = _median_seconds(partial(probe.fit, x, y), repeats)
         ours = probe.predict(x_new).double().numpy()
@@ -100,7 +100,7 @@ def probe_fit_benchmark(
             "preset": preset,
             "alpha": alpha,
             "pca_blocks": pca,
-            "shape": [rows, int(sum(block_sizes(blocks, hidden).values()))],
+            "shape": [rows, int(sum(layout.sizes(hidden).values()))],
             "threads": torch.get_num_threads(),
             "torch_cpu_seconds": torch_seconds,
             "sklearn_seconds": sklearn_seconds,

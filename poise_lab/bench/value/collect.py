@@ -22,8 +22,7 @@ from poise_lab.bench.common import (
 from poise_trl.buffer import prompt_group_ids
 from poise_trl.features import (
     FEATURE_BLOCKS,
-    assemble_features,
-    block_slices,
+    FeatureLayout,
     capture_layer,
     feature_spans,
     find_decoder_layers,
@@ -31,6 +30,7 @@ from poise_trl.features import (
 )
 
 Prompt = str | list[dict[str, str]]
+POOL_LAYOUT = FeatureLayout(FEATURE_BLOCKS)  # a collection's stored columns: every block, the paper's three scalars
 RewardFn = Callable[..., list[float | None]]
 Log = Callable[[str], None]
 
@@ -39,7 +39,7 @@ Log = Callable[[str], None]
 class Collection:
     """Rollouts of P prompts x K samples, in prompt-major order (a prompt's K rows are consecutive, TRL's layout).
 
-    `features[:, c]` is `assemble_features(FEATURE_BLOCKS, ...)` for capture c = (layer, pool tokens), i.e.
+    `features[:, c]` is `POOL_LAYOUT.assemble(...)` for capture c = (layer, pool tokens), i.e.
     [prompt mean | reasoning mean | 3 entropy stats | length]; any block subset is a column selection of it.
     """
 
@@ -65,11 +65,11 @@ class Collection:
         return [tuple(c) for c in self.meta["captures"]]
 
     def columns(self, blocks: Sequence[str], layer: int, pool: int) -> torch.Tensor:
-        """(N, D) features of `blocks` at (layer, pool), columns in the order `assemble_features(blocks)` uses."""
+        """(N, D) features of `blocks` at (layer, pool), columns in the order `FeatureLayout(blocks)` lays out."""
         key = (layer, pool)
         if key not in self.captures:
             raise KeyError(f"(layer {layer}, pool {pool}) was not captured; captured: {self.captures}")
-        slices = block_slices(FEATURE_BLOCKS, self.meta["hidden_size"])
+        slices = POOL_LAYOUT.slices(self.meta["hidden_size"])
         full = self.features[:, self.captures.index(key)]
         return torch.cat([full[:, slice(*slices[b])] for b in FEATURE_BLOCKS if b in blocks], dim=1)
 
@@ -234,7 +234,7 @@ def extract_features(
             ).logits[:, :-1]
         entropies = entropy_from_logits(logits.div_(temperature)).float().cpu()
         rows = [
-            assemble_features(FEATURE_BLOCKS, grab.pooled().cpu(), entropies, spans[p])
+            POOL_LAYOUT.assemble(grab.pooled().cpu(), entropies, spans[p])
             for grab, (_, p) in zip(grabs, captures, strict=True)
         ]
         out.append(torch.stack(rows, dim=1))

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from poise_lab.bench.common import DEMO_MODEL
 from poise_trl.baselines import append_reward_column, leave_one_out_targets
-from poise_trl.features import FEATURE_BLOCKS, pca_blocks
+from poise_trl.features import FEATURE_BLOCKS, FeatureLayout
 from poise_trl.learner import OnlineLearner
 from poise_trl.probe import ValueProbe
 
@@ -152,7 +152,8 @@ def export_probe(collection: Collection, features: Sequence[str], path: str | Pa
     if partner_reward:
         x = append_reward_column(x, torch.nan_to_num(collection.rewards))
     alpha, dims = PROBE_PRESETS["release"]
-    probe = ValueProbe(alpha=alpha, pca_dims=pca_blocks(blocks, meta["hidden_size"], dims), clip="observed")
+    pca = FeatureLayout(tuple(blocks)).pca_blocks(meta["hidden_size"], dims)
+    probe = ValueProbe(alpha=alpha, pca_dims=pca, clip="observed")
     probe.fit(x[rows], targets[rows])
     metadata = {
         "feature_config": {

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from poise_trl.baselines import DIAGNOSTICS, cross_rollout_baselines, diagnostic_tensors, leave_one_out_targets
-from poise_trl.features import FEATURE_BLOCKS, layer_candidates, pca_blocks
+from poise_trl.features import FEATURE_BLOCKS, FeatureLayout, layer_candidates
 from poise_trl.heads import HEADS, ValueHead
 from poise_trl.layer_choice import choose_layer, grouped_kfold_errors
 from poise_trl.probe import ValueProbe
@@ -172,7 +172,8 @@ class ValueBenchmark:
         from poise_trl.config import PROBE_PRESETS
 
         alpha, dims = PROBE_PRESETS[preset]
-        return HEADS[head](alpha=alpha, pca_dims=pca_blocks(blocks, self.collection.meta["hidden_size"], dims))
+        pca = FeatureLayout(tuple(blocks)).pca_blocks(self.collection.meta["hidden_size"], dims)
+        return HEADS[head](alpha=alpha, pca_dims=pca)
 
     def probe(self, x: torch.Tensor, probe: ValueHead) -> torch.Tensor:
         """Fit `probe` on the train rows' leave-one-out targets and predict the held-out rows."""

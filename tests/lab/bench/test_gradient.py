@@ -31,6 +31,7 @@ from poise_lab.bench.gradient import (
 )
 from poise_lab.bench.value.collect import Collection
 from poise_trl import cli
+from poise_trl.batch import Rollouts
 from poise_trl.sampling import DEFAULT_FLOOR, importance_probabilities
 from poise_trl.trainer import ESTIMATOR_FILE
 
@@ -253,7 +254,7 @@ def test_command_end_to_end_on_the_tiny_model(tiny_model_path, tmp_path):
         == "the run's saved estimator refit with the logistic head on its own buffer"
     )
     features = pool.columns(blocks, int(pool.meta["default_layer"]), int(pool.meta["default_pool"]))
-    expected = saved.advantages(features, pool.rewards.nan_to_num(0.0)).values.double().numpy()
+    expected = saved.advantages(features, Rollouts(pool.rewards.nan_to_num(0.0))).values.double().numpy()
     assert np.array_equal(values["poise"], expected) and not np.allclose(values["poise"], fresh["poise"])
     # the probe sampler is the saved estimator's: its prompt-only probe on each prompt's prompt block, floored
     layer, width = int(pool.meta["default_layer"]), int(pool.meta["default_pool"])
@@ -271,9 +272,11 @@ def test_command_end_to_end_on_the_tiny_model(tiny_model_path, tmp_path):
     probe_keys = row_prompt_keys(probe)
     for chunk in [*np.array_split(keep, run.spec.buffer.warmup_steps), *np.array_split(keep, 4)]:  # two epochs
         rows = torch.from_numpy((chunk[:, None] * 2 + np.arange(2)).ravel())
-        run.observe(probe.columns(blocks, layer, width)[rows], probe.rewards[rows].nan_to_num(0.0), probe_keys[rows])
+        record = Rollouts(probe.rewards[rows].nan_to_num(0.0), prompt_ids=probe_keys[rows])
+        run.observe(features=probe.columns(blocks, layer, width)[rows], rollouts=record)
     earlier = torch.arange(pool.rewards.numel()) % pool.k < 2  # an earlier step's rewards of the measured prompts
-    run.observe(features[earlier], pool.rewards[earlier].nan_to_num(0.0), keys[earlier])
+    earlier_rows = Rollouts(pool.rewards[earlier].nan_to_num(0.0), prompt_ids=keys[earlier])
+    run.observe(features=features[earlier], rollouts=earlier_rows)
     run.save(tmp_path / ESTIMATOR_FILE)
     values, sources, samplers = online_values(pool, probe, keep, heads=["logistic"])
     assert set(values) == {"poise_paper", "poise", *(f"poise_head_{h}" for h in ("ridge_nohistory", "logistic"))} | {
@@ -283,7 +286,7 @@ def test_command_end_to_end_on_the_tiny_model(tiny_model_path, tmp_path):
     assert sources["poise_head_ridge_nohistory"].endswith(
         "refit with the ridge head on its own buffer, without the prompt history"
     )
-    expected = run.predict(features, pool.rewards.nan_to_num(0.0), prompt_ids=keys).double().numpy()
+    expected = run.predict(features, Rollouts(pool.rewards.nan_to_num(0.0), prompt_ids=keys)).double().numpy()
     assert np.array_equal(values["poise"], expected)
     bare, _ = run_estimator(tmp_path / ESTIMATOR_FILE, pool, "ridge", history=False)
     assert bare.prompt_history is None and bare.row.appended == 1  # the partner's reward only

@@ -12,7 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from poise_trl.estimator import POISEEstimator
+from poise_trl.estimator import POISEEstimator, Rollouts
 from poise_trl.specs import BufferSpec, EstimatorSpec, HeadSpec, HistorySpec, LayerSpec
 from tests.host_sync import HostSyncCounter
 from tests.scenarios.distributed.rank_io import finish
@@ -43,8 +43,8 @@ for step in range(6):
     prompts = (torch.arange(16) // 2 + 3 * step) % 10 if HISTORY else torch.arange(16) // 2 + 100 * step
     counter = HostSyncCounter()
     with counter:
-        result = estimator.advantages(x, r, prompt_ids=prompts)
-        estimator.observe(group_ids=prompts, result=result)
+        result = estimator.advantages(x, Rollouts(r, prompt_ids=prompts))
+        estimator.observe(result)
         result.metrics()
     counts.append({"step": step + 1, "transfers": counter.count, "calls": counter.calls})
 state = estimator.state_dict()["tensors"]
