@@ -214,8 +214,8 @@ def fitted_probe(
     estimator, blocks = new_estimator(rule, collection, head)
     features = rows(probe, blocks)
     for chunk in np.array_split(keep, estimator.spec.buffer.warmup_steps + 4):
-        rows = torch.from_numpy((chunk[:, None] * PROBE_K + np.arange(PROBE_K)).ravel())
-        estimator.observe(features[rows], probe.rewards[rows].nan_to_num(0.0))
+        picked = torch.from_numpy((chunk[:, None] * PROBE_K + np.arange(PROBE_K)).ravel())
+        estimator.observe(features[picked], probe.rewards[picked].nan_to_num(0.0))
     return estimator, blocks
 
 

@@ -2,10 +2,11 @@
 of `bench gradient`, on one of its pools, with the probe's row as the only change.
 
 Each variant appends its columns, a function of the pool's stored tensors (`PoolRollouts`), to the probe's default
-row (the blocks of `POISEConfig.probe_features` at the pool's layer and window); the columns after the row sit in no
-PCA block. The probe is fitted as `bench gradient` fits its separate-pool rows (`gradient.fitted_probe`, with POISE
-(paper)'s and POISE (default)'s settings, observed in steps on the probe's pool), and each measured rollout's value
-serves its partner (G = 2). Reported per row, with 95% percentile intervals over `bench gradient`'s bootstrap
+row (the blocks of `POISEConfig.probe_features` at the pool's layer and window), or puts them in the place of the
+row's scalar blocks (`Variant.replace`); the columns after the hidden-state blocks sit in no PCA block. The probe
+is fitted as `bench gradient` fits its separate-pool rows (`gradient.fitted_probe`, with POISE (paper)'s and POISE
+(default)'s settings, observed in steps on the probe's pool), and each measured rollout's value serves its partner
+(G = 2). Reported per row, with 95% percentile intervals over `bench gradient`'s bootstrap
 resamples of the prompts (the same seed):
 
 - M, the value's error: the row's variance per completion minus the oracle baseline's (the true success rate), in
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from poise_trl.features import FeatureSpans, feature_spans
+from poise_trl.features import HIDDEN_BLOCKS, FeatureSpans, feature_spans
 
 from .common import CONTENDERS, format_table, write_json
 from .exact import (
@@ -94,14 +95,18 @@ ColumnFn = Callable[[PoolRollouts], torch.Tensor]
 
 @dataclass(frozen=True)
 class Variant:
-    """A probe row to measure: the default row followed by `columns(rollouts)`, (N, k) (None: the default row)."""
+    """A probe row to measure: the default row followed by `columns(rollouts)`, (N, k) (None: the default row); with
+    `replace`, the columns take the place of the row's scalar blocks (the entropy statistics, and the length where
+    the row holds it) after its hidden-state blocks, as a list of scalars that leaves out the default three would."""
 
     name: str
     columns: ColumnFn | None = None
+    replace: bool = False
 
     def rows(self, collection: Collection, blocks: Sequence[str]) -> torch.Tensor:
-        """(N, D + k) the probe's input rows of `collection` (`gradient.Rows`)."""
-        default = probe_rows(collection, blocks)
+        """(N, D') the probe's input rows of `collection` (`gradient.Rows`)."""
+        kept = [b for b in blocks if not self.replace or b in HIDDEN_BLOCKS]
+        default = probe_rows(collection, kept)
         if self.columns is None:
             return default
         extra = self.columns(PoolRollouts.of(collection))
@@ -113,20 +118,30 @@ class Variant:
             )
         return torch.cat([default, extra.to(default.dtype)], dim=1)
 
+    def describe(self) -> str:
+        if self.columns is None:
+            return "the default row"
+        return f"{'the hidden blocks' if self.replace else 'the default row'} + {qualified_name(self.columns)}"
 
-def load_column_fn(spec: str) -> Variant:
-    """'NAME=MODULE:FUNCTION' -> the variant whose columns that function computes."""
+
+def qualified_name(fn: Callable[..., Any]) -> str:
+    return f"{fn.__module__}:{fn.__qualname__}"
+
+
+def load_column_fn(spec: str, replace: bool = False) -> Variant:
+    """'NAME=MODULE:FUNCTION' -> the variant whose columns that function computes (appended, or with `replace` in
+    the place of the row's scalar blocks)."""
     name, _, target = spec.partition("=")
     module, _, attr = target.partition(":")
     if not (name and module and attr) or name == DEFAULT:
         raise SystemExit(
-            f"--columns {spec!r}: write NAME=MODULE:FUNCTION (NAME not {DEFAULT!r}), e.g. "
+            f"{spec!r}: write NAME=MODULE:FUNCTION (NAME not {DEFAULT!r}), e.g. "
             "length=poise_lab.bench.scalars:completion_length"
         )
     try:
-        return Variant(name, getattr(importlib.import_module(module), attr))
+        return Variant(name, getattr(importlib.import_module(module), attr), replace)
     except (ImportError, AttributeError) as error:
-        raise SystemExit(f"--columns {spec!r}: {error}") from error
+        raise SystemExit(f"{spec!r}: {error}") from error
 
 
 def completion_length(rollouts: PoolRollouts) -> torch.Tensor:
@@ -264,14 +279,16 @@ def run_scalars(args: argparse.Namespace, log: Log = print) -> int:
 
     start = time.perf_counter()
     folder = Path(args.folder)
-    variants = [Variant(DEFAULT), *map(load_column_fn, args.columns)]
+    variants = [Variant(DEFAULT)] + [load_column_fn(spec) for spec in args.columns]
+    variants += [load_column_fn(spec, replace=True) for spec in args.replace_scalars]
     if len({v.name for v in variants}) != len(variants):
-        raise SystemExit(f"--columns: two variants share a name ({', '.join(v.name for v in variants)})")
+        raise SystemExit(f"two variants share a name ({', '.join(v.name for v in variants)})")
     pool, probe, cached = read_pool(folder)
     probe_prompts = args.probe_prompts or probe.num_prompts - pool.num_prompts
     keep = separate_prompts(pool, probe, probe_prompts)
-    estimator_file = folder / ESTIMATOR_FILE
-    values = fit_values(pool, probe, keep, variants, estimator_file if estimator_file.exists() else None, log)
+    # the run's saved estimator: kept beside a committed pool, or in the snapshot's folder the pool was sampled from
+    saved = [path / ESTIMATOR_FILE for path in (folder, Path(pool.meta["model_path"]))]
+    values = fit_values(pool, probe, keep, variants, next((p for p in saved if p.exists()), None), log)
     fitted = time.perf_counter()
     seed = int(pool.meta["seed"]) if args.seed is None else args.seed
     rewards = pool.rewards.nan_to_num(0.0).double().view(-1, pool.k).numpy()
@@ -287,10 +304,7 @@ def run_scalars(args: argparse.Namespace, log: Log = print) -> int:
             "probe_pool": f"{len(keep)} prompts x {PROBE_K} rollouts",
             "tokens": None if pool.tokens is None else pool.tokens.source,
         },
-        "variants": {
-            v.name: "the default row" if v.columns is None else f"+ {v.columns.__module__}:{v.columns.__qualname__}"
-            for v in variants
-        },
+        "variants": {v.name: v.describe() for v in variants},
         "settings": {"bootstrap": args.bootstrap, "seed": seed},
         "measured": measured,
         "seconds": {"probes": fitted - start, "measure": time.perf_counter() - fitted},

@@ -22,7 +22,7 @@ from poise_lab.bench.scalars import (
 from poise_lab.bench.value.collect import Collection, collect, tokens_path
 from poise_lab.models.tiny import save_tiny
 from poise_trl import cli
-from poise_trl.features import block_slices
+from poise_trl.features import block_slices, entropy_statistics
 
 ROOT = Path(__file__).resolve().parents[2]
 START_POOL = ROOT / "benchmarks/real-lm/pools/gradient/smollm2-135m-9110f0f21f42"
@@ -37,6 +37,11 @@ def entropy_stats(rollouts: PoolRollouts) -> torch.Tensor:
     mean = (rollouts.entropies * mask).sum(1) / count
     std = (((rollouts.entropies - mean[:, None]) ** 2 * mask).sum(1) / count).sqrt()
     return torch.stack([mean, std, torch.where(mask, rollouts.entropies, 0.0).amax(1)], dim=1)
+
+
+def library_entropy_statistics(rollouts: PoolRollouts) -> torch.Tensor:
+    """(N, 3) the row's own entropy statistics, recomputed by the library's function from the per-token record."""
+    return entropy_statistics(rollouts.entropies, rollouts.spans)
 
 
 def wrong_shape(rollouts: PoolRollouts) -> torch.Tensor:
@@ -176,7 +181,8 @@ def test_bad_columns_are_refused_with_what_to_change():
 def test_scalars_on_a_committed_pool_reproduce_bench_gradient_and_move_only_the_variants(tmp_path):
     """The committed start pool (its per-token record added by `bench pool-tokens`): the record agrees with the stored
     rows, the default rows are `bench gradient`'s POISE (paper) and POISE (default) to the last digit, and the
-    oracle's too; a variant's columns move its own rows."""
+    oracle's too; a variant's columns move its own rows, and the row's statistics recomputed in their own place
+    (`--replace-scalars`) give the default row's values."""
     pool = Collection.load(START_POOL / "pool.safetensors")
     rollouts = PoolRollouts.of(pool)
     start, stop = block_slices(pool.meta["feature_blocks"], pool.meta["hidden_size"])["entropy"]
@@ -184,26 +190,27 @@ def test_scalars_on_a_committed_pool_reproduce_bench_gradient_and_move_only_the_
     torch.testing.assert_close(completion_length(rollouts)[:, 0], pool.features[:, 0, stop])  # the length block
     out = tmp_path / "scalars"
     columns = ["length=poise_lab.bench.scalars:completion_length", "entropy=tests.bench.test_scalars:entropy_stats"]
-    argv = ["bench", "scalars", str(START_POOL), "--columns", *columns, "--bootstrap", "20", "--output-dir", str(out)]
+    same = "same=tests.bench.test_scalars:library_entropy_statistics"
+    argv = ["bench", "scalars", str(START_POOL), "--columns", *columns, "--replace-scalars", same]
+    argv += ["--bootstrap", "20", "--output-dir", str(out)]
     assert cli.main(argv) == 0
     results = json.loads((out / "results.json").read_text())
     committed = json.loads(START_RESULTS.read_text())
-    rows = {
-        f"{preset}:{variant}" for preset in ("poise_paper", "poise") for variant in ("default", "length", "entropy")
-    }
+    presets = ("poise_paper", "poise")
+    rows = {f"{preset}:{variant}" for preset in presets for variant in ("default", "length", "entropy", "same")}
     for subspace in ("lora", "norms"):
         block = results["measured"][subspace]
-        assert set(block["variance"]) == rows and set(block["M_paired"]) == rows - {
-            "poise_paper:default",
-            "poise:default",
-        }
-        for preset in ("poise_paper", "poise"):
+        assert set(block["variance"]) == rows
+        assert set(block["M_paired"]) == rows - {f"{preset}:default" for preset in presets}
+        for preset in presets:
             expected = committed["subspaces"][subspace]["table"][preset]["variance"]["value"]
             assert block["variance"][f"{preset}:default"]["value"] == pytest.approx(expected, rel=1e-12)
             oracle = committed["subspaces"][subspace]["table"]["oracle"]["variance"]["value"]
             assert block["oracle_variance"]["value"] == pytest.approx(oracle, rel=1e-12)
-            entropy = block["variance"][f"{preset}:entropy"]["value"]
-            assert entropy != pytest.approx(block["variance"][f"{preset}:default"]["value"], rel=1e-6)
+            default = block["variance"][f"{preset}:default"]["value"]
+            assert block["variance"][f"{preset}:entropy"]["value"] != pytest.approx(default, rel=1e-6)
+            # the default row with its statistics recomputed from the record in their place: the same probe
+            assert block["variance"][f"{preset}:same"]["value"] == pytest.approx(default, rel=1e-4)
     r = results["measured"]["held_out_r"]
     assert all(-1 <= cell["value"] <= 1 for cell in r.values())
     assert results["pool"]["tokens"]["pass"].startswith("teacher-forced")

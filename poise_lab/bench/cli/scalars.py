@@ -2,7 +2,8 @@
 
 Each --columns NAME=MODULE:FUNCTION is a variant: FUNCTION(rollouts) -> (N, k) columns, from the pool's stored
 tensors (poise_lab.bench.scalars.PoolRollouts: ids, masks, per-token entropies and log-probabilities, texts, the
-library's spans), appended to the probe's default row. For POISE (paper)'s and POISE (default)'s settings, the probe of
+library's spans), appended to the probe's default row; each --replace-scalars entry puts its columns in the place of
+the row's entropy statistics. For POISE (paper)'s and POISE (default)'s settings, the probe of
 every variant is fitted on the pool's separate probe pool as bench gradient fits it, and measured at G=2 with the
 exact instrument: M, the value's error (variance per completion minus the oracle baseline's) in units of W, and the
 held-out r of each prompt's mean value with its success rate, each with a paired difference against the default row
@@ -33,7 +34,15 @@ def add_scalars_parser(subparsers: Any) -> argparse.ArgumentParser:
         nargs="+",
         default=[],
         metavar="NAME=MODULE:FUNCTION",
-        help="a variant per entry, e.g. length=poise_lab.bench.scalars:completion_length",
+        help="a variant per entry, its columns after the default row, e.g. "
+        "length=poise_lab.bench.scalars:completion_length",
+    )
+    add(
+        "--replace-scalars",
+        nargs="+",
+        default=[],
+        metavar="NAME=MODULE:FUNCTION",
+        help="a variant per entry, its columns in the place of the default row's entropy statistics",
     )
     add("--bootstrap", type=int, default=1000, help="bootstrap resamples of the pool's prompts for the CIs")
     add("--seed", type=int, default=None, help="the bootstrap's seed (default: the pool's, as bench gradient used)")
