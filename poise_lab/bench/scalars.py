@@ -302,7 +302,8 @@ def run_scalars(args: argparse.Namespace, log: Log = print) -> int:
             "k": pool.k,
             "mean_reward": float(pool.rewards.nanmean()),
             "probe_pool": f"{len(keep)} prompts x {PROBE_K} rollouts",
-            "tokens": None if pool.tokens is None else pool.tokens.source,
+            # where the per-token record came from; the model's folder is the machine's, kept in the record itself
+            "tokens": None if pool.tokens is None else {k: v for k, v in pool.tokens.source.items() if k != "model"},
         },
         "variants": {v.name: v.describe() for v in variants},
         "settings": {"bootstrap": args.bootstrap, "seed": seed},
