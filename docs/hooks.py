@@ -3,6 +3,7 @@
 - A page marks the spot with `<!-- poise-config-fields -->`; the hook replaces it with one table row per field that
   POISE adds or whose default it changes, taking the text from the field's `help` metadata, so the page cannot drift
   from the code. The API page gets the same fields as `POISEConfig`'s parameters (`TRLDocstrings`).
+  `<!-- poise-trl-contract -->` is replaced the same way by the TRL contract (poise_trl/contract.py).
 - MathJax's es5 bundle, its fonts and its TeX extensions are copied from the installed `django-static-mathjax`
   package (MathJax 3.2, Apache-2.0) into the site at build time, so the math renders offline and the repository
   carries no copy.
@@ -23,6 +24,7 @@ from mkdocs.structure.files import File
 
 MARKER = "<!-- poise-config-fields -->"
 PRESETS_MARKER = "<!-- poise-probe-presets -->"
+CONTRACT_MARKER = "<!-- poise-trl-contract -->"
 MATHJAX_DIR = "assets/mathjax"  # where the site serves MathJax; mkdocs.yml's extra_javascript names the bundle in it
 MATHJAX_FILES = ("tex-mml-chtml.js", "output/chtml/fonts/woff-v2/*.woff", "input/tex/extensions/*.js")
 TRL_DOCS = "https://huggingface.co/docs/trl"
@@ -81,11 +83,25 @@ def presets_table() -> str:
     return "\n".join(rows)
 
 
+def contract_table() -> str:
+    """Markdown table of the TRL contract (poise_trl/contract.py): each behaviour, what POISE does with it, the
+    private TRL names it reads or writes and the overrides that rely on it."""
+    from poise_trl.contract import CONTRACT
+
+    rows = ["| behaviour | what holds in TRL | what POISE does with it | TRL names, overrides |", "|---|---|---|---|"]
+    for name, b in CONTRACT.items():
+        names = ", ".join(f"`{n}`" for n in (*b.names, *b.overrides)) or "-"
+        rows.append(f"| `{name}` | {_cell(b.holds)} | {_cell(b.because)} | {_cell(names)} |")
+    return "\n".join(rows)
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
     if MARKER in markdown:
         markdown = markdown.replace(MARKER, config_fields_table())
     if PRESETS_MARKER in markdown:
         markdown = markdown.replace(PRESETS_MARKER, presets_table())
+    if CONTRACT_MARKER in markdown:
+        markdown = markdown.replace(CONTRACT_MARKER, contract_table())
     return markdown
 
 

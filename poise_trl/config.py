@@ -141,12 +141,12 @@ class POISEConfig(GRPOConfig):
         default="auto",
         metadata={
             "help": "Which teacher-forced pass the probe's features come from. 'auto': TRL's own old-log-prob pass "
-            "when it runs one (vLLM importance-sampling correction, num_iterations > 1, or steps_per_generation != "
-            "gradient_accumulation_steps); otherwise the loss's own forward, with each prompt's rollouts shuffled "
-            "into one micro-batch, so a step runs no forward pass GRPOTrainer does not; where a group cannot sit "
-            "in one micro-batch (per_device_train_batch_size not a multiple of num_generations), a no-grad pass of "
-            "POISE's own, said once in the log. 'pass': always that no-grad pass where TRL runs none (poise-trl "
-            "0.1's route; the features and advantages are the same).",
+            "when it runs one (vLLM importance-sampling correction, or gradient_accumulation_steps not a multiple "
+            "of steps_per_generation * num_iterations); otherwise the loss's own forward, with each prompt's "
+            "rollouts shuffled into one micro-batch, so a step runs no forward pass GRPOTrainer does not; where a "
+            "group cannot sit in one micro-batch (per_device_train_batch_size not a multiple of num_generations), a "
+            "no-grad pass of POISE's own, said once in the log. 'pass': always that no-grad pass where TRL runs "
+            "none (poise-trl 0.1's route; the features and advantages are the same).",
         },
     )
     probe_granularity: str = field(

@@ -19,12 +19,13 @@ from typing import Any
 
 import torch
 
+from .contract import ContractError
 from .features import FeatureSpans
 from .prefix import PrefixBatch, PrefixCapture
 
 ROUTES = ("trl_pass", "own_pass", "loss")
 CAPTURES = ("auto", "pass")  # `probe_capture`: the loss's forward where TRL runs no pass, or always a pass
-ROW_KEY = "poise_row"  # the loss route's key in TRL's batch dict: each row's index in this process's batch
+ROW_KEY = "poise_row"  # each row's index in this process's batch, in TRL's batch dict: a list of ints (host-side)
 
 
 @dataclass
@@ -106,21 +107,77 @@ def concat_prefix(parts: list[PrefixBatch], order: torch.Tensor) -> PrefixBatch:
     return PrefixBatch(cat("rows"), cat("sampled"), cat("values"), cat("generated"), cat("tokens"))
 
 
-def shuffle_groups(batch: dict[str, Any], group_size: int) -> dict[str, Any]:
-    """TRL's `shuffle_sequence_dict` with whole groups: the same `torch.randperm` draw over the rows (so the random
-    stream is GRPOTrainer's), each group of `group_size` consecutive rows going where its first-drawn row went, its
-    rows kept together and in order, so that every micro-batch TRL splits off holds whole groups."""
-    rows = len(next(v for v in batch.values() if v is not None))
-    order = torch.randperm(rows)
+def whole_groups(order: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Where to take the rows of a batch TRL shuffled (its row `i` being the batch's row `order[i]`) so that every
+    group of `group_size` consecutive rows is whole again: each group goes where its first-drawn row went, its rows
+    together and in order. The result is what shuffling whole groups by TRL's own draw gives, so the random stream
+    stays GRPOTrainer's and no second draw is made; every micro-batch TRL splits off then holds whole groups."""
+    rows = order.numel()
     first = torch.full((rows // group_size,), rows, dtype=torch.long)
     first.scatter_reduce_(0, order // group_size, torch.arange(rows), reduce="amin")
     permutation = (first.argsort().unsqueeze(1) * group_size + torch.arange(group_size)).flatten()
+    return order.argsort()[permutation]
 
-    def permute(value: Any) -> Any:
+
+def join_rows(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One batch dict from several with the same keys, rows concatenated in order (tensors along dim 0, lists
+    joined); a 0-d tensor (a batch-level scalar such as TRL's token count) and None are the same in every part."""
+
+    def join(values: list[Any]) -> Any:
+        first = values[0]
+        if first is None or (isinstance(first, torch.Tensor) and first.ndim == 0):
+            return first
+        if isinstance(first, torch.Tensor):
+            return torch.cat(values)
+        return [item for value in values for item in value]
+
+    return {key: join([part[key] for part in parts]) for key in parts[0]}
+
+
+def take_rows(batch: dict[str, Any], index: torch.Tensor) -> dict[str, Any]:
+    """`batch` with its rows taken at `index` (tensors and lists alike; 0-d tensors and None kept)."""
+
+    def take(value: Any) -> Any:
         if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
             return value
         if isinstance(value, torch.Tensor):
-            return value[permutation.to(value.device)]
-        return [value[i] for i in permutation.tolist()]
+            return value[index.to(value.device)]
+        return [value[i] for i in index.tolist()]
 
-    return {key: permute(value) for key, value in batch.items()}
+    return {key: take(value) for key, value in batch.items()}
+
+
+def check_whole_groups(rows: list[int], group_size: int) -> None:
+    """Refuse a micro-batch whose rows (this process's row indices, any order) are not whole groups: on the loss
+    route each micro-batch's advantages come from its own rows, so a group split across micro-batches would pair
+    rollouts of different prompts. The rows are host-side integers (`ROW_KEY`): checking them reads no device."""
+    groups = sorted({row // group_size for row in rows})
+    if sorted(rows) != [group * group_size + k for group in groups for k in range(group_size)]:
+        raise RuntimeError(
+            f"A micro-batch reached the loss with rows {sorted(rows)}, which are not whole groups of {group_size} "
+            "rollouts of one prompt: POISE's loss route reads each micro-batch's baselines from its own rows. Keep "
+            "per_device_train_batch_size a multiple of num_generations, or set probe_capture='pass'."
+        )
+
+
+class MicroBatch(dict):
+    """One micro-batch as TRL's loss receives it, tied to the record of its generation batch (`step`; None where the
+    advantages were complete before TRL split the batch). On the loss route its advantages are written by its own
+    forward: until then reading them raises instead of handing the loss the placeholder."""
+
+    def __init__(self, rows: dict[str, Any], step: "GenerationStep | None"):
+        super().__init__(rows)
+        self.step = step
+        self.written = step is None or step.route != "loss"
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "advantages" and not self.written:
+            raise ContractError(
+                "loss_forward",
+                "TRL's loss read a micro-batch's advantages before its forward gave them.",
+                "Set probe_capture='pass'.",
+            )
+        return super().__getitem__(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default

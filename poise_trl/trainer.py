@@ -8,10 +8,8 @@ import math
 import os
 import textwrap
 import warnings
-from functools import partial
 from pathlib import Path
 from typing import Any
-from unittest.mock import patch
 
 import torch
 import trl
@@ -22,13 +20,18 @@ from packaging.version import Version
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer import grpo_trainer
-from trl.trainer.utils import get_config_model_id
+from trl.trainer.utils import (
+    get_config_model_id,
+    split_pixel_values_by_grid,
+    split_tensor_dict,
+    unsplit_pixel_values_by_grid,
+)
 
 from .buffer import ProbeBuffer, prompt_group_ids
 from .capture import capture_pass
 from .card import card_section
 from .config import POISEConfig
+from .contract import TESTED_TRL, ContractError
 from .estimator import POISEEstimator
 from .features import feature_spans, find_decoder_layers
 from .files import DEFAULT_DOMAIN
@@ -43,11 +46,19 @@ from .resume import (
     save_generation_batch,
 )
 from .selection import ValueGuidedSelection
-from .step import ROW_KEY, GenerationStep, concat_prefix, shuffle_groups
+from .step import (
+    ROW_KEY,
+    GenerationStep,
+    MicroBatch,
+    check_whole_groups,
+    concat_prefix,
+    join_rows,
+    take_rows,
+    whole_groups,
+)
 
 logger = logging.getLogger(__name__)
 
-TESTED_TRL = ("1.16.0", "1.17.0")  # [low, high): the GRPOTrainer internals this subclass was tested against
 # Output keys of `_generate_and_score_completions` that TRL's own log-prob pass takes as model inputs besides the
 # token ids (pixel_values, image_grid_thw, num_images, token_type_ids, ...): POISE's feature pass forwards the same.
 _PASS_ARGUMENTS = ("self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy")
@@ -96,20 +107,26 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
       estimator learn (training only); on the loss route the advantages come from each micro-batch's forward and the
       batch is observed after its last;
     - `_get_per_token_logps_and_entropies`: hook the probe layer(s) during the pass the features come from;
-    - `_compute_loss`: on the loss route, mark the micro-batch whose forward is captured (and, in evaluation, observe
-      the batch after it); `training_step`: on the loss route, observe the batch after its last micro-batch's
-      backward;
-    - `_prepare_inputs`: where TRL runs no log-prob pass and splits a generation batch into micro-batches, its row
-      shuffle becomes a whole-group shuffle (`step.shuffle_groups`, the same random draw), whichever capture route;
+    - `_compute_loss`: on the loss route, mark the micro-batch whose forward is captured, refusing one whose
+      generation batch has ended (and, in evaluation, observe the batch after it); `training_step`: on the loss
+      route, observe the batch after its last micro-batch's backward;
+    - `_prepare_inputs`: a batch TRL has just split into micro-batches becomes `step.MicroBatch`es tied to its record,
+      which refuse to hand the loss advantages not yet written; where TRL runs no log-prob pass and splits a batch
+      into several, their rows are regrouped into whole groups in the order TRL's shuffle drew
+      (`step.whole_groups`), whichever capture route;
     - `_calculate_rewards`: keep the gathered rewards; `_generate`: keep the tool/env mask, so features use only the
       tokens the policy generated;
     - `get_train_dataloader`, `_get_train_sampler`: with `prompt_selection`, draw `prompt_selection_oversample` times
       more candidate prompts through TRL's `RepeatSampler`; a resumed run sees the prompts of an uninterrupted one;
     - `_save_checkpoint`, `_load_optimizer_and_scheduler`: the estimator's one file travels with every checkpoint,
       and a checkpoint inside a generation batch keeps the batch's untrained slices, which TRL does not save;
-    - `train`: `resume_from_checkpoint=True` takes the newest complete checkpoint, not a folder a killed save left,
-      and a generation batch an interrupted call left unobserved is dropped;
+    - `train`: `resume_from_checkpoint=True` takes the newest complete checkpoint, not a folder a killed save left;
+      however a call ends (an interrupt included), its generation batch ends with it, TRL's buffer included, so the
+      next `train()` or `evaluate()` starts clean; `evaluation_loop`: the same for an interrupted evaluation;
     - `create_model_card`: TRL's card plus how POISE was configured and its last probe diagnostics.
+
+    Each relies only on behaviours of TRL named in `poise_trl.contract` (tested against the installed TRL in
+    tests/contract/); nothing of TRL's is patched.
 
     Value-guided prompt selection keeps whole groups of each process's candidates by a rule of sampling.py ("value":
     the highest predicted reward variance, biased; "importance": drawn with replacement in proportion to the predicted
@@ -256,6 +273,13 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         old-log-prob pass or POISE's own (while armed), or the loss's forward of a micro-batch (`_compute_loss`)."""
         step = self._generation
         if step is not None and step.micro_batch is not None:
+            if step.mode == "train" and not torch.is_grad_enabled():
+                raise ContractError(
+                    "loss_forward",
+                    "a no-grad pass ran inside `_compute_loss` before the loss's own forward (a reference pass?), "
+                    "and POISE would have read its states as the policy's.",
+                    "Set probe_capture='pass'.",
+                )
             return self._capture_micro_batch(step, model, input_ids, attention_mask, logits_to_keep, **kwargs)
         if not (step is not None and step.armed and model is self.model and not torch.is_grad_enabled()):
             return super()._get_per_token_logps_and_entropies(
@@ -277,7 +301,8 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         earlier steps) written into the micro-batch before TRL's loss reads them. The batch is observed once its last
         micro-batch has run (`training_step`, `_compute_loss`)."""
         inputs, step.micro_batch = step.micro_batch, None
-        rows = inputs[ROW_KEY]
+        check_whole_groups(inputs[ROW_KEY], step.estimator_inputs["num_generations"])
+        rows = torch.tensor(inputs[ROW_KEY])
         spans = step.spans.rows(rows)
         with self._capture(spans, None if step.tokens is None else step.tokens.for_rows(rows)) as capture:
             logps, entropies, aux = super()._get_per_token_logps_and_entropies(
@@ -293,6 +318,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
             )
             advantages = result.advantages if result.token_advantages is None else result.token_advantages
             inputs["advantages"] = advantages[order.argsort().to(advantages.device)]
+            inputs.written = True
             step.add(rows, features, prefix)
         return logps, entropies, aux
 
@@ -361,9 +387,10 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
     def _generate_and_score_completions(self, inputs):
         mode = "train" if self.model.training else "eval"
         if self._generation is not None:
-            raise RuntimeError(
-                "A generation batch was made before the previous one was observed: the loss route needs every "
-                "micro-batch of a generation batch trained before the next is generated."
+            raise ContractError(
+                "train_buffer",
+                "a generation batch was made before every micro-batch of the previous one was trained.",
+                "Set probe_capture='pass'.",
             )
         step = self._generation = GenerationStep(mode, self._capture_route(mode))
         inputs = self._select_prompts(inputs, step)
@@ -396,9 +423,10 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         # dapo, cispo and vespo divide by TRL's token count: count each row's tokens as its advantages are weighted
         if weights is not None:
             output["num_items_in_batch"] = self._weighted_token_count(output, weights)
+        if step.route == "loss" or (mode == "train" and self._shuffle_whole_groups):
+            output[ROW_KEY] = list(range(len(inputs)))  # each row's place before TRL shuffles: see `_prepare_inputs`
         if step.route == "loss":  # each micro-batch's advantages are written by its own forward
             output["advantages"] = torch.full_like(output["advantages"], torch.nan)
-            output[ROW_KEY] = torch.arange(len(inputs))
             return output
         result = self._observe(step)
         rows = slice(step.offset, step.offset + step.rows)
@@ -408,16 +436,23 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         return output
 
     def _compute_loss(self, model, inputs):
-        """On the loss route, hook the forward of a micro-batch not yet captured (a micro-batch trained again, with
-        `num_iterations` > 1, keeps the advantages its first forward wrote); in evaluation, observe the batch once its
-        one micro-batch has run."""
+        """On the loss route, hook the forward of a micro-batch whose advantages are still to be written (a micro-batch
+        trained again, with `num_iterations` > 1, keeps those its first forward wrote); in evaluation, observe the
+        batch once its one micro-batch has run."""
         step = self._generation
-        if step is not None and step.route == "loss" and ROW_KEY in inputs:
+        capture = isinstance(inputs, MicroBatch) and not inputs.written
+        if capture and inputs.step is not step:
+            raise ContractError(
+                "train_buffer",
+                "the loss received a micro-batch whose generation batch had already ended, its advantages never "
+                "written.",
+            )
+        if capture:
             step.micro_batch = inputs
         try:
             loss = super()._compute_loss(model, inputs)
         finally:
-            if step is not None:
+            if capture:
                 step.micro_batch = None
         if step is not None and step.mode == "eval" and step.route == "loss" and step.complete:
             self._observe(step)
@@ -433,14 +468,30 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         return loss
 
     def _prepare_inputs(self, generation_batch):
-        """Where TRL runs no log-prob pass and splits a generation batch into micro-batches, its row shuffle is
-        replaced by `shuffle_groups` (the same draw, whole groups), so that every micro-batch holds whole groups for
-        the loss route. `probe_capture="pass"` shuffles alike, so both routes train on the same micro-batches."""
-        if not self._shuffle_whole_groups:
-            return super()._prepare_inputs(generation_batch)
-        whole_groups = partial(shuffle_groups, group_size=self.num_generations)
-        with patch.object(grpo_trainer, "shuffle_sequence_dict", whole_groups):
-            return super()._prepare_inputs(generation_batch)
+        """TRL's. A batch of POISE's rows (`ROW_KEY`) that TRL has just made is then replaced, in TRL's buffer and in
+        place, by `MicroBatch`es tied to its record, regrouped into whole groups where TRL split it into several
+        (`_whole_group_micro_batches`): every micro-batch then holds whole groups for the loss route, and
+        `probe_capture="pass"` trains on the same micro-batches (TRL contract 'train_buffer')."""
+        inputs = super()._prepare_inputs(generation_batch)
+        if ROW_KEY not in inputs or isinstance(inputs, MicroBatch):
+            return inputs
+        if not self.model.training:  # evaluation: the batch is its one micro-batch, never buffered
+            return MicroBatch(inputs, self._generation)
+        buffer = self._buffered_inputs
+        position = next((i for i, part in enumerate(buffer) if part is inputs), None)
+        if position is None:
+            raise ContractError("train_buffer", "the micro-batch `_prepare_inputs` returned is not in its buffer.")
+        parts = self._whole_group_micro_batches(buffer) if len(buffer) > 1 else buffer
+        buffer[:] = [MicroBatch(part, self._generation) for part in parts]
+        return buffer[position]
+
+    def _whole_group_micro_batches(self, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """TRL's micro-batches of one generation batch with their rows regrouped so that each holds whole groups,
+        the groups in the order TRL's shuffle drew (`step.whole_groups`), split as TRL splits them. Pixel values go
+        per row and back with TRL's own helpers, as around TRL's shuffle."""
+        batch = join_rows([split_pixel_values_by_grid(part) for part in parts])
+        batch = take_rows(batch, whole_groups(torch.tensor(batch[ROW_KEY]), self.num_generations))
+        return [unsplit_pixel_values_by_grid(part) for part in split_tensor_dict(batch, len(parts))]
 
     def _observe(self, step: GenerationStep):
         """The generation batch's advantages from every process's features (one gather), the estimator's learning
@@ -562,14 +613,34 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """`resume_from_checkpoint=True` resumes from the newest *complete* checkpoint: transformers would take the
-        newest folder, which a save killed midway leaves without its trainer state."""
+        newest folder, which a save killed midway leaves without its trainer state. However the call ends (an
+        interrupt or an exception included), the generation batch it was training on ends with it
+        (`_end_generation_batch`), so the next `train()` or `evaluate()` starts as a new trainer would."""
         if resume_from_checkpoint is True:
             resume_from_checkpoint = newest_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"No complete checkpoint found in output directory ({self.args.output_dir}).")
         self._resuming = bool(resume_from_checkpoint)
-        self._generation = None  # a batch an interrupted `train` left unobserved is not this run's
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self._end_generation_batch()
+
+    def _end_generation_batch(self) -> None:
+        """Drop the generation batch in training: its record and TRL's buffer of its micro-batches, which TRL keeps
+        across `train()` calls (on the loss route without advantages, which only the ended record could write).
+        TRL then generates the next batch and trains it from its first micro-batch (contract 'train_buffer')."""
+        self._generation = None
+        self._buffered_inputs, self._step = None, 0
+
+    def evaluation_loop(self, *args, **kwargs):
+        """An evaluation interrupted before its batch's loss ran leaves no record behind: the next evaluation or
+        training generates afresh."""
+        try:
+            return super().evaluation_loop(*args, **kwargs)
+        finally:
+            if self._generation is not None and self._generation.mode == "eval":
+                self._generation = None
 
     def get_train_dataloader(self):
         """TRL's dataloader, with per-process batches of `selection_candidates` whole groups under prompt_selection

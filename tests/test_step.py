@@ -1,14 +1,28 @@
-"""step.py with plain tensors: the whole-group shuffle and the generation batch's record."""
+"""step.py with plain tensors: regrouping TRL's shuffle, the micro-batch guard and the generation batch's record."""
 
 import pytest
 import torch
-from trl.trainer.utils import shuffle_sequence_dict
+from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
+from poise_trl.contract import ContractError
 from poise_trl.prefix import PrefixBatch
-from poise_trl.step import GenerationStep, concat_prefix, shuffle_groups
+from poise_trl.step import (
+    GenerationStep,
+    MicroBatch,
+    check_whole_groups,
+    concat_prefix,
+    join_rows,
+    take_rows,
+    whole_groups,
+)
 
 
-def test_shuffle_groups_keeps_groups_whole_and_draws_what_trls_shuffle_draws():
+def _shuffled_by_trl(batch: dict, seed: int) -> dict:
+    torch.manual_seed(seed)
+    return shuffle_sequence_dict(batch)
+
+
+def test_whole_groups_regroups_trls_shuffle_by_its_own_draw():
     batch = {
         "ids": torch.arange(12).view(6, 2),
         "rows": torch.arange(6),
@@ -16,26 +30,58 @@ def test_shuffle_groups_keeps_groups_whole_and_draws_what_trls_shuffle_draws():
         "count": torch.tensor(5),
         "none": None,
     }
-    torch.manual_seed(3)
-    shuffled = shuffle_groups(batch, group_size=2)
-    after_ours = torch.get_rng_state()
-    torch.manual_seed(3)
-    shuffle_sequence_dict(batch)
-    assert torch.equal(after_ours, torch.get_rng_state())  # the same random stream as GRPOTrainer's
-    rows = shuffled["rows"].view(-1, 2)
+    shuffled = _shuffled_by_trl(batch, 3)
+    state = torch.get_rng_state()
+    regrouped = take_rows(shuffled, whole_groups(shuffled["rows"], group_size=2))
+    assert torch.equal(state, torch.get_rng_state())  # no draw of its own: the random stream stays GRPOTrainer's
+    rows = regrouped["rows"].view(-1, 2)
     assert torch.equal(rows[:, 1] - rows[:, 0], torch.ones(3, dtype=torch.long))  # whole groups, in order
-    assert (rows[:, 0] % 2 == 0).all() and sorted(shuffled["rows"].tolist()) == list(range(6))
-    assert shuffled["names"] == [batch["names"][i] for i in shuffled["rows"].tolist()]
-    assert torch.equal(shuffled["ids"], batch["ids"][shuffled["rows"]])
-    assert shuffled["count"] is batch["count"] and shuffled["none"] is None
+    assert (rows[:, 0] % 2 == 0).all() and sorted(regrouped["rows"].tolist()) == list(range(6))
+    first_drawn = [r // 2 for r in shuffled["rows"].tolist()]
+    assert (rows[:, 0] // 2).tolist() == list(dict.fromkeys(first_drawn))  # each group where its first row went
+    assert regrouped["names"] == [batch["names"][i] for i in regrouped["rows"].tolist()]
+    assert torch.equal(regrouped["ids"], batch["ids"][regrouped["rows"]])
+    assert regrouped["count"] is batch["count"] and regrouped["none"] is None
 
 
-def test_shuffle_groups_draws_every_order_of_the_groups():
+def test_whole_groups_reaches_every_order_of_the_groups():
     seen = set()
     for seed in range(200):
-        torch.manual_seed(seed)
-        seen.add(tuple(shuffle_groups({"rows": torch.arange(6)}, group_size=2)["rows"].tolist()))
+        shuffled = _shuffled_by_trl({"rows": torch.arange(6)}, seed)
+        seen.add(tuple(take_rows(shuffled, whole_groups(shuffled["rows"], 2))["rows"].tolist()))
     assert len(seen) == 6  # 3! orders of three groups
+
+
+def test_join_rows_is_the_inverse_of_trls_split():
+    batch = {"ids": torch.arange(8).view(4, 2), "names": list("abcd"), "count": torch.tensor(4), "none": None}
+    joined = join_rows(split_tensor_dict(batch, 2))
+    assert torch.equal(joined["ids"], batch["ids"]) and joined["names"] == batch["names"]
+    assert joined["count"] is batch["count"] and joined["none"] is None
+
+
+@pytest.mark.parametrize(
+    "rows, whole",
+    [([2, 3, 0, 1], True), ([1, 0], True), ([0, 1, 2], False), ([1, 2], False), ([0, 2, 1, 3], True), ([0, 0], False)],
+)
+def test_check_whole_groups_refuses_a_split_group(rows, whole):
+    if whole:
+        check_whole_groups(rows, 2)
+    else:
+        with pytest.raises(RuntimeError, match="not whole groups of 2 rollouts"):
+            check_whole_groups(rows, 2)
+
+
+def test_a_loss_route_micro_batch_refuses_its_advantages_until_written():
+    step = GenerationStep("train", "loss")
+    batch = MicroBatch({"advantages": torch.full((2,), torch.nan)}, step)
+    with pytest.raises(ContractError, match="'loss_forward'"):
+        batch["advantages"]
+    with pytest.raises(ContractError, match="'loss_forward'"):
+        batch.get("advantages")
+    batch["advantages"] = torch.ones(2)
+    batch.written = True
+    assert torch.equal(batch.get("advantages"), torch.ones(2))
+    assert MicroBatch({"advantages": torch.ones(2)}, None).written
 
 
 def _prefix(rows: torch.Tensor) -> PrefixBatch:
@@ -71,9 +117,7 @@ def test_the_record_refuses_rows_captured_twice_or_missing():
 
 def test_inputs_for_a_micro_batch_are_its_global_rows():
     step = GenerationStep("train", "loss", rows=4, offset=4)
-    step.estimator_inputs = dict(
-        rewards=torch.arange(8.0), domains=list("abcdefgh"), weights=None, num_generations=2
-    )
+    step.estimator_inputs = dict(rewards=torch.arange(8.0), domains=list("abcdefgh"), weights=None, num_generations=2)
     part = step.inputs_for(torch.tensor([2, 3]))
     assert part["rewards"].tolist() == [6.0, 7.0] and part["domains"] == ["g", "h"]
     assert part["weights"] is None and part["num_generations"] == 2

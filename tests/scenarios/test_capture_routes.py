@@ -42,6 +42,7 @@ def _train(model, tmp_path, route: str, peft: bool = False, rollout=None, **over
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if peft else None,
     )
     trainer.received = []
+    trainer.initial = [p.detach().clone() for p in trainer.model.parameters() if p.requires_grad]
     trainer.train()
     return trainer
 
@@ -59,6 +60,9 @@ def _assert_same_run(loss: Tracking, own: Tracking) -> None:
         assert torch.isfinite(a).all()
         _close(a, b)
         _close(la, lb)
+    assert any(a.abs().sum() > 0 for a, _ in loss.received)  # the setting trains: some advantage is not 0 ...
+    trained = [p.detach() for p in loss.model.parameters() if p.requires_grad]
+    assert any(not torch.equal(p, q) for p, q in zip(trained, loss.initial, strict=True))  # ... and moves weights
     for p, q in zip(loss.model.parameters(), own.model.parameters(), strict=True):
         if p.requires_grad:
             _close(p.detach(), q.detach())
@@ -79,8 +83,9 @@ def _poise_logs(trainer: Tracking) -> list[dict[str, float]]:
 
 
 def _tool_rollout():
-    """Completions that interleave the policy's tokens with environment feedback (`env_mask` 0)."""
-    return env_rollout(lambda i: [(f"{i}</think>", 1), ("feedback</think>", 0), (f"{i % 3}", 1)])
+    """Completions that interleave the policy's tokens with environment feedback (`env_mask` 0); a group's two
+    completions end in answers of different lengths, so their rewards differ and the setting trains."""
+    return env_rollout(lambda i: [(f"{i}</think>", 1), ("feedback</think>", 0), (f"{i % 3}" * (1 + i % 2), 1)])
 
 
 SETTINGS = {

@@ -71,7 +71,7 @@ def test_per_prefix_baseline_on_two_processes_matches_one_process(prefix_runs):
 
 def test_two_processes_read_the_loss_forward_as_their_own_pass_would(tiny_model_path, tmp_path):
     """Whole groups on each rank (4 rows, G=2): on two gloo processes the loss route gives, rank by rank, the
-    advantages, baselines and probe of POISE's own pass."""
+    advantages TRL's loss read, the baselines and the probe of POISE's own pass."""
     runs = {
         capture: launch(SCRIPT, [str(tiny_model_path), str(out), "4", "sequence", "paper", capture], out, 2)
         for capture in ("auto", "pass")
@@ -80,10 +80,13 @@ def test_two_processes_read_the_loss_forward_as_their_own_pass_would(tiny_model_
     for loss, own in zip(runs["auto"], runs["pass"], strict=True):
         assert [s["route"] for s in loss["steps"]] == ["loss"] * 3
         assert [s["route"] for s in own["steps"]] == ["own_pass"] * 3
+        assert len(loss["loss_reads"]) == 3
+        for step, (read, expected) in enumerate(zip(loss["loss_reads"], own["loss_reads"], strict=True)):
+            assert read == expected, f"step {step + 1}: the loss read other advantages than the own pass's"
         for a, b in zip(loss["steps"], own["steps"], strict=True):
             assert a["advantages"] == b["advantages"] and a["probe"] == b["probe"]
             assert a["baselines"] == pytest.approx(b["baselines"], abs=0, nan_ok=True)
-    assert any(a != 0 for s in runs["auto"][0]["steps"][1:] for a in s["advantages"])
+    assert any(row[2] != 0 for rank in runs["auto"] for read in rank["loss_reads"][1:] for row in read)
 
 
 ESTIMATOR_SCRIPT = Path(__file__).parent / "distributed" / "estimator_ranks.py"

@@ -36,6 +36,13 @@ def reward(completions: list[str], **kwargs) -> list[float]:
 
 
 class Recording(POISETrainer):
+    def _compute_loss(self, model, inputs):
+        """What the loss read: each row's (prompt, completion, advantage), rows sorted, whatever the route's order."""
+        loss = super()._compute_loss(model, inputs)
+        ids = inputs["prompt_ids"].tolist(), inputs["completion_ids"].tolist(), inputs["advantages"].tolist()
+        self.reads.append(sorted(zip(*ids, strict=True)))
+        return loss
+
     def _observe(self, step):
         result = super()._observe(step)
         rows = slice(step.offset, step.offset + step.rows)
@@ -77,6 +84,7 @@ args = POISEConfig(
 )
 dataset = Dataset.from_list([{"prompt": f"{i}+{(7 * i) % 13}"} for i in range(24)])
 trainer = Recording(MODEL, reward, args=args, train_dataset=dataset, rollout_func=rollout)
-trainer.steps = []
+trainer.steps, trainer.reads = [], []
 trainer.train()
-finish(OUT, trainer.accelerator.process_index, {"world": trainer.accelerator.num_processes, "steps": trainer.steps})
+result = {"world": trainer.accelerator.num_processes, "steps": trainer.steps, "loss_reads": trainer.reads}
+finish(OUT, trainer.accelerator.process_index, result)

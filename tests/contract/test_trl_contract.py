@@ -1,0 +1,380 @@
+"""The TRL contract (poise_trl/contract.py) against the installed TRL: one test per behaviour, named
+`test_<behaviour>`, each run on TRL's own `GRPOTrainer` (a recording subclass, as `POISETrainer` is one; nothing is
+patched) and failing with the behaviour's name when a TRL release changes it. Two more tests keep the list whole: every
+behaviour has its test, and every private TRL name and every override in the trainer's code is named in the list."""
+
+import ast
+import inspect
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import RepeatSampler
+
+import poise_trl
+from poise_trl import POISETrainer
+from poise_trl.contract import CONTRACT
+from poise_trl.features import find_decoder_layers
+
+from ..conftest import CPU_ARGS, digit_dataset, digit_reward
+from ..tiny_archs import env_rollout
+
+
+def holds(behaviour: str, condition: bool, detail: str) -> None:
+    """Fail naming the behaviour of the contract that no longer holds."""
+    if not condition:
+        pytest.fail(f"TRL contract {behaviour!r} changed: {detail}\nPOISE relies on: {CONTRACT[behaviour].holds}")
+
+
+class Recorder(GRPOTrainer):
+    """GRPOTrainer recording the calls the contract is about, in order."""
+
+    def __init__(self, *args, **kwargs):
+        self.calls: list[tuple] = []
+        self.outputs: list[dict[str, Any]] = []
+        super().__init__(*args, **kwargs)
+
+    def _generate(self, prompts):
+        self.calls.append(("generate",))
+        return super()._generate(prompts)
+
+    def _calculate_rewards(self, *args):
+        rewards = super()._calculate_rewards(*args)
+        self.calls.append(("rewards", rewards))
+        return rewards
+
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        self.calls.append(("logps", model, torch.is_grad_enabled()))
+        return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+
+    def _generate_and_score_completions(self, inputs):
+        self.calls.append(("score",))
+        output = super()._generate_and_score_completions(inputs)
+        output["row"] = torch.arange(len(inputs))  # an extra key of length B, as POISE adds
+        self.rng_after_scoring = torch.get_rng_state()
+        self.outputs.append(output)
+        self.calls.append(("scored",))
+        return output
+
+    def _compute_loss(self, model, inputs):
+        self.calls.append(("loss", torch.is_grad_enabled()))
+        return super()._compute_loss(model, inputs)
+
+
+class ReadRecorder(dict):
+    """A batch dict that records when the loss reads its advantages."""
+
+    def __init__(self, rows: dict, calls: list):
+        super().__init__(rows)
+        self.calls = calls
+
+    def __getitem__(self, key):
+        if key == "advantages":
+            self.calls.append(("advantages read",))
+        return super().__getitem__(key)
+
+
+def _trainer(model, tmp_path, reward_funcs=digit_reward, **overrides) -> Recorder:
+    settings = dict(per_device_train_batch_size=4, num_generations=2, max_completion_length=6, max_steps=1, seed=0)
+    rollout = overrides.pop("rollout_func", None)
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), **CPU_ARGS, **{**settings, **overrides})
+    trainer = Recorder(str(model), reward_funcs, args=args, train_dataset=digit_dataset(), rollout_func=rollout)
+    trainer.model.train()
+    return trainer
+
+
+def _generation_batch(trainer: Recorder) -> list[dict]:
+    return next(iter(trainer.get_train_dataloader()))
+
+
+def _logps_calls(trainer: Recorder) -> list[tuple]:
+    return [call for call in trainer.calls if call[0] == "logps"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "runs_pass"),
+    [
+        (dict(), False),
+        (dict(num_iterations=2), True),
+        (dict(steps_per_generation=2), True),
+        (dict(gradient_accumulation_steps=2, steps_per_generation=2, per_device_train_batch_size=2), False),
+        (dict(gradient_accumulation_steps=2, steps_per_generation=1, num_iterations=2), False),
+    ],
+)
+def test_old_logps_pass(tiny_model_path, tmp_path, settings, runs_pass):
+    """TRL's pass and POISE's copy of its condition (the vLLM clause runs in test_vllm.py, vLLM's environment)."""
+    trainer = _trainer(tiny_model_path, tmp_path, **settings)
+    trainer._prepare_inputs(_generation_batch(trainer))
+    passes = [call for call in _logps_calls(trainer) if call[1] is trainer.model and not call[2]]
+    holds("old_logps_pass", len(passes) == int(runs_pass), f"{len(passes)} no-grad passes with {settings}")
+    holds("old_logps_pass", len(_logps_calls(trainer)) == len(passes), "another pass of the policy while scoring")
+    copy = POISETrainer._trl_runs_old_logps_pass(trainer)
+    holds("old_logps_pass", copy is runs_pass, f"POISE's copy of the condition says {copy} with {settings}")
+    holds("old_logps_pass", ("old_per_token_logps" in trainer.outputs[0]) is runs_pass, "the batch's old log-probs")
+
+
+def test_scalar_reward(tiny_model_path, tmp_path):
+    """TRL's own advantages (scale_rewards="none": reward - group nanmean, unscorable -> 0) from POISE's reading."""
+
+    def half(completions, **kwargs):
+        return [None if i % 3 == 0 else 0.5 * len(c) for i, c in enumerate(completions)]
+
+    def none(completions, **kwargs):
+        return [None if i == 1 else 1.0 for i, _ in enumerate(completions)]
+
+    trainer = _trainer(
+        tiny_model_path, tmp_path, [digit_reward, half, none], reward_weights=[1.0, 0.25, 2.0], scale_rewards="none"
+    )
+    trainer._prepare_inputs(_generation_batch(trainer))
+    (rewards_per_func,) = [call[1] for call in trainer.calls if call[0] == "rewards"]
+    rewards = POISETrainer._scalar_rewards(trainer, rewards_per_func)
+    expected = torch.nan_to_num(rewards - rewards.view(-1, 2).nanmean(1).repeat_interleave(2), nan=0.0)
+    holds(
+        "scalar_reward",
+        torch.allclose(trainer.outputs[0]["advantages"], expected),
+        f"TRL's advantages {trainer.outputs[0]['advantages'].tolist()}, from POISE's reward {expected.tolist()}",
+    )
+
+
+def test_gathered_rewards(tiny_model_path, tmp_path):
+    trainer = _trainer(tiny_model_path, tmp_path)
+    batch = _generation_batch(trainer)
+    trainer._prepare_inputs(batch)
+    names = [call[0] for call in trainer.calls if call[0] != "logps"]
+    holds("gathered_rewards", names == ["score", "generate", "rewards", "scored"], f"call order {names}")
+    (rewards,) = [call[1] for call in trainer.calls if call[0] == "rewards"]
+    shape = (len(batch) * trainer.accelerator.num_processes, 1)
+    holds("gathered_rewards", tuple(rewards.shape) == shape, f"rewards of shape {tuple(rewards.shape)}")
+
+
+def test_batch_layout(tiny_model_path, tmp_path):
+    trainer = _trainer(tiny_model_path, tmp_path)
+    batch = _generation_batch(trainer)
+    trainer._prepare_inputs(batch)
+    output, rows = trainer.outputs[0], len(batch)
+    prompts = [x["prompt"] for x in batch]
+    holds("batch_layout", prompts[0::2] == prompts[1::2], f"a group's rows are not consecutive: {prompts}")
+    holds("batch_layout", output["advantages"].shape == (rows,), f"advantages {tuple(output['advantages'].shape)}")
+    count = output.get("num_items_in_batch")
+    holds("batch_layout", isinstance(count, torch.Tensor) and count.ndim == 0, f"num_items_in_batch {count!r}")
+    tokens = output["completion_mask"].sum()
+    holds("batch_layout", int(count) == int(tokens), f"num_items_in_batch {int(count)} for {int(tokens)} tokens")
+    logged = list(trainer._logs["advantages"])[-rows:]
+    holds("batch_layout", logged == output["advantages"].tolist(), "_logs['advantages'] does not end with the batch")
+    lists = isinstance(trainer._logs["extra"], defaultdict) and isinstance(trainer._metrics["train"], defaultdict)
+    holds("batch_layout", lists, "_logs['extra'] and _metrics[mode] are no longer defaultdicts of lists")
+
+
+def test_train_buffer(tiny_model_path, tmp_path):
+    settings = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, steps_per_generation=2)
+    trainer = _trainer(tiny_model_path, tmp_path, num_iterations=2, **settings)
+    holds("train_buffer", trainer._buffered_inputs is None and trainer._step == 0, "the state __init__ sets")
+    batch = _generation_batch(trainer)
+    first = trainer._prepare_inputs(batch)
+    buffer = trainer._buffered_inputs
+    holds("train_buffer", isinstance(buffer, list) and len(buffer) == 2, f"_buffered_inputs is {type(buffer)}")
+    holds("train_buffer", first is buffer[0], "the micro-batch returned is not the buffer's first dict")
+    rows = torch.cat([part["row"] for part in buffer])
+    after = torch.get_rng_state()
+    torch.set_rng_state(trainer.rng_after_scoring)
+    drawn = torch.randperm(len(batch))
+    holds("train_buffer", torch.equal(rows, drawn), f"rows {rows.tolist()}, one randperm gives {drawn.tolist()}")
+    holds("train_buffer", torch.equal(after, torch.get_rng_state()), "more than one draw shuffled the batch")
+    for step, part in [(1, buffer[1]), (2, first), (3, buffer[1])]:  # two iterations over the same dicts
+        trainer._step = step
+        holds("train_buffer", trainer._prepare_inputs(batch) is part, f"_step {step} returned another micro-batch")
+    holds("train_buffer", len(trainer.outputs) == 1 and trainer._buffered_inputs is buffer, "generated again")
+    trainer._step = 4
+    trainer._prepare_inputs(batch)
+    holds("train_buffer", len(trainer.outputs) == 2, "no new batch at _step % (spg * num_iterations) == 0")
+    trainer._buffered_inputs, trainer._step = None, 1
+    trainer._prepare_inputs(batch)
+    holds("train_buffer", len(trainer.outputs) == 3, "a None buffer does not make TRL generate")
+    trainer._buffered_inputs, trainer._step = None, 0
+    trainer.train()
+    holds("train_buffer", trainer._step == 2, f"_step is {trainer._step} after one step of two micro-batches")
+
+
+def test_loss_forward(tiny_model_path, tmp_path):
+    trainer = _trainer(tiny_model_path, tmp_path)
+    inputs = trainer._prepare_inputs(_generation_batch(trainer))
+    trainer.calls.clear()
+    trainer.current_gradient_accumulation_steps = 1  # what `train()` sets before its first step
+    loss = trainer._compute_loss(trainer.model, ReadRecorder(inputs, trainer.calls))
+    order = [call[0] for call in trainer.calls]
+    holds("loss_forward", order.count("logps") == 1, f"{order.count('logps')} forwards in `_compute_loss`")
+    forward = next(call for call in trainer.calls if call[0] == "logps")
+    holds("loss_forward", forward[1] is trainer.model and forward[2], "the forward's model or grad mode")
+    holds("loss_forward", order.index("logps") < order.index("advantages read"), f"call order {order}")
+    width = inputs["completion_ids"].size(1)
+    per_token = {**inputs, "advantages": inputs["advantages"].unsqueeze(1).expand(-1, width)}
+    torch.testing.assert_close(trainer._compute_loss(trainer.model, per_token), loss)
+
+    class Steps(Recorder):
+        def training_step(self, model, inputs, num_items_in_batch):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self.calls.append(("after backward", all(p.grad is not None for p in model.parameters())))
+            return loss
+
+    settings = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, num_generations=2, seed=0)
+    args = GRPOConfig(output_dir=str(tmp_path / "steps"), **CPU_ARGS, **settings, max_steps=1)
+    steps = Steps(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
+    steps.train()
+    order = [call[0] for call in steps.calls if call[0] in ("loss", "after backward")]
+    holds("loss_forward", order == ["loss", "after backward"] * 2, f"training_step's calls {order}")
+    grads = [call[1] for call in steps.calls if call[0] == "after backward"]
+    holds("loss_forward", all(grads), "no gradient after training_step returned")
+
+
+def test_eval_batches(tiny_model_path, tmp_path):
+    trainer = _trainer(tiny_model_path, tmp_path)
+    trainer.model.eval()
+    batch = _generation_batch(trainer)[:4]
+    returned = trainer._prepare_inputs(batch)
+    holds("eval_batches", returned is trainer.outputs[-1], "evaluation's micro-batch is not the scored batch itself")
+    trainer.calls.clear()
+    trainer.prediction_step(trainer.model, batch, prediction_loss_only=True)
+    losses = [call for call in trainer.calls if call[0] == "loss"]
+    holds("eval_batches", losses == [("loss", False)], f"the evaluation batch's losses {losses}")
+
+
+def test_logps_call(tiny_model_path, tmp_path):
+    trainer = _trainer(tiny_model_path, tmp_path)
+    parameters = inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters
+    needed = ["model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy"]
+    holds("logps_call", all(name in parameters for name in needed), f"parameters {list(parameters)}")
+    layer = find_decoder_layers(trainer.accelerator.unwrap_model(trainer.model))[0]
+    seen = []
+    handle = layer.register_forward_hook(lambda *args: seen.append(True))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    try:
+        with torch.no_grad():
+            result = trainer._get_per_token_logps_and_entropies(
+                trainer.model, ids, torch.ones_like(ids), 2, batch_size=1, compute_entropy=True
+            )
+    finally:
+        handle.remove()
+    holds("logps_call", isinstance(result, tuple) and len(result) == 3, f"returns {type(result)}")
+    logps, entropies, _ = result
+    holds("logps_call", logps.shape == (1, 2) and entropies is not None and entropies.shape == (1, 2), "shapes")
+    holds("logps_call", bool(seen), "the forward did not run the unwrapped model's decoder layers")
+
+
+def test_generate_tool_mask(tiny_model_path, tmp_path):
+    prompts = [x["prompt"] for x in _generation_batch(_trainer(tiny_model_path, tmp_path / "plain"))]
+    plain = _trainer(tiny_model_path, tmp_path / "plain")._generate(prompts)
+    holds("generate_tool_mask", isinstance(plain, tuple) and plain[2] is None, "no tools: the third item is None")
+    rollout = env_rollout(lambda i: [("12", 1), ("ab", 0), ("3", 1)])
+    tools = _trainer(tiny_model_path, tmp_path / "tools", rollout_func=rollout)._generate(prompts)
+    holds("generate_tool_mask", [list(m) for m in tools[2]] == [[1, 1, 0, 0, 1]] * 4, f"mask {tools[2]}")
+
+
+def test_prompt_tokens(tiny_model_path, tmp_path):
+    trainer = _trainer(tiny_model_path, tmp_path)
+    batch = _generation_batch(trainer)
+    trainer._prepare_inputs(batch)
+    ids = trainer._tokenize_prompts([x["prompt"] for x in batch])[0]
+    output = trainer.outputs[0]
+    generated = [
+        row[mask.bool()].tolist() for row, mask in zip(output["prompt_ids"], output["prompt_mask"], strict=True)
+    ]
+    holds("prompt_tokens", [list(x) for x in ids] == generated, "`_tokenize_prompts` is not what TRL generates from")
+    holds("prompt_tokens", trainer._tokenizer is trainer.processing_class and trainer._is_vlm is False, "tokenizer")
+
+
+def test_train_sampler(tiny_model_path, tmp_path):
+    trainer = _trainer(tiny_model_path, tmp_path, steps_per_generation=2)
+    sampler = trainer._get_train_sampler()
+    distinct = trainer.args.generation_batch_size // trainer.num_generations
+    holds("train_sampler", isinstance(sampler, RepeatSampler), f"the sampler is {type(sampler).__name__}")
+    holds("train_sampler", sampler.batch_size == distinct, f"batch_size {sampler.batch_size}, {distinct} expected")
+    parameters = inspect.signature(trainer._get_dataloader).parameters
+    needed = ["dataset", "description", "batch_size", "sampler_fn", "is_training"]
+    holds("train_sampler", all(name in parameters for name in needed), f"_get_dataloader({list(parameters)})")
+
+
+def test_checkpoint_hooks(tiny_model_path, tmp_path):
+    class Saving(Recorder):
+        def _save_checkpoint(self, model, trial):
+            folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+            self.calls.append(("save", (folder / "trainer_state.json").exists()))
+            super()._save_checkpoint(model, trial)
+            self.calls.append(("saved", (folder / "trainer_state.json").exists()))
+
+        def _load_optimizer_and_scheduler(self, checkpoint):
+            self.calls.append(("load", checkpoint))
+            super()._load_optimizer_and_scheduler(checkpoint)
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        **{**CPU_ARGS, "save_strategy": "steps"},
+        save_steps=1,
+        max_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        seed=0,
+    )
+    trainer = Saving(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
+    trainer.train()
+    saves = [call for call in trainer.calls if call[0] in ("save", "saved")]
+    holds("checkpoint_hooks", saves == [("save", False), ("saved", True)], f"saves {saves}")
+    checkpoint = str(tmp_path / "out" / "checkpoint-1")
+    trainer.calls.clear()
+    trainer.train(resume_from_checkpoint=checkpoint)
+    loads = [call for call in trainer.calls if call[0] == "load"]
+    holds("checkpoint_hooks", ("load", checkpoint) in loads, f"resuming called {loads}")
+
+
+def test_model_card(tiny_model_path, tmp_path):
+    trainer = _trainer(tiny_model_path, tmp_path)
+    trainer.create_model_card()
+    card = (tmp_path / "out" / "README.md").read_text()
+    holds("model_card", "### Framework versions" in card, "no '### Framework versions' section")
+    holds("model_card", all(tag in card for tag in GRPOTrainer._tag_names), "the class's tags are not on the card")
+    holds("model_card", GRPOTrainer._paper["id"] in card, "the class's paper is not on the card")
+
+
+def test_every_behaviour_has_its_test():
+    tests = {name for name in globals() if name.startswith("test_")}
+    assert sorted(name for name in CONTRACT if f"test_{name}" not in tests) == []
+
+
+TRL_AWARE = ("trainer.py", "selection.py")
+
+
+def _trainer_code() -> list[ast.ClassDef]:
+    folder = Path(poise_trl.__file__).parent
+    trees = [ast.parse((folder / name).read_text()) for name in TRL_AWARE]
+    return [node for tree in trees for node in tree.body if isinstance(node, ast.ClassDef)]
+
+
+def test_the_contract_names_every_trl_name_and_override_the_trainer_relies_on(tiny_model_path, tmp_path):
+    """Every private attribute or method of TRL's trainer that POISE's TRL-aware code reads, writes or calls is one
+    of a behaviour's `names` or `overrides`; every override of a TRL method is one of a behaviour's `overrides`; and
+    the contract names nothing the code no longer uses."""
+    grpo = _trainer(tiny_model_path, tmp_path)
+    classes = _trainer_code()
+    defined = {item.name for cls in classes for item in cls.body if isinstance(item, ast.FunctionDef)}
+    overrides = {name for name in defined if hasattr(GRPOTrainer, name) and name != "__init__"}
+    used = {
+        node.attr
+        for cls in classes
+        for node in ast.walk(cls)
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and (
+            (isinstance(node.value, ast.Name) and node.value.id == "self")
+            or (isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "") == "super")
+        )
+    }
+    trl_names = {name for name in used if hasattr(grpo, name)}
+    named = {name for behaviour in CONTRACT.values() for name in behaviour.names}
+    listed = {name for behaviour in CONTRACT.values() for name in behaviour.overrides}
+    assert sorted(overrides - listed) == [], "overrides of TRL methods no behaviour names"
+    assert sorted(listed - overrides) == [], "behaviours name overrides the trainer no longer has"
+    assert sorted(trl_names - named - listed) == [], "private TRL names no behaviour names"
+    assert sorted(named - trl_names) == [], "behaviours name private TRL names the trainer no longer uses"
