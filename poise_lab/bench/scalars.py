@@ -17,7 +17,7 @@ resamples of the prompts (the same seed):
 
 A trained snapshot's pool that keeps the run's saved estimator shows it too, with its own row as it ran: its buffer
 holds the feature rows it learned from, not their tokens, so no column can be added to it without a run that
-computes the column.
+computes the column. Its r is not a held-out one where the pool's prompts are the run's training prompts.
 """
 
 import argparse
@@ -269,6 +269,12 @@ def format_report(results: dict[str, Any]) -> str:
         headers = ["Row", "Variance (W)", "M (W)", "ΔM vs default (W)", "Held-out r", "Δr vs default"]
         lines += ["", f"## Subspace: {subspace}", "", format_table(headers, rows)]
         lines += ["", f"Oracle baseline's variance per completion: {_fmt(block['oracle_variance'], 2)} W."]
+    if RUN_ROW in measured["held_out_r"]:
+        lines += [
+            "",
+            "The run's saved estimator learned from earlier rollouts of the pool's prompts where they are its "
+            "training prompts: its r is not held out there.",
+        ]
     lines += ["", "Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in results["seconds"].items())]
     return "\n".join(lines) + "\n"
 
