@@ -22,7 +22,7 @@ import argparse
 import hashlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -120,20 +120,33 @@ def separate_prompts(pool: Collection, probe: Collection, wanted: int) -> np.nda
     return np.asarray(keep)
 
 
+def pool_files(folder: Path) -> dict[str, Path]:
+    """A cached pool's three files: the measured pool, the probe's pool and the Gram matrices."""
+    return {name: folder / f"{name}.safetensors" for name in ("pool", "probe_pool", "grams")}
+
+
+def read_pool(folder: Path) -> tuple[Collection, Collection, dict[str, Any]]:
+    """A cached pool's measured pool, probe pool and Gram matrices ({"grams", "dimensions", "seconds", "cached"})."""
+    files = pool_files(folder)
+    if missing := [str(f) for f in files.values() if not f.exists()]:
+        raise SystemExit(f"{folder} is not a pool of `bench gradient`: {', '.join(missing)} missing")
+    tensors = load_file(str(files["grams"]))
+    info = json.loads((folder / "grams.json").read_text())
+    grams = {name: tensors[name] for name in SUBSPACES}
+    pools = Collection.load(files["pool"]), Collection.load(files["probe_pool"])
+    return *pools, {**info, "grams": grams, "cached": True}
+
+
 def load_pool(args: argparse.Namespace, log: Log = print) -> tuple[Collection, Collection, dict[str, Any], Path]:
     """The measured pool, the probe's pool and the per-subspace Gram matrices ({"grams", "dimensions", "seconds"}),
     from the cache when an earlier run made them."""
     from transformers import AutoModelForCausalLM
 
     folder = cache_dir(args)
-    files = {name: folder / f"{name}.safetensors" for name in ("pool", "probe_pool", "grams")}
+    files = pool_files(folder)
     if all(f.exists() for f in files.values()):
         log(f"[cache] pool, probe pool and Gram matrices from {folder}")
-        tensors = load_file(str(files["grams"]))
-        info = json.loads((folder / "grams.json").read_text())
-        grams = {name: tensors[name] for name in SUBSPACES}
-        pools = Collection.load(files["pool"]), Collection.load(files["probe_pool"])
-        return *pools, {**info, "grams": grams, "cached": True}, folder
+        return *read_pool(folder), folder
     seconds: dict[str, float] = {}
     collection = collect_from_args(args, log)
     seconds.update({k: float(v) for k, v in collection.meta["seconds"].items()})
@@ -179,18 +192,30 @@ def new_estimator(
     return estimator, list(config.probe_features)
 
 
+Rows = Callable[[Collection, Sequence[str]], torch.Tensor]
+
+
+def probe_rows(collection: Collection, blocks: Sequence[str]) -> torch.Tensor:
+    """(N, D) the probe's input rows: `blocks` at the pool's default capture (layer, pooling window)."""
+    return collection.columns(blocks, int(collection.meta["default_layer"]), int(collection.meta["default_pool"]))
+
+
 def fitted_probe(
-    rule: str, collection: Collection, probe: Collection, keep: np.ndarray, head: str | None = None
+    rule: str,
+    collection: Collection,
+    probe: Collection,
+    keep: np.ndarray,
+    head: str | None = None,
+    rows: Rows = probe_rows,
 ) -> tuple[POISEEstimator, list[str]]:
     """`rule`'s estimator after observing the probe pool's prompts `keep` in pairs, over its warm-up steps plus a
-    few, as it would online (with `head`, that value head instead of the rule's own); and the feature blocks its
-    probe reads."""
+    few, as it would online (with `head`, that value head instead of the rule's own; with `rows`, other input rows
+    of the feature blocks its probe reads); and those blocks."""
     estimator, blocks = new_estimator(rule, collection, head)
-    layer, pool = int(collection.meta["default_layer"]), int(collection.meta["default_pool"])
-    features = probe.columns(blocks, layer, pool)
+    features = rows(probe, blocks)
     for chunk in np.array_split(keep, estimator.spec.buffer.warmup_steps + 4):
-        rows = torch.from_numpy((chunk[:, None] * PROBE_K + np.arange(PROBE_K)).ravel())
-        estimator.observe(features=features[rows], rollouts=Rollouts(probe.rewards[rows].nan_to_num(0.0)))
+        picked = torch.from_numpy((chunk[:, None] * PROBE_K + np.arange(PROBE_K)).ravel())
+        estimator.observe(features=features[picked], rollouts=Rollouts(probe.rewards[picked].nan_to_num(0.0)))
     return estimator, blocks
 
 
@@ -271,21 +296,25 @@ def online_values(
     for row, fit in fits:
         estimator, blocks = fit()
         sources.setdefault(row, separate)
-        if not estimator.trusted:
-            raise RuntimeError(f"{label(row)}: the probe is not trusted; give more --probe-prompts")
         keys = row_prompt_keys(collection) if estimator.prompt_history is not None else None
-        features = collection.columns(blocks, layer, pool)
-        record = Rollouts(collection.rewards.nan_to_num(0.0), prompt_ids=keys)
-        out = estimator.predict(features, record).double().numpy()
-        if not np.isfinite(out).all():
-            raise RuntimeError(
-                f"{label(row)}: the probe gave non-finite values for {int((~np.isfinite(out)).sum())} rows"
-            )
-        values[row] = out
+        values[row] = probe_values(estimator, collection, collection.columns(blocks, layer, pool), label(row))
         if row != "poise_paper":
             samplers[row] = probe_sampler(estimator, collection, layer, pool, floor, keys)
         log(f"      {label(row)}: probe {sources[row]}")
     return values, sources, samplers
+
+
+def probe_values(estimator: POISEEstimator, collection: Collection, features: torch.Tensor, name: str) -> np.ndarray:
+    """(N,) each measured rollout's value from a trusted probe (its prompt's history by the trainer's ids where the
+    estimator keeps one), every one finite."""
+    if not estimator.trusted:
+        raise RuntimeError(f"{name}: the probe is not trusted; give more --probe-prompts")
+    keys = row_prompt_keys(collection) if estimator.prompt_history is not None else None
+    record = Rollouts(collection.rewards.nan_to_num(0.0), prompt_ids=keys)
+    out = estimator.predict(features, record).double().numpy()
+    if not np.isfinite(out).all():
+        raise RuntimeError(f"{name}: the probe gave non-finite values for {int((~np.isfinite(out)).sum())} rows")
+    return out
 
 
 # --------------------------------------------------------------------------------------------------- measuring

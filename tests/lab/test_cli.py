@@ -38,6 +38,8 @@ def test_the_walk_reaches_every_subcommand():
         "bench efficiency",
         "bench gradient",
         "bench overhead",
+        "bench pool-tokens",
+        "bench scalars",
         "bench summarize",
     }
     assert progs == {"poise-trl"} | {f"poise-trl {name}" for name in expected}

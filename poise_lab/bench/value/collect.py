@@ -2,6 +2,8 @@
 
 Features come from one teacher-forced pass with the trainer's own feature code, hooking several layers and pooling
 windows at once, and everything is saved (`collection.safetensors`) so that scoring can be redone without generation.
+The same pass keeps each completion token's entropy and log-probability (`CompletionTokens`, saved beside the
+collection), so any rollout scalar can be computed later without the model.
 """
 
 import json
@@ -33,6 +35,44 @@ Prompt = str | list[dict[str, str]]
 POOL_LAYOUT = FeatureLayout(FEATURE_BLOCKS)  # a collection's stored columns: every block, the paper's three scalars
 RewardFn = Callable[..., list[float | None]]
 Log = Callable[[str], None]
+TOKENS_SUFFIX = ".tokens.safetensors"
+
+
+def tokens_path(path: str | Path) -> Path:
+    """Where a collection file's `CompletionTokens` lie: `pool.safetensors` -> `pool.tokens.safetensors`."""
+    path = Path(path)
+    return path.with_name(path.name.removesuffix(".safetensors") + TOKENS_SUFFIX)
+
+
+@dataclass
+class CompletionTokens:
+    """What a rollout scalar reads beyond the feature row, per completion token, from the teacher-forced pass.
+
+    The official release's rollout scalars (holi-lab/POISE: mean, last, max and min token entropy over the output,
+    reasoning and answer spans; length and repetition of the decoded text) are functions of these, the collection's
+    ids and masks and the library's spans (`features.feature_spans` with `marker_ids`). A file of its own beside the
+    collection's, so a pool sampled before it existed gets it from a later pass (`bench pool-tokens`) and its own file
+    stays as it was.
+    """
+
+    entropies: torch.Tensor  # (N, Lc) float32: TRL's entropy_from_logits of logits / temperature; 0 on padding
+    logprobs: torch.Tensor  # (N, Lc) float32: log pi(y_t | x, y_<t) at that temperature; 0 on padding
+    texts: list[str]  # each completion decoded with skip_special_tokens=True, as the reward function read it
+    marker_ids: list[int] | None  # the reasoning-end marker's token ids (None: no marker)
+    source: dict[str, Any]  # the pass they come from and, for a later pass, its check against the stored features
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        meta = {"texts": self.texts, "marker_ids": self.marker_ids, "source": self.source}
+        tensors = {"entropies": self.entropies.contiguous(), "logprobs": self.logprobs.contiguous()}
+        save_file(tensors, str(path), metadata={"meta": json.dumps(meta)})
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CompletionTokens":
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads(f.metadata()["meta"])
+        return cls(**load_file(str(path)), **meta)
 
 
 @dataclass
@@ -51,6 +91,7 @@ class Collection:
     completion_ids: torch.Tensor  # (N, Lc) int32 right-padded sampled tokens (EOS included), to inspect or re-score
     completion_mask: torch.Tensor  # (N, Lc)
     meta: dict[str, Any]
+    tokens: CompletionTokens | None = None  # None: a collection saved before they were kept (`bench pool-tokens`)
 
     @property
     def k(self) -> int:
@@ -73,8 +114,17 @@ class Collection:
         full = self.features[:, self.captures.index(key)]
         return torch.cat([full[:, slice(*slices[b])] for b in FEATURE_BLOCKS if b in blocks], dim=1)
 
+    def rows(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Each rollout's prompt and completion token ids without padding, as they were fed to the pass."""
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(self.prompt_ids, self.prompt_mask, strict=True)]
+        completions = [
+            ids[mask.bool()].tolist() for ids, mask in zip(self.completion_ids, self.completion_mask, strict=True)
+        ]
+        return [prompts[p] for p in self.prompt_index.tolist()], completions
+
     def save(self, path: str | Path) -> Path:
-        """One safetensors file; the metadata (settings, prompt texts) travels as JSON in its header."""
+        """One safetensors file; the metadata (settings, prompt texts) travels as JSON in its header; the
+        `CompletionTokens`, when held, in their own file beside it (`tokens_path`)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {
@@ -87,13 +137,17 @@ class Collection:
             "completion_mask": self.completion_mask,
         }
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"meta": json.dumps(self.meta)})
+        if self.tokens is not None:
+            self.tokens.save(tokens_path(path))
         return path
 
     @classmethod
     def load(cls, path: str | Path) -> "Collection":
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads(f.metadata()["meta"])
-        return cls(**load_file(str(path)), meta=meta)
+        tokens = tokens_path(path)
+        tokens = CompletionTokens.load(tokens) if tokens.exists() else None
+        return cls(**load_file(str(path)), meta=meta, tokens=tokens)
 
 
 def default_sweep_layers(num_layers: int, default_layer: int) -> list[int]:
@@ -207,20 +261,22 @@ def extract_features(
     pad_id: int,
     temperature: float = 1.0,
     batch_size: int = 64,
-) -> torch.Tensor:
-    """(N, C, 2d+4) POISE features of every (layer, pool) capture from ONE teacher-forced pass per batch.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, C, 2d+4) POISE features of every (layer, pool) capture from ONE teacher-forced pass per batch, and the
+    (N, Lc) entropy and log-probability of every completion token in that pass (0 on padding; Lc the longest row).
 
     Padding matches TRL (prompts left, completions right, completions ending with their EOS); spans, hooks, pooling
     and assembly are `poise_trl.features`, exactly what `POISETrainer` runs. Several `capture_layer` hooks, one per
     capture, share the pass; entropies are TRL's `entropy_from_logits` of logits / temperature, as in the log-prob
-    pass whose entropies the trainer uses.
+    pass whose entropies the trainer uses, and log-probabilities TRL's `selective_log_softmax` of the same logits.
     """
-    from trl.trainer.utils import entropy_from_logits
+    from trl.trainer.utils import entropy_from_logits, selective_log_softmax
 
     layers = find_decoder_layers(model)
     device = next(model.parameters()).device
     pools = sorted({pool for _, pool in captures})
-    out = []
+    width = max(1, max(map(len, completion_rows)))
+    out, entropy_rows, logprob_rows = [], [], []
     for start in range(0, len(prompt_rows), batch_size):
         prompt_ids, prompt_mask = _left_pad(prompt_rows[start : start + batch_size], pad_id)
         completion_ids, completion_mask = _right_pad(completion_rows[start : start + batch_size], pad_id)
@@ -233,12 +289,26 @@ def extract_features(
                 logits_to_keep=completion_ids.size(1) + 1,
             ).logits[:, :-1]
         entropies = entropy_from_logits(logits.div_(temperature)).float().cpu()
+        logprobs = selective_log_softmax(logits, completion_ids.to(device)).float().cpu()
         rows = [
             POOL_LAYOUT.assemble(grab.pooled().cpu(), entropies, spans[p])
             for grab, (_, p) in zip(grabs, captures, strict=True)
         ]
         out.append(torch.stack(rows, dim=1))
-    return torch.cat(out)
+        pad, valid = (0, width - completion_ids.size(1)), completion_mask.bool()
+        entropy_rows.append(torch.nn.functional.pad(torch.where(valid, entropies, 0.0), pad))
+        logprob_rows.append(torch.nn.functional.pad(torch.where(valid, logprobs, 0.0), pad))
+    return torch.cat(out), torch.cat(entropy_rows), torch.cat(logprob_rows)
+
+
+def marker_token_ids(tokenizer: Any, reasoning_end_marker: str | None) -> list[int] | None:
+    """The marker's token ids as the trainer finds it in completions (None without a marker)."""
+    if reasoning_end_marker is None:
+        return None
+    marker_ids = tokenizer(reasoning_end_marker, add_special_tokens=False)["input_ids"]
+    if not marker_ids:
+        raise ValueError(f"reasoning_end_marker={reasoning_end_marker!r} tokenizes to no tokens.")
+    return marker_ids
 
 
 def _prompt_text(prompt: Prompt) -> str:
@@ -285,11 +355,7 @@ def collect(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else []
     eos_ids = (set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}) - {None}
-    marker_ids = None
-    if reasoning_end_marker is not None:
-        marker_ids = tokenizer(reasoning_end_marker, add_special_tokens=False)["input_ids"]
-        if not marker_ids:
-            raise ValueError(f"reasoning_end_marker={reasoning_end_marker!r} tokenizes to no tokens.")
+    marker_ids = marker_token_ids(tokenizer, reasoning_end_marker)
 
     prompt_rows = [encode_prompt(tokenizer, p) for p in prompts]
     model.eval()
@@ -319,7 +385,7 @@ def collect(
     reward_s = time.perf_counter() - start
 
     start = time.perf_counter()
-    features = extract_features(
+    features, entropies, logprobs = extract_features(
         model,
         [r for r in prompt_rows for _ in range(k)],
         completions,
@@ -362,4 +428,5 @@ def collect(
             "prompts": [_prompt_text(p) for p in prompts],
             "prompt_keys": prompt_group_ids(list(prompts)).tolist(),  # the trainer's ids: a run's history reads them
         },
+        tokens=CompletionTokens(entropies, logprobs, texts, marker_ids, {"pass": "the features' own"}),
     )

@@ -1,0 +1,235 @@
+"""Pools' per-token record and `bench scalars`: the record is the features' own pass (its entropies average to the
+stored statistics, its log-probabilities are the model's), a later pass adds it only with the sampling model, and
+the harness's default rows are `bench gradient`'s committed ones while an extra column moves only its own rows."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from poise_lab.bench.pool_tokens import block_differences, teacher_force
+from poise_lab.bench.scalars import (
+    SCALAR_SETS,
+    PoolRollouts,
+    Variant,
+    completion_length,
+    load_column_fn,
+    measure_rows,
+    scalar_set,
+    weighted_pearson,
+)
+from poise_lab.bench.value.collect import Collection, collect, tokens_path
+from poise_trl import cli
+from poise_trl.columns import DEFAULT_SCALARS, scalar_columns
+from poise_trl.features import FeatureLayout
+from poise_trl.tiny import save_tiny
+
+ROOT = Path(__file__).resolve().parents[2]
+START_POOL = ROOT / "benchmarks/real-lm/pools/gradient/smollm2-135m-9110f0f21f42"
+START_RESULTS = ROOT / "benchmarks/real-lm/gradient/start-heads/results.json"
+
+
+def entropy_stats(rollouts: PoolRollouts) -> torch.Tensor:
+    """(N, 3) the mean, standard deviation and largest of each completion's token entropies: the harness's example
+    columns, computed here and not by the library."""
+    mask = rollouts.spans.completion_mask
+    count = mask.sum(1).clamp(min=1)
+    mean = (rollouts.entropies * mask).sum(1) / count
+    std = (((rollouts.entropies - mean[:, None]) ** 2 * mask).sum(1) / count).sqrt()
+    return torch.stack([mean, std, torch.where(mask, rollouts.entropies, 0.0).amax(1)], dim=1)
+
+
+def library_entropy_statistics(rollouts: PoolRollouts) -> torch.Tensor:
+    """(N, 3) the row's own entropy statistics, recomputed by the library's function from the per-token record."""
+    return scalar_columns(DEFAULT_SCALARS, rollouts.entropies, rollouts.spans)
+
+
+def wrong_shape(rollouts: PoolRollouts) -> torch.Tensor:
+    return torch.zeros(3, 1)
+
+
+def parity_reward(completions: list[str], **kwargs) -> list[float]:
+    return [float(sum(map(ord, c)) % 2) for c in completions]
+
+
+def _collect(path: Path, num_prompts: int, k: int, seed: int = 0) -> Collection:
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prompts = [f"{i}{(7 * i) % 10}+{i % 3}" for i in range(num_prompts)]
+    return collect(
+        model,
+        tokenizer,
+        prompts,
+        parity_reward,
+        k=k,
+        layers=[1],
+        pools=[],
+        layer=1,
+        pool_tokens=3,
+        max_new_tokens=6,
+        temperature=0.7,
+        feature_batch_size=5,
+        seed=seed,
+        meta={"model_path": str(path)},
+        log=lambda _: None,
+    )
+
+
+def test_a_pool_keeps_the_entropies_and_log_probabilities_of_its_features_pass(tiny_model_path, tmp_path):
+    pool = _collect(tiny_model_path, 6, 3)
+    tokens = pool.tokens
+    assert tokens.entropies.shape == pool.completion_ids.shape == tokens.logprobs.shape
+    assert (tokens.entropies[~pool.completion_mask] == 0).all() and (tokens.entropies[pool.completion_mask] > 0).all()
+    # the stored entropy statistics are these entropies averaged over the library's spans
+    spans = PoolRollouts.of(pool).spans
+    start, stop = FeatureLayout(tuple(pool.meta["feature_blocks"])).slices(pool.meta["hidden_size"])["entropy"]
+    for column, mask in enumerate((spans.completion_mask, spans.reasoning_mask, spans.answer_mask)):
+        mean = (tokens.entropies * mask).sum(1) / mask.sum(1).clamp(min=1)
+        torch.testing.assert_close(pool.features[:, 0, start + column], mean, atol=1e-6, rtol=1e-6)
+    # the log-probabilities are the model's own at the sampling temperature, token by token
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    prompts, completions = pool.rows()
+    for row in (0, 7, 17):
+        ids = torch.tensor([prompts[row] + completions[row]])
+        logits = model(input_ids=ids).logits[0, len(prompts[row]) - 1 : -1] / 0.7
+        expected = logits.log_softmax(-1).gather(1, torch.tensor(completions[row])[:, None])[:, 0]
+        torch.testing.assert_close(tokens.logprobs[row, : len(completions[row])], expected, atol=1e-5, rtol=1e-5)
+    assert tokens.texts[0] == AutoTokenizer.from_pretrained(tiny_model_path).decode(
+        completions[0], skip_special_tokens=True
+    )
+    # saved beside the collection; a collection saved before pools kept them loads without
+    path = pool.save(tmp_path / "pool.safetensors")
+    assert tokens_path(path) == tmp_path / "pool.tokens.safetensors" and tokens_path(path).exists()
+    loaded = Collection.load(path)
+    assert torch.equal(loaded.tokens.entropies, tokens.entropies) and loaded.tokens.texts == tokens.texts
+    assert loaded.tokens.marker_ids == tokens.marker_ids and loaded.tokens.source == tokens.source
+    tokens_path(path).unlink()
+    old = Collection.load(path)
+    assert old.tokens is None and torch.equal(old.features, pool.features)
+    with pytest.raises(SystemExit, match="bench pool-tokens"):
+        PoolRollouts.of(old)
+
+
+def test_pool_tokens_adds_the_record_only_with_the_model_that_sampled_the_pool(tiny_model_path, tmp_path, capsys):
+    folder = tmp_path / "pool-folder"
+    made = {"pool": _collect(tiny_model_path, 6, 3), "probe_pool": _collect(tiny_model_path, 8, 2, seed=1)}
+    for name, collection in made.items():
+        Collection(**{**vars(collection), "tokens": None}).save(folder / f"{name}.safetensors")
+    other = save_tiny(tmp_path / "other", num_layers=2, seed=1)
+    assert cli.main(["bench", "pool-tokens", str(folder), "--model", str(other), "--batch-size", "5"]) == 1
+    assert "refused" in capsys.readouterr().out and not list(folder.glob("*.tokens.safetensors"))
+    assert cli.main(["bench", "pool-tokens", str(folder), "--batch-size", "5"]) == 0  # the pool's own model_path
+    for name, collection in made.items():
+        added = Collection.load(folder / f"{name}.safetensors").tokens
+        assert max(added.source["max_abs_difference"].values()) < 1e-5
+        torch.testing.assert_close(added.entropies, collection.tokens.entropies, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(added.logprobs, collection.tokens.logprobs, atol=1e-5, rtol=1e-5)
+        assert added.texts == collection.tokens.texts and added.marker_ids == collection.tokens.marker_ids
+    # another batching pads rows differently: the blocks still agree, so the check is not a bitwise one
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path, padding_side="left")
+    _, differences = teacher_force(made["pool"], model, tokenizer, batch_size=4)
+    assert set(differences) == {"prompt", "reasoning", "entropy", "length"} and max(differences.values()) < 1e-4
+    assert block_differences(made["pool"].features, made["pool"].features + 1, 128)["length"] == 1.0
+
+
+def test_weighted_pearson_is_pearson_on_the_resampled_prompts():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=9), rng.normal(size=9)
+    counts = np.stack([np.ones(9), np.bincount(rng.integers(9, size=9), minlength=9)]).astype(float)
+    got = weighted_pearson(x, y, counts)
+    assert got[0] == pytest.approx(np.corrcoef(x, y)[0, 1])
+    repeated = np.repeat(np.arange(9), counts[1].astype(int))
+    assert got[1] == pytest.approx(np.corrcoef(x[repeated], y[repeated])[0, 1])
+
+
+def test_measure_rows_pairs_each_variant_with_its_default():
+    rng = np.random.default_rng(1)
+    rewards = (rng.random((10, 4)) < rng.random((10, 1))).astype(float)
+    scores = rng.normal(size=(40, 6))
+    grams = {"lora": torch.from_numpy(scores @ scores.T), "norms": torch.from_numpy(scores[:, :3] @ scores[:, :3].T)}
+    good = np.clip(rewards.mean(1, keepdims=True) + 0.05 * rng.normal(size=(10, 4)), 0, 1).ravel()
+    values = {"poise:default": np.full(40, rewards.mean()) + 0.01 * rng.normal(size=40), "poise:better": good}
+    out = measure_rows(rewards, values, grams, 30, 0)
+    assert set(out["held_out_r_paired"]) == {"poise:better"}
+    for subspace in grams:
+        block = out[subspace]
+        assert set(block["M_paired"]) == {"poise:better"}
+        for row in values:  # M is the variance above the oracle's, resample by resample
+            assert block["M"][row]["value"] == pytest.approx(
+                block["variance"][row]["value"] - block["oracle_variance"]["value"]
+            )
+        assert block["M_paired"]["poise:better"]["value"] == pytest.approx(
+            block["M"]["poise:better"]["value"] - block["M"]["poise:default"]["value"]
+        )
+        assert block["M"]["poise:better"]["value"] < block["M"]["poise:default"]["value"]
+    assert out["held_out_r"]["poise:better"]["value"] > 0.9
+
+
+def test_bad_columns_are_refused_with_what_to_change():
+    with pytest.raises(SystemExit, match="unknown: no_such_scalar"):
+        scalar_set("x=paper,no_such_scalar")
+    with pytest.raises(SystemExit, match="NAME=ENTRY,ENTRY"):
+        scalar_set("default=paper")
+    assert (
+        scalar_set("x=paper,output_mean_token_entropy,length").columns.names == DEFAULT_SCALARS + SCALAR_SETS["length"]
+    )
+    with pytest.raises(SystemExit, match="NAME=MODULE:FUNCTION"):
+        load_column_fn("poise_lab.bench.scalars:completion_length")
+    with pytest.raises(SystemExit, match="NAME=MODULE:FUNCTION"):
+        load_column_fn("default=poise_lab.bench.scalars:completion_length")
+    with pytest.raises(SystemExit, match="no_such_function"):
+        load_column_fn("x=poise_lab.bench.scalars:no_such_function")
+    pool = Collection.load(START_POOL / "pool.safetensors")
+    with pytest.raises(ValueError, match=r"variant 'bad'.*\(512, k\)"):
+        Variant("bad", wrong_shape).rows(pool, ["entropy"])
+
+
+def test_scalars_on_a_committed_pool_reproduce_bench_gradient_and_move_only_the_variants(tmp_path):
+    """The committed start pool (its per-token record added by `bench pool-tokens`): the record agrees with the stored
+    rows, the default rows are `bench gradient`'s POISE (paper) and POISE (default) to the last digit, and the
+    oracle's too; a variant's columns move its own rows, and the row's statistics recomputed in their own place
+    (`--replace-scalars`) give the default row's values."""
+    pool = Collection.load(START_POOL / "pool.safetensors")
+    rollouts = PoolRollouts.of(pool)
+    start, stop = FeatureLayout(tuple(pool.meta["feature_blocks"])).slices(pool.meta["hidden_size"])["entropy"]
+    torch.testing.assert_close(entropy_stats(rollouts)[:, 0], pool.features[:, 0, start], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(completion_length(rollouts)[:, 0], pool.features[:, 0, stop])  # the length block
+    out = tmp_path / "scalars"
+    columns = [
+        "length=poise_lab.bench.scalars:completion_length",
+        "entropy=tests.lab.bench.test_scalars:entropy_stats",
+    ]
+    same = "same=tests.lab.bench.test_scalars:library_entropy_statistics"
+    argv = ["bench", "scalars", str(START_POOL), "--columns", *columns, "--replace-scalars", same]
+    argv += ["--probe-scalars", "paper=paper", "twelve=entropy12"]
+    argv += ["--bootstrap", "20", "--output-dir", str(out)]
+    assert cli.main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    committed = json.loads(START_RESULTS.read_text())
+    presets = ("poise_paper", "poise")
+    variants = ("default", "length", "entropy", "same", "paper", "twelve")
+    rows = {f"{preset}:{variant}" for preset in presets for variant in variants}
+    for subspace in ("lora", "norms"):
+        block = results["measured"][subspace]
+        assert set(block["variance"]) == rows
+        assert set(block["M_paired"]) == rows - {f"{preset}:default" for preset in presets}
+        for preset in presets:
+            expected = committed["subspaces"][subspace]["table"][preset]["variance"]["value"]
+            assert block["variance"][f"{preset}:default"]["value"] == pytest.approx(expected, rel=1e-12)
+            oracle = committed["subspaces"][subspace]["table"]["oracle"]["variance"]["value"]
+            assert block["oracle_variance"]["value"] == pytest.approx(oracle, rel=1e-12)
+            default = block["variance"][f"{preset}:default"]["value"]
+            assert block["variance"][f"{preset}:entropy"]["value"] != pytest.approx(default, rel=1e-6)
+            # the default row with its statistics recomputed from the record in their place: the same probe
+            assert block["variance"][f"{preset}:same"]["value"] == pytest.approx(default, rel=1e-4)
+            # the paper's three as a probe_scalars list: the same row again; the 12 statistics: another probe
+            assert block["variance"][f"{preset}:paper"]["value"] == pytest.approx(default, rel=1e-4)
+            assert block["variance"][f"{preset}:twelve"]["value"] != pytest.approx(default, rel=1e-6)
+    r = results["measured"]["held_out_r"]
+    assert all(-1 <= cell["value"] <= 1 for cell in r.values())
+    assert results["pool"]["tokens"]["pass"].startswith("teacher-forced")
+    assert "POISE (default) G=2 [entropy]" in (out / "results.md").read_text()
