@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from poise_trl.features import FEATURE_BLOCKS, block_slices
+from poise_trl.features import FEATURE_BLOCKS, FeatureLayout
 
 from .common import resolve_device
 from .value.collect import Collection, CompletionTokens, Log, extract_features, marker_token_ids, tokens_path
@@ -27,7 +27,7 @@ def block_differences(recomputed: torch.Tensor, stored: torch.Tensor, hidden_siz
     """The largest absolute difference of each feature block (`FEATURE_BLOCKS`) between two (N, C, 2d+4) rows."""
     return {
         name: float((recomputed[..., start:stop] - stored[..., start:stop]).abs().max())
-        for name, (start, stop) in block_slices(FEATURE_BLOCKS, hidden_size).items()
+        for name, (start, stop) in FeatureLayout(FEATURE_BLOCKS).slices(hidden_size).items()
     }
 
 

@@ -99,7 +99,7 @@ def test_the_checker_refuses_what_a_reviewer_would_slip_in():
 
 def test_a_percentage_a_millisecond_and_a_derived_figure_read_their_files():
     ratio = "real-lm/overhead-zero-pass/overhead.json > timing > 0 > own_pass_time_ratio"
-    assert _clause("its own pass costs 21% more", "figures", f"calc [{ratio}] - 1") == []
+    assert _clause("its own pass costs 19% more", "figures", f"calc [{ratio}] - 1") == []
     assert _clause("its own pass costs 12% more", "figures", f"calc [{ratio}] - 1")
     assert (
         _clause(
