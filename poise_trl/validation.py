@@ -73,9 +73,7 @@ def _check_scalars(config: Any) -> None:
     if unknown:
         close = {name: get_close_matches(str(name), SCALARS, n=1) for name in unknown}
         hints = "".join(f" ({name!r}: did you mean {match[0]!r}?)" for name, match in close.items() if match)
-        raise ValueError(
-            f"probe_scalars names {unknown}, not rollout scalars{hints}: choose from {list(SCALARS)}."
-        )
+        raise ValueError(f"probe_scalars names {unknown}, not rollout scalars{hints}: choose from {list(SCALARS)}.")
     config.probe_scalars = list(scalars)
     if "entropy" not in config.probe_features and tuple(scalars) != DEFAULT_SCALARS:
         raise ValueError(
