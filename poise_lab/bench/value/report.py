@@ -152,7 +152,8 @@ def export_probe(collection: Collection, features: Sequence[str], path: str | Pa
     if partner_reward:
         x = append_reward_column(x, torch.nan_to_num(collection.rewards))
     alpha, dims = PROBE_PRESETS["release"]
-    pca = FeatureLayout(tuple(blocks)).pca_blocks(meta["hidden_size"], dims)
+    layout = FeatureLayout(tuple(blocks))  # the collection's rows: the default rollout scalars
+    pca = layout.pca_blocks(meta["hidden_size"], dims)
     probe = ValueProbe(alpha=alpha, pca_dims=pca, clip="observed")
     probe.fit(x[rows], targets[rows])
     metadata = {
@@ -160,7 +161,9 @@ def export_probe(collection: Collection, features: Sequence[str], path: str | Pa
             "probe_layer": layer,
             "probe_layer_candidates": [layer],
             "probe_pool_tokens": meta["default_pool"],
-            "probe_features": blocks,
+                        "probe_features": blocks,
+            "probe_scalars": list(layout.read_scalars),
+
             "reasoning_end_marker": meta["reasoning_end_marker"],
             "hidden_size": meta["hidden_size"],
             "probe_partner_reward": partner_reward,

@@ -27,7 +27,7 @@ from poise_trl.columns import DEFAULT_SCALARS, scalar_columns
 from poise_trl.features import FeatureLayout
 from poise_trl.tiny import save_tiny
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 START_POOL = ROOT / "benchmarks/real-lm/pools/gradient/smollm2-135m-9110f0f21f42"
 START_RESULTS = ROOT / "benchmarks/real-lm/gradient/start-heads/results.json"
 
