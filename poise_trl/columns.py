@@ -25,15 +25,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from .features import FeatureSpans
+
+class Spans(Protocol):
+    """What the scalars read of a batch's spans (`features.FeatureSpans` is one): (B, C) masks of the generated, the
+    reasoning and the answer tokens, and the completion's token ids."""
+
+    completion_mask: Tensor
+    reasoning_mask: Tensor
+    answer_mask: Tensor
+    completion_ids: Tensor
+
 
 SPANS = {"output": "completion_mask", "reasoning": "reasoning_mask", "answer": "answer_mask"}
-"""A scalar's span name -> the `FeatureSpans` mask of its tokens."""
+"""A scalar's span name -> the `Spans` mask of its tokens."""
 
 DEFAULT_SCALARS = ("output_mean_token_entropy", "reasoning_mean_token_entropy", "answer_mean_token_entropy")
 """The paper's three entropy statistics (§3), the official code's `scalar_keys` for Qwen3-4B and OLMo-3-7B."""
@@ -45,10 +54,10 @@ class Scalar:
     entropies (finite: NaN and infinities read as 0) and the batch's spans."""
 
     help: str
-    compute: Callable[[Tensor, FeatureSpans], Tensor]
+    compute: Callable[[Tensor, Spans], Tensor]
 
 
-def _mask(spans: FeatureSpans, span: str) -> Tensor:
+def _mask(spans: Spans, span: str) -> Tensor:
     return getattr(spans, SPANS[span]).bool()
 
 
@@ -84,12 +93,12 @@ STATISTICS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 """The official code's `_entropy_stats` over a span's tokens, in its order."""
 
 
-def token_count(spans: FeatureSpans, span: str) -> Tensor:
+def token_count(spans: Spans, span: str) -> Tensor:
     """(B,) float32: the span's tokens."""
     return _mask(spans, span).sum(1).float()
 
 
-def distinct_tokens(spans: FeatureSpans, span: str) -> Tensor:
+def distinct_tokens(spans: Spans, span: str) -> Tensor:
     """(B,) float32: the distinct token ids among the span's tokens (each row's ids sorted, padding first)."""
     mask = _mask(spans, span)
     if mask.size(1) == 0:
@@ -99,13 +108,13 @@ def distinct_tokens(spans: FeatureSpans, span: str) -> Tensor:
     return (starts.sum(1) + (ordered[:, 0] >= 0)).float()  # first entry, which begins one when the span fills the row
 
 
-def unique_token_ratio(spans: FeatureSpans, span: str) -> Tensor:
+def unique_token_ratio(spans: Spans, span: str) -> Tensor:
     """(B,) float32: distinct tokens / tokens of the span (0 where it is empty)."""
     count = token_count(spans, span)
     return (distinct_tokens(spans, span) / count.clamp(min=1.0)).where(count > 0, 0.0)
 
 
-def repetition_ratio(spans: FeatureSpans, span: str) -> Tensor:
+def repetition_ratio(spans: Spans, span: str) -> Tensor:
     """(B,) float32: 1 - `unique_token_ratio` (0 where the span is empty)."""
     count = token_count(spans, span)
     return (1.0 - unique_token_ratio(spans, span)).where(count > 0, 0.0)
@@ -118,7 +127,7 @@ def _entropy(span: str, statistic: str) -> Scalar:
     )
 
 
-def _of_spans(text: str, compute: Callable[[FeatureSpans], Tensor]) -> Scalar:
+def _of_spans(text: str, compute: Callable[[Spans], Tensor]) -> Scalar:
     return Scalar(text, lambda entropies, spans: compute(spans))
 
 
@@ -166,12 +175,12 @@ last, max, min}), its length features (the spans' token counts and their shares 
 features (the share of distinct tokens, and 1 minus it) and the gaps between them it derives."""
 
 
-def column(name: str, entropies: Tensor, spans: FeatureSpans) -> Tensor:
+def column(name: str, entropies: Tensor, spans: Spans) -> Tensor:
     """(B,) float32: the scalar `name` of each row, from its (B, T) entropies (made finite first) and the spans."""
     return SCALARS[name].compute(entropies.float().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0), spans).float()
 
 
-def scalar_columns(names: Sequence[str], entropies: Tensor, spans: FeatureSpans) -> Tensor:
+def scalar_columns(names: Sequence[str], entropies: Tensor, spans: Spans) -> Tensor:
     """(B, len(names)) float32: the scalars `names` of each row, in order, from the (B, T) per-token entropies of its
     completion tokens and the spans `features.feature_spans` cut (which carry the completion's token ids), on the
     entropies' device. The one call that computes a scalar set's columns, during training and on stored rollouts."""
