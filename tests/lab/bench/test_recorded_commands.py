@@ -105,7 +105,8 @@ def test_bench_scalars_reruns_its_recorded_command_to_every_committed_figure(env
     rerun = json.loads((tmp_path / "results.json").read_text())
     assert committed.keys() == rerun.keys() and "measured" in committed
     del committed["seconds"], rerun["seconds"]
-    assert not list(figure_differences(committed, rerun)), "\n".join(figure_differences(committed, rerun))
+    differences = list(figure_differences(committed, rerun))
+    assert not differences, "\n".join(differences)
 
 
 def readme_token_records(readme: Path) -> dict[str, bool]:
