@@ -93,16 +93,58 @@ class PoolRollouts:
 
 ColumnFn = Callable[[PoolRollouts], torch.Tensor]
 
+ENTROPY12 = (
+    "output_mean_token_entropy",
+    "output_last_token_entropy",
+    "output_max_token_entropy",
+    "output_min_token_entropy",
+    "reasoning_mean_token_entropy",
+    "reasoning_last_token_entropy",
+    "reasoning_max_token_entropy",
+    "reasoning_min_token_entropy",
+    "answer_mean_token_entropy",
+    "answer_last_token_entropy",
+    "answer_max_token_entropy",
+    "answer_min_token_entropy",
+)
+"""The official code's 12 token-entropy statistics ({output, reasoning, answer} x {mean, last, max, min})."""
+
 SCALAR_SETS: dict[str, tuple[str, ...]] = {
     "paper": DEFAULT_SCALARS,
-    "entropy12": tuple(name for name in SCALARS if name.endswith("_token_entropy")),
+    "entropy12": ENTROPY12,
     "length": ("output_length", "think_tokens", "answer_tokens", "think_ratio", "answer_ratio"),
-    "repetition": tuple(name for name in SCALARS if "unique" in name or "repetition" in name),
-    "all": tuple(SCALARS),
+    "repetition": (
+        "output_unique_token_ratio",
+        "reasoning_unique_token_ratio",
+        "answer_unique_token_ratio",
+        "output_repetition_ratio",
+        "reasoning_repetition_ratio",
+        "unique_gap_reasoning_output",
+        "repetition_gap_reasoning_output",
+    ),
+    "all": (
+        *ENTROPY12,
+        "output_length",
+        "think_tokens",
+        "answer_tokens",
+        "think_ratio",
+        "answer_ratio",
+        "output_unique_token_ratio",
+        "reasoning_unique_token_ratio",
+        "answer_unique_token_ratio",
+        "output_repetition_ratio",
+        "reasoning_repetition_ratio",
+        "entropy_gap_reasoning_answer",
+        "answer_entropy_gap_vs_output",
+        "unique_gap_reasoning_output",
+        "repetition_gap_reasoning_output",
+    ),
 }
-"""Named groups of `poise_trl.columns.SCALARS` a `--probe-scalars` list may name: the paper's three, the official
-code's 12 token-entropy statistics, its length features, its repetition features (with their gaps), and every
-scalar."""
+"""The groups of `poise_trl.columns.SCALARS` a `--probe-scalars` list may name, each listed name by name so that a
+committed result's set keeps its meaning when the table grows: the paper's three, the official code's 12 token-entropy
+statistics, its 5 length features, its 7 repetition features (with their gaps), and all 26 scalars of its release in
+the table's order. A scalar added to `SCALARS` joins no group by itself; a test asks that `all` list every scalar, so
+adding one means choosing its groups (and re-measuring what `all` measured)."""
 
 
 @dataclass(frozen=True)
@@ -189,6 +231,16 @@ def load_column_fn(spec: str, replace: bool = False) -> Variant:
 def completion_length(rollouts: PoolRollouts) -> torch.Tensor:
     """(N, 1) the number of completion tokens, from the ids' mask alone."""
     return rollouts.completion_mask.sum(1, keepdim=True).float()
+
+
+def entropy_stats(rollouts: PoolRollouts) -> torch.Tensor:
+    """(N, 3) the mean, standard deviation and largest of each completion's token entropies, from the per-token
+    record: the harness's example columns, computed here and not by the library."""
+    mask = rollouts.spans.completion_mask
+    count = mask.sum(1).clamp(min=1)
+    mean = (rollouts.entropies * mask).sum(1) / count
+    std = (((rollouts.entropies - mean[:, None]) ** 2 * mask).sum(1) / count).sqrt()
+    return torch.stack([mean, std, torch.where(mask, rollouts.entropies, 0.0).amax(1)], dim=1)
 
 
 def row_name(preset: str, variant: str) -> str:

@@ -2,6 +2,7 @@
 stored statistics, its log-probabilities are the model's), a later pass adds it only with the sampling model, and
 the harness's default rows are `bench gradient`'s committed ones while an extra column moves only its own rows."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -10,12 +11,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from poise_lab.bench import scalars as scalars_module
 from poise_lab.bench.pool_tokens import block_differences, teacher_force
 from poise_lab.bench.scalars import (
     SCALAR_SETS,
     PoolRollouts,
     Variant,
     completion_length,
+    entropy_stats,
     load_column_fn,
     measure_rows,
     scalar_set,
@@ -23,23 +26,13 @@ from poise_lab.bench.scalars import (
 )
 from poise_lab.bench.value.collect import Collection, collect, tokens_path
 from poise_trl import cli
-from poise_trl.columns import DEFAULT_SCALARS, scalar_columns
+from poise_trl.columns import DEFAULT_SCALARS, SCALARS, Scalar, scalar_columns
 from poise_trl.features import FeatureLayout
 from poise_trl.tiny import save_tiny
 
 ROOT = Path(__file__).resolve().parents[3]
 START_POOL = ROOT / "benchmarks/real-lm/pools/gradient/smollm2-135m-9110f0f21f42"
 START_RESULTS = ROOT / "benchmarks/real-lm/gradient/start-heads/results.json"
-
-
-def entropy_stats(rollouts: PoolRollouts) -> torch.Tensor:
-    """(N, 3) the mean, standard deviation and largest of each completion's token entropies: the harness's example
-    columns, computed here and not by the library."""
-    mask = rollouts.spans.completion_mask
-    count = mask.sum(1).clamp(min=1)
-    mean = (rollouts.entropies * mask).sum(1) / count
-    std = (((rollouts.entropies - mean[:, None]) ** 2 * mask).sum(1) / count).sqrt()
-    return torch.stack([mean, std, torch.where(mask, rollouts.entropies, 0.0).amax(1)], dim=1)
 
 
 def library_entropy_statistics(rollouts: PoolRollouts) -> torch.Tensor:
@@ -201,7 +194,7 @@ def test_scalars_on_a_committed_pool_reproduce_bench_gradient_and_move_only_the_
     out = tmp_path / "scalars"
     columns = [
         "length=poise_lab.bench.scalars:completion_length",
-        "entropy=tests.lab.bench.test_scalars:entropy_stats",
+        "entropy=poise_lab.bench.scalars:entropy_stats",
     ]
     same = "same=tests.lab.bench.test_scalars:library_entropy_statistics"
     argv = ["bench", "scalars", str(START_POOL), "--columns", *columns, "--replace-scalars", same]
@@ -233,3 +226,26 @@ def test_scalars_on_a_committed_pool_reproduce_bench_gradient_and_move_only_the_
     assert all(-1 <= cell["value"] <= 1 for cell in r.values())
     assert results["pool"]["tokens"]["pass"].startswith("teacher-forced")
     assert "POISE (default) G=2 [entropy]" in (out / "results.md").read_text()
+
+
+def test_every_named_set_lists_scalars_of_the_library_and_all_lists_every_one():
+    for name, names in SCALAR_SETS.items():
+        assert names and len(set(names)) == len(names), name
+        assert not set(names) - set(SCALARS), f"{name}: {set(names) - set(SCALARS)} not in poise_trl.columns.SCALARS"
+    assert SCALAR_SETS["paper"] == DEFAULT_SCALARS
+    assert len(SCALAR_SETS["entropy12"]) == 12 and len(SCALAR_SETS["all"]) == 26
+    # a scalar added to the library belongs in `all` (and the results of `all26` are then another row's)
+    assert SCALAR_SETS["all"] == tuple(SCALARS), "list a new scalar in SCALAR_SETS (and re-measure what all measured)"
+
+
+def test_a_scalar_added_to_the_library_changes_no_named_set(monkeypatch):
+    """The sets are read again from the module's source with one more token-entropy statistic (and a repetition
+    feature) in `SCALARS`: a set chosen by name suffix or substring would take them in."""
+    before = {name: tuple(names) for name, names in SCALAR_SETS.items()}
+    extra = Scalar("the median token entropy over the output span", lambda entropies, spans: entropies[:, 0])
+    monkeypatch.setitem(SCALARS, "output_median_token_entropy", extra)
+    monkeypatch.setitem(SCALARS, "answer_repetition_ratio", extra)
+    spec = importlib.util.spec_from_file_location("poise_lab.bench._scalars_again", scalars_module.__file__)
+    again = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(again)
+    assert again.SCALAR_SETS == before
