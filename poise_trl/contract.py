@@ -119,9 +119,27 @@ CONTRACT: dict[str, Behaviour] = {
         holds="transformers calls `_save_checkpoint(model, trial)` between optimizer steps, writing "
         "`trainer_state.json` last, under `_get_output_dir(trial)`; `_load_optimizer_and_scheduler(checkpoint)` "
         "when a run resumes.",
-        because="The estimator's file travels with every checkpoint, written before the trainer state.",
+        because="A checkpoint inside a generation batch keeps the batch's untrained slices beside it; a resumed run "
+        "restores them and the estimator.",
         names=("_get_output_dir",),
         overrides=("_save_checkpoint", "_load_optimizer_and_scheduler"),
+    ),
+    "save_model": Behaviour(
+        holds="`save_model(output_dir=None, _internal_call=False)` writes the model into `output_dir` "
+        "(`args.output_dir` when None); `_save_checkpoint` calls it with the checkpoint's folder before it writes "
+        "`trainer_state.json`, and `push_to_hub` calls it, without a folder, before it uploads `args.output_dir`.",
+        because="The estimator's one file is written beside the weights wherever transformers saves them: a saved or "
+        "pushed model carries its probe, and every checkpoint its estimator before its trainer state.",
+        overrides=("save_model",),
+    ),
+    "dataset_columns": Behaviour(
+        holds="Without `environment_factory`, `_generate_and_score_completions` reads every row's 'prompt' (a "
+        "KeyError without one); `_calculate_rewards` calls each reward function that is not a model with the "
+        "keywords `validation.REWARD_KEYWORDS` (and `environments` with environments) and one per column of the batch "
+        "but `validation.UNPASSED_COLUMNS`.",
+        because="`POISETrainer` refuses at construction a dataset without 'prompt', or without a column a reward "
+        "function's signature requires, naming the dataset's columns, instead of failing inside TRL at the first "
+        "step.",
     ),
     "model_card": Behaviour(
         holds="`create_model_card` writes the output folder's README.md from the class attributes `_tag_names`, "

@@ -40,6 +40,7 @@ from .prefix import PrefixBatch
 from .resume import (
     ESTIMATOR_FILE,
     ResumableSampler,
+    estimator_file,
     load_estimator,
     load_generation_batch,
     newest_complete_checkpoint,
@@ -56,6 +57,7 @@ from .step import (
     take_rows,
     whole_groups,
 )
+from .validation import REWARD_KEYWORDS, check_columns, check_dataset_size
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +181,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         if args.probe_domain_column is None:
             self._single_probe()  # the one probe exists from the start, as `value_probe` promises
         if args.probe_init_path is not None:
-            self.estimator.load(args.probe_init_path, warm_start=True, device=self.accelerator.device)
+            self.estimator.load(estimator_file(args.probe_init_path), warm_start=True, device=self.accelerator.device)
         self.feature_passes = 0  # teacher-forced passes POISE ran itself (0 when TRL's pass or the loss's serves)
         self._generation: GenerationStep | None = None  # the generation batch being made, until it is observed
         # TRL's row shuffle is replaced by a whole-group one where the loss route splits a batch into micro-batches
@@ -193,10 +195,9 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
                 f"num_generations={self.num_generations}, so a prompt's rollouts cannot share the micro-batch whose "
                 "loss forward would give their features. Make it a multiple to run no extra pass."
             )
-        self._card_metrics: dict[str, float] = {}
         self._warned_unscorable = False
         self._check_prompt_selection()
-        self._check_dataset_size()
+        self._check_datasets()
 
     # --------------------------------------------------------------------------------------- estimator shortcuts
     @property
@@ -523,7 +524,6 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
             )
         if step.mode == "train":
             metrics.update(self._selection_metrics(step, rewards, num_generations, step.rollouts.weights))
-            self._card_metrics = metrics
         for name, value in metrics.items():
             if not math.isnan(value):  # undefined (NaN) is left out: TRL would log None, which trackers drop
                 self._metrics[step.mode][f"poise/{name}"].append(value)
@@ -578,39 +578,39 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         return domains
 
     # ------------------------------------------------------------------------------------------------ checks
-    def _check_dataset_size(self) -> None:
-        """A map-style training set smaller than one generation batch makes TRL's sampler yield no batch at all, so
-        `train()` would run 0 steps and save an untrained model without a word; a domain column with more values
-        than `probe_max_domains` would fail mid-run, when the first value too many arrives."""
-        dataset = self.train_dataset
-        if dataset is None or isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-            return
-        needed = self._get_train_sampler(dataset).batch_size
-        if len(dataset) < needed:
-            raise ValueError(
-                f"The training set is too small: it has {len(dataset)} prompts, but one generation batch needs "
-                f"{needed} distinct prompts (generation_batch_size {self.args.generation_batch_size} / num_generations"
-                f" {self.num_generations}"
-                + (", times prompt_selection_oversample" if self.args.prompt_selection else "")
-                + "), so training would run 0 steps. Lower per_device_train_batch_size, steps_per_generation or "
-                "gradient_accumulation_steps, raise num_generations, or add data."
-            )
-        column = self.args.probe_domain_column
-        if column is not None and column in getattr(dataset, "column_names", []):
-            values = set(map(str, dataset[column]))
-            if len(values) > self.args.probe_max_domains:
-                raise ValueError(
-                    f"probe_domain_column={column!r} has {len(values)} distinct values, more than probe_max_domains="
-                    f"{self.args.probe_max_domains}: each domain keeps its own probe and buffer on the accelerator. "
-                    "Map the column to fewer values, or raise probe_max_domains if the memory allows."
-                )
+    def _check_datasets(self) -> None:
+        """The datasets' errors that would otherwise come at the first step, or never (validation.py)."""
+        datasets = {"train_dataset": self.train_dataset}
+        if isinstance(self.eval_dataset, dict):
+            datasets.update({f"eval_dataset[{name!r}]": data for name, data in self.eval_dataset.items()})
+        elif self.eval_dataset is not None:
+            datasets["eval_dataset"] = self.eval_dataset
+        functions = zip(self.reward_func_names, self.reward_funcs, strict=True)
+        check_columns(
+            datasets,
+            {name: function for name, function in functions if not isinstance(function, torch.nn.Module)},
+            prompt_required=self.environment_factories is None,
+            domain_column=self.args.probe_domain_column,
+            keywords=REWARD_KEYWORDS + (("environments",) if self.environment_factories is not None else ()),
+        )
+        if self.train_dataset is not None and not isinstance(self.train_dataset, IterableDataset):
+            check_dataset_size(self.train_dataset, self._get_train_sampler(self.train_dataset).batch_size, self.args)
 
     # -------------------------------------------------------------------------------------------------- files
     def save_probe(self, path: str | os.PathLike, include_buffer: bool = True) -> None:
         """Write the estimator (every domain's probe and buffer, the bootstrap, the reward std) to one safetensors
-        file, atomically and without pickle. `probe_init_path` warm-starts a new run from it."""
+        file, atomically and without pickle. `probe_init_path` warm-starts a new run from it. `save_model` writes the
+        same file beside the weights."""
         if self.accelerator.is_main_process:
             self.estimator.save(path, include_buffer=include_buffer)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """transformers' save, with the estimator's file (`ESTIMATOR_FILE`, `save_probe`'s format) written first
+        beside the weights by the processes that write them: a model saved, checkpointed or pushed to the Hub
+        (`push_to_hub` saves through here) carries its probe, and `probe_init_path` takes the folder."""
+        if self.args.should_save:  # atomically, so a checkpoint's file is whole before its trainer state exists
+            self.estimator.save(Path(self.args.output_dir if output_dir is None else output_dir) / ESTIMATOR_FILE)
+        super().save_model(output_dir, _internal_call)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """`resume_from_checkpoint=True` resumes from the newest *complete* checkpoint: transformers would take the
@@ -671,10 +671,8 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
                 "features of its trained micro-batches in a checkpoint, which transformers saves only between "
                 "optimizer steps (each of which ends a generation batch where TRL runs no log-prob pass)."
             )
-        # Written first and atomically: once transformers writes trainer_state.json, POISE's files are complete.
+        # The estimator's file comes with the weights (`save_model`), before transformers writes trainer_state.json.
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        if self.args.should_save:
-            self.estimator.save(folder / ESTIMATOR_FILE)
         # Inside a generation batch, TRL's slices still to train on live outside its checkpoint: keep each process's.
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._buffered_inputs is not None and self._step % generate_every:
@@ -692,14 +690,21 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         load_estimator(folder, self.estimator, device)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        """TRL's card, plus a "POISE" section: how the value baseline was configured and how well it predicted."""
+        """TRL's card, plus a "POISE" section: how the value baseline was configured, how well it predicted over the
+        last quarter of training, and how to warm-start from the probe saved beside the weights."""
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         if not self.is_world_process_zero():
             return
         path = Path(self.args.output_dir) / "README.md"
         card = ModelCard.load(path)
         section = card_section(
-            self.args, self.probe_layer, self.probe_layers, self._card_metrics, self.state.global_step
+            self.args,
+            self.estimator.layer,
+            list(self.estimator.layers),
+            self.state.log_history,
+            self.state.global_step,
+            ESTIMATOR_FILE,
+            (path.parent / ESTIMATOR_FILE).exists(),
         )
         marker = "### Framework versions"
         card.text = card.text.replace(marker, section + "\n" + marker) if marker in card.text else card.text + section

@@ -442,6 +442,43 @@ def test_the_probe_is_in_the_checkpoint_before_it_is_pushed(small_model_path, tm
     assert len(pushed) == 1 and {ESTIMATOR_FILE, "trainer_state.json"} <= set(pushed[0])
 
 
+def test_save_model_keeps_the_probe_and_a_new_run_starts_from_the_folder_trusted(tiny_model_path, tmp_path):
+    """`save_model` (and so `push_to_hub`) writes the estimator's file beside the weights; `probe_init_path` takes the
+    folder, and a run fine-tuning the saved model again uses the saved probe from its first step."""
+    first = POISETrainer(
+        str(tiny_model_path), digit_reward, args=poise_args(tmp_path, max_steps=2), train_dataset=_dataset()
+    )
+    first.train()
+    first.create_model_card()
+    assert (
+        "the probe is not saved beside the weights; `trainer.save_model()` writes it"
+        in (tmp_path / "out" / "README.md").read_text()
+    )
+    saved = tmp_path / "saved"
+    first.save_model(str(saved))
+    assert {ESTIMATOR_FILE, "model.safetensors", "config.json"} <= set(os.listdir(saved))
+    first.save_model()  # the output folder, as `push_to_hub` saves before uploading it
+    first.create_model_card()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"Warm start: the probe is saved beside the weights (`{ESTIMATOR_FILE}`); " in card
+    assert (tmp_path / "out" / ESTIMATOR_FILE).exists()
+
+    args = poise_args(tmp_path / "again", max_steps=1, probe_warmup_steps=4, probe_init_path=str(saved), seed=1)
+    second = POISETrainer(str(saved), digit_reward, args=args, train_dataset=_dataset())
+    trained = first.estimator.probes["default"].probe.state_dict()
+    loaded = second.estimator.probes["default"]
+    assert loaded.trusted and all(torch.equal(loaded.probe.state_dict()[k], t) for k, t in trained.items())
+    second.train()
+    assert [h["poise/bootstrap"] for h in second.state.log_history if "poise/bootstrap" in h] == [0.0]
+    with pytest.raises(FileNotFoundError, match=rf"is a folder without {ESTIMATOR_FILE}: give a folder"):
+        POISETrainer(
+            str(saved),
+            digit_reward,
+            args=poise_args(tmp_path, probe_init_path=str(tmp_path)),
+            train_dataset=_dataset(),
+        )
+
+
 def test_vllm_importance_sampling_pass_is_reused_for_capture(tiny_model_path, tmp_path):
     """vLLM needs CUDA; at its boundary, TRL's IS-correction old-log-prob pass must be recognised as capturable."""
     trainer = POISETrainer(str(tiny_model_path), digit_reward, args=poise_args(tmp_path), train_dataset=_dataset())

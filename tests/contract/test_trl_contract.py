@@ -18,6 +18,7 @@ import poise_trl
 from poise_trl import POISETrainer
 from poise_trl.contract import CONTRACT
 from poise_trl.features import find_decoder_layers
+from poise_trl.validation import REWARD_KEYWORDS, UNPASSED_COLUMNS
 
 from ..conftest import CPU_ARGS, digit_dataset, digit_reward
 from ..tiny_archs import env_rollout
@@ -326,6 +327,63 @@ def test_checkpoint_hooks(tiny_model_path, tmp_path):
     trainer.train(resume_from_checkpoint=checkpoint)
     loads = [call for call in trainer.calls if call[0] == "load"]
     holds("checkpoint_hooks", ("load", checkpoint) in loads, f"resuming called {loads}")
+
+
+def test_save_model(tiny_model_path, tmp_path):
+    class Pushed(Exception):
+        """Stops `push_to_hub` at its save, before anything reaches the network."""
+
+    class Saving(Recorder):
+        def save_model(self, output_dir=None, _internal_call=False):
+            folder = Path(self.args.output_dir if output_dir is None else output_dir)
+            self.calls.append(("save_model", output_dir, _internal_call, (folder / "trainer_state.json").exists()))
+            if self.args.push_to_hub:
+                raise Pushed
+            super().save_model(output_dir, _internal_call)
+
+    parameters = list(inspect.signature(GRPOTrainer.save_model).parameters)
+    holds("save_model", parameters == ["self", "output_dir", "_internal_call"], f"save_model{parameters}")
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        **{**CPU_ARGS, "save_strategy": "steps"},
+        save_steps=1,
+        max_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        seed=0,
+    )
+    trainer = Saving(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
+    trainer.train()
+    checkpoint = str(tmp_path / "out" / "checkpoint-1")
+    saves = [call for call in trainer.calls if call[0] == "save_model"]
+    holds("save_model", saves == [("save_model", checkpoint, True, False)], f"a checkpoint's saves {saves}")
+    holds("save_model", (Path(checkpoint) / "trainer_state.json").exists(), "no trainer state after the save")
+    trainer.save_model(str(tmp_path / "final"))
+    written = sorted(path.name for path in (tmp_path / "final").iterdir())
+    holds("save_model", "model.safetensors" in written and "config.json" in written, f"save_model wrote {written}")
+    trainer.calls.clear()
+    trainer.args.push_to_hub, trainer.hub_model_id = True, "user/tiny"  # set after construction: no repository made
+    with pytest.raises(Pushed):
+        trainer.push_to_hub()
+    saves = [call[:3] for call in trainer.calls if call[0] == "save_model"]
+    holds("save_model", saves == [("save_model", None, True)], f"push_to_hub's saves {saves}")
+
+
+def test_dataset_columns(tiny_model_path, tmp_path):
+    received = []
+
+    def keywords(completions, **kwargs):
+        received.append({"completions", *kwargs})
+        return [1.0] * len(completions)
+
+    rows = [{"prompt": f"{i}+1", "answer": str(i + 1), "completion": "x", "completion_ids": [1]} for i in range(8)]
+    trainer = _trainer(tiny_model_path, tmp_path, reward_funcs=keywords)
+    trainer._prepare_inputs(rows[:4])
+    expected = {*REWARD_KEYWORDS, *(c for c in rows[0] if c not in UNPASSED_COLUMNS)}
+    holds("dataset_columns", received == [expected], f"a reward function received {received}, not {expected}")
+    unprompted = [{"question": row["prompt"]} for row in rows[:4]]
+    with pytest.raises(KeyError, match="prompt"):
+        _trainer(tiny_model_path, tmp_path)._prepare_inputs(unprompted)
 
 
 def test_model_card(tiny_model_path, tmp_path):
