@@ -185,13 +185,21 @@ def test_domains_get_separate_buffers_metrics_bootstrap_and_checkpoints(tiny_mod
 
 
 def test_missing_domain_column_fails_with_the_columns_present(tiny_model_path, tmp_path):
+    """At construction when the dataset lacks it; at the first batch when TRL drops it (remove_unused_columns)."""
+    with pytest.raises(ValueError, match=r"probe_domain_column='topic', but train_dataset has the columns .*'domain'"):
+        POISETrainer(
+            str(tiny_model_path),
+            digit_reward,
+            args=_args(tmp_path, max_steps=1, probe_domain_column="topic", probe_domain_buffer_sizes=None),
+            train_dataset=_dataset(),
+        )
     trainer = POISETrainer(
         str(tiny_model_path),
         digit_reward,
-        args=_args(tmp_path, max_steps=1, probe_domain_column="topic", probe_domain_buffer_sizes=None),
+        args=_args(tmp_path, max_steps=1, remove_unused_columns=True),
         train_dataset=_dataset(),
     )
-    with pytest.raises(ValueError, match="no such column.*'domain'"):
+    with pytest.raises(ValueError, match=r"probe_domain_column='domain', but the batch has no such column"):
         trainer.train()
 
 
