@@ -1,17 +1,13 @@
-"""The capture routes: the part of `POISETrainer` that reads a generation batch's features from a forward pass TRL
-runs, or from one of its own, and hands them to the batch's record (`step.GenerationStep`).
+"""The capture routes: the part of `POISETrainer` that reads a generation batch's features from the pass its route
+names (step.py's `ROUTES`: TRL's old-log-prob pass, a pass of POISE's own, or the loss's forward of each
+micro-batch) and hands them to the batch's record, `step.GenerationStep`.
 
 Kept beside trainer.py (and mixed into `POISETrainer` only, ahead of `GRPOTrainer`, so that its overrides are the
-trainer's) as `selection.py` is: like trainer.py it knows TRL internals, and nothing else in the package imports it.
-Which route a batch takes (step.py's `ROUTES`):
-- "trl_pass": TRL's own no-grad old-log-prob pass when it runs one, hooked while it scores the batch;
-- "loss": otherwise (`probe_capture="auto"`), the loss's own forward of each micro-batch, each holding whole groups:
-  its advantages are written between that forward and their use, and the batch is observed after its last
-  micro-batch's backward. A step then runs exactly GRPOTrainer's forwards;
-- "own_pass": a no-grad pass of POISE's own after scoring, where a group cannot sit in one micro-batch (or with
-  `probe_capture="pass"`).
-Where TRL runs no log-prob pass and splits a batch into several micro-batches, their rows are regrouped into whole
-groups in the order TRL's shuffle drew (`step.whole_groups`), whichever route.
+trainer's) as `selection.py` is: like trainer.py it knows TRL internals, and only trainer.py imports it.
+A batch takes TRL's pass when TRL runs one (`_trl_runs_old_logps_pass`), else the loss's forward where each
+micro-batch can hold whole groups (`probe_capture="auto"`), else a pass of its own (`_capture_route`). Where TRL runs
+no pass and splits a batch into several micro-batches, their rows are regrouped into whole groups in the order TRL's
+shuffle drew (`step.whole_groups`), whichever route.
 """
 
 import inspect

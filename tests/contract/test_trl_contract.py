@@ -326,6 +326,12 @@ def test_repeat_sampler(tiny_model_path, tmp_path):
     holds("repeat_sampler", passes[0] == passes[1], "a copy of its instance dict does not sample as it does")
 
 
+def _checkpointing(tmp_path) -> GRPOConfig:
+    """One step, saved as a checkpoint."""
+    settings = dict(save_steps=1, max_steps=1, per_device_train_batch_size=4, num_generations=2, seed=0)
+    return GRPOConfig(output_dir=str(tmp_path / "out"), **{**CPU_ARGS, "save_strategy": "steps"}, **settings)
+
+
 def test_checkpoint_hooks(tiny_model_path, tmp_path):
     class Saving(Recorder):
         def _save_checkpoint(self, model, trial):
@@ -338,16 +344,7 @@ def test_checkpoint_hooks(tiny_model_path, tmp_path):
             self.calls.append(("load", checkpoint))
             super()._load_optimizer_and_scheduler(checkpoint)
 
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        **{**CPU_ARGS, "save_strategy": "steps"},
-        save_steps=1,
-        max_steps=1,
-        per_device_train_batch_size=4,
-        num_generations=2,
-        seed=0,
-    )
-    trainer = Saving(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
+    trainer = Saving(str(tiny_model_path), digit_reward, args=_checkpointing(tmp_path), train_dataset=digit_dataset())
     trainer.train()
     saves = [call for call in trainer.calls if call[0] in ("save", "saved")]
     holds("checkpoint_hooks", saves == [("save", False), ("saved", True)], f"saves {saves}")
@@ -372,16 +369,7 @@ def test_save_model(tiny_model_path, tmp_path):
 
     parameters = list(inspect.signature(GRPOTrainer.save_model).parameters)
     holds("save_model", parameters == ["self", "output_dir", "_internal_call"], f"save_model{parameters}")
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        **{**CPU_ARGS, "save_strategy": "steps"},
-        save_steps=1,
-        max_steps=1,
-        per_device_train_batch_size=4,
-        num_generations=2,
-        seed=0,
-    )
-    trainer = Saving(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
+    trainer = Saving(str(tiny_model_path), digit_reward, args=_checkpointing(tmp_path), train_dataset=digit_dataset())
     trainer.train()
     checkpoint = str(tmp_path / "out" / "checkpoint-1")
     saves = [call for call in trainer.calls if call[0] == "save_model"]
