@@ -98,12 +98,13 @@ def scalars_table() -> str:
 
 def contract_table() -> str:
     """Markdown table of the TRL contract (poise_trl/contract.py): each behaviour, what POISE does with it, the
-    private TRL names it reads or writes and the overrides that rely on it."""
+    TRL names it reads or writes (a `RepeatSampler`'s prefixed) and the overrides that rely on it."""
     from poise_trl.contract import CONTRACT
 
     rows = ["| behaviour | what holds in TRL | what POISE does with it | TRL names, overrides |", "|---|---|---|---|"]
     for name, b in CONTRACT.items():
-        names = ", ".join(f"`{n}`" for n in (*b.names, *b.overrides)) or "-"
+        names = ", ".join(f"`{n}`" if b.owner == "GRPOTrainer" else f"`{b.owner}.{n}`" for n in b.names)
+        names = ", ".join(filter(None, (names, *(f"`{n}`" for n in b.overrides)))) or "-"
         rows.append(f"| `{name}` | {_cell(b.holds)} | {_cell(b.because)} | {_cell(names)} |")
     return "\n".join(rows)
 

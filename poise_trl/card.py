@@ -1,7 +1,8 @@
-"""The model card's POISE section, from a `POISEConfig` and the last logged diagnostics."""
+"""The model card's POISE section, from a `POISEConfig` and the run's logged diagnostics."""
 
 import math
-from typing import TYPE_CHECKING
+from statistics import fmean
+from typing import TYPE_CHECKING, Any
 
 from .features import FeatureLayout
 
@@ -9,13 +10,58 @@ if TYPE_CHECKING:
     from .config import POISEConfig
 
 
-def card_section(args: "POISEConfig", layer: int, layers: list[int], diagnostics: dict[str, float], step: int) -> str:
-    """The model card's "POISE" section: what a reader needs to reproduce the run, and the last logged probe
-    diagnostics (`layer`: the layer in use; `layers`: the candidates)."""
+DIAGNOSTICS = {"variance_reduction": "variance reduction", "pearson_r": "Pearson r", "mae": "MAE"}  # poise/* keys
+
+
+def late_diagnostics(log_history: list[dict[str, Any]], steps: int) -> tuple[dict[str, float], int]:
+    """Each probe diagnostic's mean over the training logs made in the last quarter of a run of `steps` steps (from
+    step `steps * 3 // 4 + 1` on, the step also returned), NaN where none of them holds it: one step's value can be
+    missing (a step whose rewards all tie has no Pearson r) or noisy, and the run's end is what its probe became."""
+    first = steps * 3 // 4 + 1
+    late = [log for log in log_history if log.get("step", 0) >= first]
+    values = {}
+    for key in DIAGNOSTICS:
+        logged = [log[f"poise/{key}"] for log in late if log.get(f"poise/{key}") is not None]
+        values[key] = fmean(logged) if logged else math.nan
+    return values, first
+
+
+def card_section(
+    args: "POISEConfig",
+    layer: int,
+    layers: list[int],
+    log_history: list[dict[str, Any]],
+    steps: int,
+    probe_file: str,
+    probe_saved: bool,
+) -> str:
+    """The model card's "POISE" section: what a reader needs to reproduce the run, the probe diagnostics of its last
+    quarter (`late_diagnostics` of the trainer state's `log_history` after `steps` steps) and how to warm-start from
+    the probe (`probe_saved`: the card's folder holds the estimator file, `probe_file`). `layer`: the layer in use;
+    `layers`: the candidates."""
+    diagnostics, first = late_diagnostics(log_history, steps)
 
     def shown(key: str) -> str:
-        value = diagnostics.get(key, math.nan)
-        return "not logged" if value is None or math.isnan(value) else f"{value:.4f}"
+        value = diagnostics[key]
+        return "not logged" if math.isnan(value) else f"{value:.4f}"
+
+    window = f"mean of the logs of steps {first}-{steps}, the last quarter of training" if steps else "no step trained"
+    diagnostics_line = "- Probe diagnostics ({}): {}".format(
+        window, ", ".join(f"{name} {shown(key)}" for key, name in DIAGNOSTICS.items())
+    )
+    if probe_saved:
+        warm_start = (
+            f"- Warm start: the probe is saved beside the weights (`{probe_file}`); "
+            "`POISEConfig(probe_init_path=...)` with this folder (for a Hub repository, the folder "
+            "`huggingface_hub.snapshot_download` returns) starts a new run's probe from it, a fitted probe in use "
+            "from the first step"
+        )
+    else:
+        warm_start = (
+            "- Warm start: the probe is not saved beside the weights; `trainer.save_model()` writes it "
+            f"(`{probe_file}`), and `POISEConfig(probe_init_path=...)` with that folder starts a new "
+            "run's probe from it"
+        )
 
     selection = str(args.prompt_selection)
     if args.prompt_selection is not None:
@@ -44,8 +90,8 @@ def card_section(args: "POISEConfig", layer: int, layers: list[int], diagnostics
         f"- Prompt history (probe_history): {history}",
         f"- Bootstrap (probe_bootstrap): {args.probe_bootstrap}",
         f"- Prompt selection: {selection}",
-        f"- Last logged probe diagnostics (step {step}): variance reduction {shown('variance_reduction')}, "
-        f"Pearson r {shown('pearson_r')}, MAE {shown('mae')}",
+        diagnostics_line,
+        warm_start,
         "",
     ]
     return "\n".join(lines)

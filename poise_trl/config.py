@@ -262,10 +262,12 @@ class POISEConfig(GRPOConfig):
     probe_init_path: str | None = field(
         default=None,
         metadata={
-            "help": "Probe file written by `POISETrainer.save_probe` to warm-start from. Its layer, pooling, features "
-            "and hidden size must match this run. The loaded fit predicts as saved; every later refit uses this "
-            "run's probe_alpha, probe_pca_dims and probe_clip_range. The bootstrap phase is skipped; a file saved "
-            "without its buffer is kept unrefitted until `probe_warmup_steps` steps of new examples are buffered.",
+            "help": "Where to warm-start the probe from: a folder `POISETrainer.save_model` wrote (a saved or pushed "
+            "model, a checkpoint: the estimator's file is beside the weights), or a file `POISETrainer.save_probe` "
+            "wrote. Its layer, pooling, features and hidden size must match this run. The loaded fit predicts as "
+            "saved; every later refit uses this run's probe_alpha, probe_pca_dims and probe_clip_range. The bootstrap "
+            "phase is skipped; a file saved without its buffer is kept unrefitted until `probe_warmup_steps` steps of "
+            "new examples are buffered.",
         },
     )
 

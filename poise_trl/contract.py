@@ -5,9 +5,12 @@
 public API: when TRL runs a pass, in which order its loss reads its inputs, how it buffers a generation batch. Each
 behaviour here names what holds in TRL's terms, what POISE does with it, the private names of TRL it reads or writes
 for it and the overrides that rely on it. `tests/contract/` holds one test per behaviour against the installed TRL,
-which fails naming the behaviour when a TRL release changes it; another test checks that every private TRL name and
-every override in the trainer's code is named here. Where a behaviour can be checked cheaply at run time the trainer
-checks it and raises `ContractError`, naming it. docs/trl-contract.md lists the TRL seams that would retire them.
+which fails naming the behaviour when a TRL release changes it; another test checks, over every module of the
+package, that every private name of TRL's trainer POISE reads or writes (an attribute of any object, or a literal
+name given to `getattr`), every `RepeatSampler` attribute its subclass or a sampler TRL built reads, and every
+override of a TRL method or class attribute (by `def` or assignment) is named here. Where a behaviour can be checked
+cheaply at run time the trainer checks it and raises `ContractError`, naming it. docs/trl-contract.md lists the TRL
+seams that would retire them.
 """
 
 from dataclasses import dataclass
@@ -17,13 +20,15 @@ TESTED_TRL = ("1.16.0", "1.17.0")  # [low, high): the TRL releases this contract
 
 @dataclass(frozen=True)
 class Behaviour:
-    """What holds in TRL (`holds`), what POISE does with it (`because`), TRL's private names POISE reads or writes
-    for it (`names`, attributes of the trainer) and `POISETrainer`'s overrides of TRL methods that rely on it."""
+    """What holds in TRL (`holds`), what POISE does with it (`because`), the names of TRL's it reads or writes for it
+    (`names`: attributes of an `owner`, "GRPOTrainer", whose private ones are named, or "RepeatSampler", whose every
+    one is) and `POISETrainer`'s overrides of TRL methods and class attributes that rely on it."""
 
     holds: str
     because: str
     names: tuple[str, ...] = ()
     overrides: tuple[str, ...] = ()
+    owner: str = "GRPOTrainer"
 
 
 CONTRACT: dict[str, Behaviour] = {
@@ -61,10 +66,11 @@ CONTRACT: dict[str, Behaviour] = {
     ),
     "train_buffer": Behaviour(
         holds="In training, `_prepare_inputs` generates when `_step % (steps_per_generation * num_iterations) == 0` "
-        "or `_buffered_inputs` is None, shuffles the batch's rows with one `torch.randperm` (`shuffle_sequence_dict`; "
-        "a tensor of length B added to the batch travels with its rows), splits it into `steps_per_generation` "
-        "dicts kept in the list `_buffered_inputs`, and returns one of those dicts (the same object each iteration); "
-        "`training_step` adds 1 to `_step` after the backward; `__init__` alone sets both otherwise.",
+        "or `_buffered_inputs` is None, shuffles the batch's rows with one `torch.randperm` (`shuffle_sequence_dict`: "
+        "a list of B items added to the batch, as POISE's row indices are, travels with its rows, as tensors of "
+        "length B do; a 0-d tensor stays whole), splits it into `steps_per_generation` dicts kept in the list "
+        "`_buffered_inputs`, each with its slice of the list, and returns one of those dicts (the same object each "
+        "iteration); `training_step` adds 1 to `_step` after the backward; `__init__` alone sets both otherwise.",
         because="POISE regroups a freshly split batch into whole-group micro-batches (in place, keeping TRL's draw), "
         "saves and restores a checkpoint's untrained slices, and drops the buffer when a `train()` call ends, so "
         "that an interrupted call leaves nothing stale.",
@@ -107,27 +113,54 @@ CONTRACT: dict[str, Behaviour] = {
         names=("_tokenize_prompts", "_tokenizer", "_is_vlm"),
     ),
     "train_sampler": Behaviour(
-        holds="`_get_train_sampler` returns TRL's `RepeatSampler`, whose `batch_size` is the number of distinct "
-        "prompts a generation batch draws, and `_get_dataloader(dataset, description, batch_size, sampler_fn, "
-        "is_training)` builds the training loader from it.",
+        holds="`_get_train_sampler` returns TRL's `RepeatSampler` ('repeat_sampler'), and `_get_dataloader(dataset, "
+        "description, batch_size, sampler_fn, is_training)` builds the training loader from it.",
         because="Prompt selection draws more candidates per batch; a resumed run replays the uninterrupted run's "
         "prompts.",
         names=("_get_dataloader",),
         overrides=("_get_train_sampler", "get_train_dataloader"),
     ),
+    "repeat_sampler": Behaviour(
+        holds="`RepeatSampler` keeps its whole state in its instance dict, `batch_size` (the distinct prompts a "
+        "generation batch draws, read at each pass), `shuffle`, `seed`, `num_samples` and `generator` among it; with "
+        "`shuffle`, each pass draws one `torch.randperm(num_samples, generator=generator)`, from a generator seeded "
+        "once with `seed`, and yields its indices in that order, in whole chunks of `batch_size`.",
+        because="Prompt selection sets `batch_size` to its candidates; `resume.ResumableSampler` copies TRL's sampler "
+        "and rewinds its generator to the epoch a resumed run is in.",
+        names=("batch_size", "generator", "num_samples", "seed", "shuffle"),
+        owner="RepeatSampler",
+    ),
     "checkpoint_hooks": Behaviour(
         holds="transformers calls `_save_checkpoint(model, trial)` between optimizer steps, writing "
         "`trainer_state.json` last, under `_get_output_dir(trial)`; `_load_optimizer_and_scheduler(checkpoint)` "
         "when a run resumes.",
-        because="The estimator's file travels with every checkpoint, written before the trainer state.",
+        because="A checkpoint inside a generation batch keeps the batch's untrained slices beside it; a resumed run "
+        "restores them and the estimator.",
         names=("_get_output_dir",),
         overrides=("_save_checkpoint", "_load_optimizer_and_scheduler"),
+    ),
+    "save_model": Behaviour(
+        holds="`save_model(output_dir=None, _internal_call=False)` writes the model into `output_dir` "
+        "(`args.output_dir` when None); `_save_checkpoint` calls it with the checkpoint's folder before it writes "
+        "`trainer_state.json`, and `push_to_hub` calls it, without a folder, before it uploads `args.output_dir`.",
+        because="The estimator's one file is written beside the weights wherever transformers saves them: a saved or "
+        "pushed model carries its probe, and every checkpoint its estimator before its trainer state.",
+        overrides=("save_model",),
+    ),
+    "dataset_columns": Behaviour(
+        holds="Without `environment_factory`, `_generate_and_score_completions` reads every row's 'prompt' (a "
+        "KeyError without one); `_calculate_rewards` calls each reward function that is not a model with the "
+        "keywords `validation.REWARD_KEYWORDS` (and `environments` with environments) and one per column of the batch "
+        "but `validation.UNPASSED_COLUMNS`.",
+        because="`POISETrainer` refuses at construction a dataset without 'prompt', or without a column a reward "
+        "function's signature requires, naming the dataset's columns, instead of failing inside TRL at the first "
+        "step.",
     ),
     "model_card": Behaviour(
         holds="`create_model_card` writes the output folder's README.md from the class attributes `_tag_names`, "
         "`_name` and `_paper`, with a '### Framework versions' section.",
         because="POISE's card is TRL's, with a section on how the baseline was configured and how it predicted.",
-        overrides=("create_model_card",),
+        overrides=("create_model_card", "_tag_names", "_name", "_paper"),
     ),
 }
 

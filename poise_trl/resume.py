@@ -1,8 +1,10 @@
 """Exact resumes: what a POISE checkpoint holds besides transformers' files, and what a resumed run needs to see the
 prompts and batches an uninterrupted run would.
 
-- The estimator's one file (`ESTIMATOR_FILE`, or poise-trl 0.1's `LEGACY_FILES`), written before transformers'
-  `trainer_state.json`, so a checkpoint whose trainer state parses is complete (`newest_complete_checkpoint`).
+- The estimator's one file (`ESTIMATOR_FILE`, or poise-trl 0.1's `LEGACY_FILES`), written beside the weights wherever
+  transformers saves the model (`save_model`): in a checkpoint before `trainer_state.json`, so a checkpoint whose
+  trainer state parses is complete (`newest_complete_checkpoint`); in a saved model's folder, which `probe_init_path`
+  takes (`estimator_file`).
 - A checkpoint inside a generation batch keeps each process's slices not yet trained on (`GENERATION_FILE`), which
   TRL holds outside its checkpoint.
 - `ResumableSampler` makes a resumed run's `RepeatSampler` shuffle each epoch as the uninterrupted one did.
@@ -120,6 +122,20 @@ def load_generation_batch(
     """(slices, micro-step) this process kept when the checkpoint fell inside a generation batch; None otherwise."""
     path = folder / GENERATION_FILE.format(rank=rank)
     return load_batches(path, device) if path.exists() else None
+
+
+def estimator_file(path: str | Path) -> Path:
+    """The estimator file `probe_init_path` names: the file itself, or the one a folder holds (a folder
+    `save_model` wrote, a checkpoint)."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    if not (path / ESTIMATOR_FILE).exists():
+        raise FileNotFoundError(
+            f"probe_init_path={str(path)!r} is a folder without {ESTIMATOR_FILE}: give a folder `trainer.save_model` "
+            "or a checkpoint wrote, or a file `trainer.save_probe` wrote."
+        )
+    return path / ESTIMATOR_FILE
 
 
 def load_estimator(folder: Path, estimator: "POISEEstimator", device: torch.device | str) -> None:

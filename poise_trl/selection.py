@@ -62,7 +62,7 @@ class ValueGuidedSelection:
         ids = pad(rows, padding_value=self._tokenizer.pad_token_id, padding_side="left")
         mask = pad([torch.ones_like(row) for row in rows], padding_value=0, padding_side="left")
         spans = feature_spans(mask, ids[:, :0], mask[:, :0], self.args.probe_pool_tokens, None)
-        layer = find_decoder_layers(self.accelerator.unwrap_model(self.model))[self.probe_layer]
+        layer = find_decoder_layers(self.accelerator.unwrap_model(self.model))[self.estimator.layer]
         with (
             torch.no_grad(),
             disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),

@@ -39,6 +39,7 @@ class GenerationStep:
 
     mode: str
     route: str
+    regroup: bool = False  # TRL's micro-batches of it are regrouped into whole groups (`whole_groups`)
     armed: bool = False  # a pass route: the next teacher-forced pass of the policy is the one to capture
     weights: torch.Tensor | None = None  # (rows,) float64: this process's kept rows' importance weights
     selection: dict[str, float] = field(default_factory=dict)  # the prompt draw's host-side figures

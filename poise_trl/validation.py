@@ -1,10 +1,12 @@
-"""`POISEConfig`'s checks when it is built: each bad value gets one clear error, early, naming the field and what to
-change. The values the config fills in (a preset's, a parsed layer, the feature blocks in order) are set here too.
-The estimator's settings are checked by building its spec without the model (specs.py: the registries of heads,
-granularities, bootstraps and reward scalings, and each one's capabilities), the prompt sampler's by its rule
-(sampling.py)."""
+"""`POISEConfig`'s checks when it is built, and the datasets' when `POISETrainer` is: each bad value gets one clear
+error, early, naming the field (or the columns) and what to change. The values the config fills in (a preset's, a
+parsed layer, the feature blocks in order) are set here too. The estimator's settings are checked by building its
+spec without the model (specs.py: the registries of heads, granularities, bootstraps and reward scalings, and each
+one's capabilities), the prompt sampler's by its rule (sampling.py)."""
 
+import inspect
 import math
+from collections.abc import Callable
 from difflib import get_close_matches
 from typing import Any
 
@@ -172,3 +174,82 @@ def _check_prompt_selection(config: Any) -> None:
             f"prompt_selection={rule!r} keeps whole prompts on each process, so per_device_train_batch_size x "
             f"steps_per_generation ({rows}) must be a multiple of num_generations ({config.num_generations})."
         )
+
+
+# What TRL passes every reward function that is not a model besides the batch's columns, and the columns it does not
+# pass on (TRL contract 'dataset_columns').
+REWARD_KEYWORDS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric")
+UNPASSED_COLUMNS = ("prompt", "completion", "completion_ids")
+
+
+def check_dataset_size(dataset: Any, needed: int, config: Any) -> None:
+    """A map-style training set (`dataset`) smaller than one generation batch (`needed` distinct prompts: the batch
+    size of TRL's sampler) makes the sampler yield no batch at all, so `train()` would run 0 steps and save an
+    untrained model without a word; a domain column with more values than `probe_max_domains` would fail mid-run,
+    when the first value too many arrives."""
+    if len(dataset) < needed:
+        raise ValueError(
+            f"The training set is too small: it has {len(dataset)} prompts, but one generation batch needs "
+            f"{needed} distinct prompts (generation_batch_size {config.generation_batch_size} / num_generations "
+            f"{config.num_generations}"
+            + (", times prompt_selection_oversample" if config.prompt_selection else "")
+            + "), so training would run 0 steps. Lower per_device_train_batch_size, steps_per_generation or "
+            "gradient_accumulation_steps, raise num_generations, or add data."
+        )
+    column = config.probe_domain_column
+    if column is not None and column in getattr(dataset, "column_names", []):
+        values = set(map(str, dataset[column]))
+        if len(values) > config.probe_max_domains:
+            raise ValueError(
+                f"probe_domain_column={column!r} has {len(values)} distinct values, more than probe_max_domains="
+                f"{config.probe_max_domains}: each domain keeps its own probe and buffer on the accelerator. "
+                "Map the column to fewer values, or raise probe_max_domains if the memory allows."
+            )
+
+
+def check_columns(
+    datasets: dict[str, Any],
+    reward_funcs: dict[str, Callable],
+    *,
+    prompt_required: bool,
+    domain_column: str | None,
+    keywords: tuple[str, ...] = REWARD_KEYWORDS,
+) -> None:
+    """Refuse, before the first step, a dataset that TRL or POISE would fail on there: one without the 'prompt'
+    column TRL reads from every row (`prompt_required`: unless an environment gives the prompt), without a column a
+    reward function's signature requires (TRL passes each function `keywords` and the batch's other columns, which
+    come from the dataset's), or without `probe_domain_column`. `datasets` maps a name for the error ("train_dataset",
+    ...) to a dataset; one whose columns are not known (a stream without features) is not checked."""
+    for name, dataset in datasets.items():
+        columns = getattr(dataset, "column_names", None)
+        if columns is None:
+            continue
+        has = f"{name} has the columns {sorted(columns)}"
+        if prompt_required and "prompt" not in columns:
+            raise ValueError(
+                f"{has} and no 'prompt' column, which GRPOTrainer reads from every row: rename the column that holds "
+                "the prompts to 'prompt' (`dataset.rename_column(...)`)."
+            )
+        if domain_column is not None and domain_column not in columns:
+            raise ValueError(
+                f"probe_domain_column={domain_column!r}, but {has}. Add the column, or set probe_domain_column=None."
+            )
+        passed = {*keywords, *(column for column in columns if column not in UNPASSED_COLUMNS)}
+        for function, reward in reward_funcs.items():
+            missing = [parameter for parameter in _required_parameters(reward) if parameter not in passed]
+            if missing:
+                raise ValueError(
+                    f"The reward function {function!r} requires {missing}, which TRL would not pass it: it passes "
+                    f"{list(keywords)} and every column of the batch but {list(UNPASSED_COLUMNS)}, and {has}. Add "
+                    "the column to the dataset, or give the parameter a default."
+                )
+
+
+def _required_parameters(function: Callable) -> list[str]:
+    """The parameters of `function` without a default (not *args or **kwargs); none where it has no signature."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [p.name for p in parameters if p.default is inspect.Parameter.empty and p.kind not in variadic]

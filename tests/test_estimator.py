@@ -201,8 +201,8 @@ def test_the_trainer_resumes_a_0_1_checkpoint_and_warns_without_one(tmp_path):
     shutil.copytree(LEGACY / "checkpoint", checkpoint)
     trainer._load_optimizer_and_scheduler(str(checkpoint))
     expected = load_file(str(LEGACY / "expected.safetensors"))
-    assert torch.equal(trainer.probes["default"].predict(expected["inputs"]), expected["predictions"])
-    assert trainer.probe_steps == 3 and len(trainer.bootstrap_pairs["default"]) == 12
+    assert torch.equal(trainer.estimator.probes["default"].predict(expected["inputs"]), expected["predictions"])
+    assert trainer.estimator.steps == 3 and len(trainer.estimator.bootstrap_pairs["default"]) == 12
 
     empty = tmp_path / "checkpoint-9"
     empty.mkdir()

@@ -33,15 +33,15 @@ class RecordingTrainer(SpyTrainer):
     records: list[dict]
 
     def _generate_and_score_completions(self, inputs):
-        probe = copy.deepcopy(self.value_probe)
-        trusted = probe.is_fitted and self.probe_steps >= self.args.probe_warmup_steps
+        probe = copy.deepcopy(self.estimator.probes["default"].probe)
+        trusted = probe.is_fitted and self.estimator.steps >= self.args.probe_warmup_steps
         output = super()._generate_and_score_completions(inputs)
         ids = torch.cat([output["prompt_ids"], output["completion_ids"]], 1)
         mask = torch.cat([output["prompt_mask"], output["completion_mask"]], 1)
         with torch.no_grad():
             out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         self.records.append(
-            dict(probe=probe, trusted=trusted, hidden=out.hidden_states[self.probe_layer + 1], logits=out.logits)
+            dict(probe=probe, trusted=trusted, hidden=out.hidden_states[self.estimator.layer + 1], logits=out.logits)
         )
         return output
 
@@ -169,7 +169,7 @@ def test_peft_keeps_base_frozen_and_trains_lora(tiny_model_path, tmp_path):
             assert not torch.equal(before[name], param), name
         else:
             assert torch.equal(before[name], param), name
-    assert len(trainer.probe_buffer) > 0
+    assert len(trainer.estimator.probes["default"].buffer) > 0
 
 
 def test_eval_does_not_touch_the_buffer(tiny_model_path, tmp_path):
@@ -178,9 +178,9 @@ def test_eval_does_not_touch_the_buffer(tiny_model_path, tmp_path):
         str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset(), eval_dataset=_dataset(8)
     )
     trainer.train()
-    buffer, steps = trainer.probe_buffer.targets.clone(), trainer.probe_steps
+    buffer, steps = trainer.estimator.probes["default"].buffer.targets.clone(), trainer.estimator.steps
     metrics = trainer.evaluate()
-    assert torch.equal(trainer.probe_buffer.targets, buffer) and trainer.probe_steps == steps
+    assert torch.equal(trainer.estimator.probes["default"].buffer.targets, buffer) and trainer.estimator.steps == steps
     assert "eval_poise/mae" in metrics
 
 
@@ -191,7 +191,7 @@ def test_resume_restores_probe_buffer_and_next_baselines_bit_for_bit(tiny_model_
     uninterrupted.train()
     checkpoint = tmp_path / "out" / "checkpoint-3"
     info = read_state(checkpoint / ESTIMATOR_FILE)["info"]
-    assert info["feature_config"]["probe_layer"] == uninterrupted.probe_layer == 2 and info["probe_steps"] == 3
+    assert info["feature_config"]["probe_layer"] == uninterrupted.estimator.layer == 2 and info["probe_steps"] == 3
 
     resumed = RecordingTrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
     resumed.records = []
@@ -202,8 +202,9 @@ def test_resume_restores_probe_buffer_and_next_baselines_bit_for_bit(tiny_model_
     for key, tensor in before["probe"].state_dict().items():
         assert torch.equal(tensor, after["probe"].state_dict()[key]), key
     assert torch.equal(uninterrupted.recorded[3]["advantages"], resumed.recorded[0]["advantages"])
-    assert torch.equal(resumed.probe_buffer.features, uninterrupted.probe_buffer.features)
-    assert resumed.probe_steps == uninterrupted.probe_steps == 4
+    resumed_buffer, uninterrupted_buffer = (t.estimator.probes["default"].buffer for t in (resumed, uninterrupted))
+    assert torch.equal(resumed_buffer.features, uninterrupted_buffer.features)
+    assert resumed.estimator.steps == uninterrupted.estimator.steps == 4
 
     changed = POISETrainer(
         str(tiny_model_path),
@@ -288,16 +289,17 @@ def test_warm_start_uses_the_loaded_probe_from_the_first_step(tiny_model_path, t
     second.records = []
     second.train()
     loaded = second.records[0]["probe"]
-    for key, tensor in first.value_probe.state_dict().items():
+    for key, tensor in first.estimator.probes["default"].probe.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], tensor), key
     assert [h["poise/bootstrap"] for h in second.state.log_history if "poise/bootstrap" in h] == [0.0, 0.0]
     record = second.recorded[0]
     baselines = loaded.predict(_independent_features(record, n=10)).view(-1, 2).flip(1).reshape(-1)
     torch.testing.assert_close(record["advantages"], record["rewards"] - baselines, atol=2e-4, rtol=1e-4)
     # Without its buffer the loaded fit is kept (not refitted on a handful of rows) during probe_warmup_steps.
-    refitted = not torch.equal(second.value_probe.state_dict()["coef"], first.value_probe.state_dict()["coef"])
+    coefs = [t.estimator.probes["default"].probe.state_dict()["coef"] for t in (first, second)]
+    refitted = not torch.equal(*coefs)
     assert refitted == include_buffer
-    assert len(second.probe_buffer) == (3 * 8 if include_buffer else 0) + 2 * 8
+    assert len(second.estimator.probes["default"].buffer) == (3 * 8 if include_buffer else 0) + 2 * 8
 
 
 def test_the_probe_reads_the_rollout_scalars_it_is_given(tiny_model_path, tmp_path):
@@ -308,7 +310,7 @@ def test_the_probe_reads_the_rollout_scalars_it_is_given(tiny_model_path, tmp_pa
     trainer = RecordingTrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
     trainer.records = []
     trainer.train()
-    record, buffered = trainer.recorded[0], trainer.probe_buffer.features[:, 0]
+    record, buffered = trainer.recorded[0], trainer.estimator.probes["default"].buffer.features[:, 0]
     out, logits, width = record["output"], record["logits"], 2 * trainer.hidden_size
     assert buffered.shape == (8, width + len(scalars))  # the paper's probe: no partner-reward column
     p_len = out["prompt_ids"].size(1)
@@ -351,7 +353,8 @@ def test_a_logistic_head_gives_the_baselines_and_is_saved_by_name(small_model_pa
     args = poise_args(tmp_path, max_steps=3, probe_head="logistic", probe_partner_reward=True)
     trainer = POISETrainer(str(small_model_path), digit_reward, args=args, train_dataset=_dataset())
     trainer.train()
-    assert type(trainer.value_probe) is LogisticProbe and trainer.value_probe.is_fitted
+    probe = trainer.estimator.probes["default"].probe
+    assert type(probe) is LogisticProbe and probe.is_fitted
     logged = [h for h in trainer.state.log_history if "poise/bootstrap" in h]
     assert logged[-1]["poise/bootstrap"] == 0.0 and math.isfinite(logged[-1]["poise/mae"])
     trainer.save_probe(tmp_path / "probe.safetensors")
@@ -368,7 +371,7 @@ def test_a_short_run_with_the_prompt_history_feeds_it_to_the_probe_and_names_it(
     trainer.train()
     seen, count, _ = trainer.estimator.prompt_history.lookup(prompt_group_ids(prompts["prompt"]))
     assert seen.all() and count.tolist() == [3 * 2] * 4  # 3 steps x 2 rollouts
-    rows = trainer.probe_buffer.features[:, 0]
+    rows = trainer.estimator.probes["default"].buffer.features[:, 0]
     assert rows.size(-1) == 2 * trainer.hidden_size + 3 + 1 + 3  # [φ | r | seen, log(1 + count), mean]
     assert rows[:8, -3].eq(0).all() and rows[8:, -3].eq(1).all()  # unseen at the first step only
     assert rows[-8:, -2].tolist() == pytest.approx([math.log1p(2 * 2)] * 8)  # the last step read two steps' rewards
@@ -409,8 +412,8 @@ def test_resume_refuses_changed_probe_settings_and_warm_start_refits_with_the_ru
     resumed = resume()
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert [float(s["divisor"]) for s in resumed.scored] == [
-        float(first.reward_std.divisor())
-    ] and resumed.reward_std.count == 24
+        float(first.estimator.reward_std.divisor())
+    ] and resumed.estimator.reward_std.count == 24
 
     run = dict(probe_alpha=2.0, probe_pca_dims=[4, 0], probe_clip_range=[0.0, 0.5], max_steps=1)
     warm = POISETrainer(
@@ -419,16 +422,17 @@ def test_resume_refuses_changed_probe_settings_and_warm_start_refits_with_the_ru
         args=poise_args(tmp_path, probe_init_path=str(checkpoint / ESTIMATOR_FILE), **run),
         train_dataset=_dataset(),
     )
-    assert torch.equal(warm.value_probe.state_dict()["coef"], first.value_probe.state_dict()["coef"])
-    assert (warm.value_probe.alpha, warm.value_probe.pca_dims, warm.value_probe.clip) == (
+    probe = warm.estimator.probes["default"].probe
+    assert torch.equal(probe.state_dict()["coef"], first.estimator.probes["default"].probe.state_dict()["coef"])
+    assert (probe.alpha, probe.pca_dims, probe.clip) == (
         2.0,
         [(0, 16, 4)],
         (0.0, 0.5),
     )
-    assert warm.reward_std.count == 0  # a warm start is a new run
+    assert warm.estimator.reward_std.count == 0  # a warm start is a new run
     warm.train()
-    assert warm.value_probe.fitted_pca_dims == [4]
-    assert warm.value_probe.state_dict()["clip"].tolist() == [0.0, 0.5]
+    refitted = warm.estimator.probes["default"].probe
+    assert refitted.fitted_pca_dims == [4] and refitted.state_dict()["clip"].tolist() == [0.0, 0.5]
 
 
 def test_the_probe_is_in_the_checkpoint_before_it_is_pushed(small_model_path, tmp_path):
@@ -440,6 +444,43 @@ def test_the_probe_is_in_the_checkpoint_before_it_is_pushed(small_model_path, tm
     trainer._push_from_checkpoint = lambda folder: pushed.append(sorted(os.listdir(folder)))
     trainer.train()
     assert len(pushed) == 1 and {ESTIMATOR_FILE, "trainer_state.json"} <= set(pushed[0])
+
+
+def test_save_model_keeps_the_probe_and_a_new_run_starts_from_the_folder_trusted(tiny_model_path, tmp_path):
+    """`save_model` (and so `push_to_hub`) writes the estimator's file beside the weights; `probe_init_path` takes the
+    folder, and a run fine-tuning the saved model again uses the saved probe from its first step."""
+    first = POISETrainer(
+        str(tiny_model_path), digit_reward, args=poise_args(tmp_path, max_steps=2), train_dataset=_dataset()
+    )
+    first.train()
+    first.create_model_card()
+    assert (
+        "the probe is not saved beside the weights; `trainer.save_model()` writes it"
+        in (tmp_path / "out" / "README.md").read_text()
+    )
+    saved = tmp_path / "saved"
+    first.save_model(str(saved))
+    assert {ESTIMATOR_FILE, "model.safetensors", "config.json"} <= set(os.listdir(saved))
+    first.save_model()  # the output folder, as `push_to_hub` saves before uploading it
+    first.create_model_card()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert f"Warm start: the probe is saved beside the weights (`{ESTIMATOR_FILE}`); " in card
+    assert (tmp_path / "out" / ESTIMATOR_FILE).exists()
+
+    args = poise_args(tmp_path / "again", max_steps=1, probe_warmup_steps=4, probe_init_path=str(saved), seed=1)
+    second = POISETrainer(str(saved), digit_reward, args=args, train_dataset=_dataset())
+    trained = first.estimator.probes["default"].probe.state_dict()
+    loaded = second.estimator.probes["default"]
+    assert loaded.trusted and all(torch.equal(loaded.probe.state_dict()[k], t) for k, t in trained.items())
+    second.train()
+    assert [h["poise/bootstrap"] for h in second.state.log_history if "poise/bootstrap" in h] == [0.0]
+    with pytest.raises(FileNotFoundError, match=rf"is a folder without {ESTIMATOR_FILE}: give a folder"):
+        POISETrainer(
+            str(saved),
+            digit_reward,
+            args=poise_args(tmp_path, probe_init_path=str(tmp_path)),
+            train_dataset=_dataset(),
+        )
 
 
 def test_vllm_importance_sampling_pass_is_reused_for_capture(tiny_model_path, tmp_path):
@@ -471,8 +512,9 @@ def test_warm_start_accepts_a_single_probe_file(tiny_model_path, tmp_path):
     save_probe_file(tmp_path / "single.safetensors", probe, buffer, metadata)
     args = poise_args(tmp_path, probe_init_path=str(tmp_path / "single.safetensors"))
     warm = POISETrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
-    assert torch.equal(warm.value_probe.state_dict()["coef"], probe.state_dict()["coef"])
-    assert warm.probe_buffer.features.shape == (16, 1, 2 * 128 + 3) and warm.probes["default"].trusted
+    loaded = warm.estimator.probes["default"]
+    assert torch.equal(loaded.probe.state_dict()["coef"], probe.state_dict()["coef"])
+    assert loaded.buffer.features.shape == (16, 1, 2 * 128 + 3) and loaded.trusted
 
 
 def test_untested_trl_release_fails_at_import_with_what_to_do():

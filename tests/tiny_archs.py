@@ -118,7 +118,9 @@ class SpyTrainer(POISETrainer):
         return output
 
     def _observe(self, step):
-        divisor = self.reward_std.divisor() if self.args.scale_rewards == "batch" else 1.0  # of earlier steps
+        divisor = (
+            self.estimator.reward_std.divisor() if self.args.scale_rewards == "batch" else 1.0
+        )  # of earlier steps
         features = step.assemble()[0].clone()  # this process's (rows, candidate layers, D)
         result = super()._observe(step)
         if step.mode == "train":

@@ -18,6 +18,7 @@ import poise_trl
 from poise_trl import POISETrainer
 from poise_trl.contract import CONTRACT
 from poise_trl.features import find_decoder_layers
+from poise_trl.validation import REWARD_KEYWORDS, UNPASSED_COLUMNS
 
 from ..conftest import CPU_ARGS, digit_dataset, digit_reward
 from ..tiny_archs import env_rollout
@@ -53,7 +54,7 @@ class Recorder(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         self.calls.append(("score",))
         output = super()._generate_and_score_completions(inputs)
-        output["row"] = torch.arange(len(inputs))  # an extra key of length B, as POISE adds
+        output["row"] = list(range(len(inputs)))  # an extra list of B items, as POISE adds (`step.ROW_KEY`)
         self.rng_after_scoring = torch.get_rng_state()
         self.outputs.append(output)
         self.calls.append(("scored",))
@@ -177,11 +178,15 @@ def test_train_buffer(tiny_model_path, tmp_path):
     buffer = trainer._buffered_inputs
     holds("train_buffer", isinstance(buffer, list) and len(buffer) == 2, f"_buffered_inputs is {type(buffer)}")
     holds("train_buffer", first is buffer[0], "the micro-batch returned is not the buffer's first dict")
-    rows = torch.cat([part["row"] for part in buffer])
+    holds("train_buffer", all(isinstance(part["row"], list) for part in buffer), "the list is no longer a list")
+    rows = [row for part in buffer for row in part["row"]]
     after = torch.get_rng_state()
     torch.set_rng_state(trainer.rng_after_scoring)
-    drawn = torch.randperm(len(batch))
-    holds("train_buffer", torch.equal(rows, drawn), f"rows {rows.tolist()}, one randperm gives {drawn.tolist()}")
+    drawn = torch.randperm(len(batch)).tolist()
+    holds("train_buffer", rows == drawn, f"the list's items {rows}, one randperm gives {drawn}")
+    completions = torch.cat([part["completion_ids"] for part in buffer])
+    scored = trainer.outputs[0]["completion_ids"][drawn]
+    holds("train_buffer", torch.equal(completions, scored), "a tensor's rows did not travel with the list's items")
     holds("train_buffer", torch.equal(after, torch.get_rng_state()), "more than one draw shuffled the batch")
     for step, part in [(1, buffer[1]), (2, first), (3, buffer[1])]:  # two iterations over the same dicts
         trainer._step = step
@@ -296,6 +301,37 @@ def test_train_sampler(tiny_model_path, tmp_path):
     holds("train_sampler", all(name in parameters for name in needed), f"_get_dataloader({list(parameters)})")
 
 
+def test_repeat_sampler(tiny_model_path, tmp_path):
+    trainer = _trainer(tiny_model_path, tmp_path, steps_per_generation=2)
+    sampler = trainer._get_train_sampler()
+    state = vars(sampler)
+    named = CONTRACT["repeat_sampler"].names
+    holds("repeat_sampler", all(name in state for name in named), f"its instance dict holds {sorted(state)}")
+    holds("repeat_sampler", isinstance(sampler.generator, torch.Generator), f"generator {sampler.generator!r}")
+    settings = (sampler.shuffle, sampler.seed, sampler.num_samples)
+    holds("repeat_sampler", settings == (True, 0, len(digit_dataset())), f"(shuffle, seed, num_samples) {settings}")
+    sampler.batch_size = 3  # set after TRL built it, as prompt selection does
+    generator = torch.Generator().manual_seed(sampler.seed)
+    for epoch in range(2):
+        order = torch.randperm(sampler.num_samples, generator=generator).tolist()
+        drawn = list(dict.fromkeys(sampler))  # each prompt once, in the order drawn
+        kept = sampler.num_samples // 3 * 3
+        holds("repeat_sampler", drawn == order[:kept], f"epoch {epoch} draws {drawn}, one randperm gives {order}")
+    copy = type(sampler).__new__(type(sampler))
+    vars(copy).update(state)  # as `ResumableSampler` copies it: the same generator object
+    passes = []
+    for each in (copy, sampler):
+        sampler.generator.manual_seed(sampler.seed)
+        passes.append(list(each))
+    holds("repeat_sampler", passes[0] == passes[1], "a copy of its instance dict does not sample as it does")
+
+
+def _checkpointing(tmp_path) -> GRPOConfig:
+    """One step, saved as a checkpoint."""
+    settings = dict(save_steps=1, max_steps=1, per_device_train_batch_size=4, num_generations=2, seed=0)
+    return GRPOConfig(output_dir=str(tmp_path / "out"), **{**CPU_ARGS, "save_strategy": "steps"}, **settings)
+
+
 def test_checkpoint_hooks(tiny_model_path, tmp_path):
     class Saving(Recorder):
         def _save_checkpoint(self, model, trial):
@@ -308,16 +344,7 @@ def test_checkpoint_hooks(tiny_model_path, tmp_path):
             self.calls.append(("load", checkpoint))
             super()._load_optimizer_and_scheduler(checkpoint)
 
-    args = GRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        **{**CPU_ARGS, "save_strategy": "steps"},
-        save_steps=1,
-        max_steps=1,
-        per_device_train_batch_size=4,
-        num_generations=2,
-        seed=0,
-    )
-    trainer = Saving(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
+    trainer = Saving(str(tiny_model_path), digit_reward, args=_checkpointing(tmp_path), train_dataset=digit_dataset())
     trainer.train()
     saves = [call for call in trainer.calls if call[0] in ("save", "saved")]
     holds("checkpoint_hooks", saves == [("save", False), ("saved", True)], f"saves {saves}")
@@ -326,6 +353,54 @@ def test_checkpoint_hooks(tiny_model_path, tmp_path):
     trainer.train(resume_from_checkpoint=checkpoint)
     loads = [call for call in trainer.calls if call[0] == "load"]
     holds("checkpoint_hooks", ("load", checkpoint) in loads, f"resuming called {loads}")
+
+
+def test_save_model(tiny_model_path, tmp_path):
+    class Pushed(Exception):
+        """Stops `push_to_hub` at its save, before anything reaches the network."""
+
+    class Saving(Recorder):
+        def save_model(self, output_dir=None, _internal_call=False):
+            folder = Path(self.args.output_dir if output_dir is None else output_dir)
+            self.calls.append(("save_model", output_dir, _internal_call, (folder / "trainer_state.json").exists()))
+            if self.args.push_to_hub:
+                raise Pushed
+            super().save_model(output_dir, _internal_call)
+
+    parameters = list(inspect.signature(GRPOTrainer.save_model).parameters)
+    holds("save_model", parameters == ["self", "output_dir", "_internal_call"], f"save_model{parameters}")
+    trainer = Saving(str(tiny_model_path), digit_reward, args=_checkpointing(tmp_path), train_dataset=digit_dataset())
+    trainer.train()
+    checkpoint = str(tmp_path / "out" / "checkpoint-1")
+    saves = [call for call in trainer.calls if call[0] == "save_model"]
+    holds("save_model", saves == [("save_model", checkpoint, True, False)], f"a checkpoint's saves {saves}")
+    holds("save_model", (Path(checkpoint) / "trainer_state.json").exists(), "no trainer state after the save")
+    trainer.save_model(str(tmp_path / "final"))
+    written = sorted(path.name for path in (tmp_path / "final").iterdir())
+    holds("save_model", "model.safetensors" in written and "config.json" in written, f"save_model wrote {written}")
+    trainer.calls.clear()
+    trainer.args.push_to_hub, trainer.hub_model_id = True, "user/tiny"  # set after construction: no repository made
+    with pytest.raises(Pushed):
+        trainer.push_to_hub()
+    saves = [call[:3] for call in trainer.calls if call[0] == "save_model"]
+    holds("save_model", saves == [("save_model", None, True)], f"push_to_hub's saves {saves}")
+
+
+def test_dataset_columns(tiny_model_path, tmp_path):
+    received = []
+
+    def keywords(completions, **kwargs):
+        received.append({"completions", *kwargs})
+        return [1.0] * len(completions)
+
+    rows = [{"prompt": f"{i}+1", "answer": str(i + 1), "completion": "x", "completion_ids": [1]} for i in range(8)]
+    trainer = _trainer(tiny_model_path, tmp_path, reward_funcs=keywords)
+    trainer._prepare_inputs(rows[:4])
+    expected = {*REWARD_KEYWORDS, *(c for c in rows[0] if c not in UNPASSED_COLUMNS)}
+    holds("dataset_columns", received == [expected], f"a reward function received {received}, not {expected}")
+    unprompted = [{"question": row["prompt"]} for row in rows[:4]]
+    with pytest.raises(KeyError, match="prompt"):
+        _trainer(tiny_model_path, tmp_path)._prepare_inputs(unprompted)
 
 
 def test_model_card(tiny_model_path, tmp_path):
@@ -342,39 +417,117 @@ def test_every_behaviour_has_its_test():
     assert sorted(name for name in CONTRACT if f"test_{name}" not in tests) == []
 
 
-TRL_AWARE = ("trainer.py", "selection.py")
+PACKAGE = Path(poise_trl.__file__).parent
+ATTRIBUTE_CALLS = ("getattr", "setattr", "hasattr", "delattr")
 
 
-def _trainer_code() -> list[ast.ClassDef]:
-    folder = Path(poise_trl.__file__).parent
-    trees = [ast.parse((folder / name).read_text()) for name in TRL_AWARE]
-    return [node for tree in trees for node in tree.body if isinstance(node, ast.ClassDef)]
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _trainer_classes() -> set[str]:
+    """The names of POISE's classes `POISETrainer` is made of (itself and its mixins): their `def`s and class-level
+    assignments override TRL's when TRL's trainer has the name."""
+    return {cls.__name__ for cls in POISETrainer.__mro__ if cls.__module__.startswith("poise_trl")}
+
+
+def _sampler_names(tree: ast.AST) -> set[str]:
+    """Attributes read or written, in `tree`, on a `RepeatSampler`: `self` in a subclass of it, a parameter
+    annotated with it, or what `_get_train_sampler` returns (directly or bound to a name)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and getattr(getattr(node.value, "func", None), "attr", "").endswith(
+            "_get_train_sampler"
+        ):
+            found.add(node.attr)
+        holders = set()
+        if isinstance(node, ast.ClassDef) and any(getattr(base, "id", "") == "RepeatSampler" for base in node.bases):
+            holders.add("self")
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.arg) and getattr(inner.annotation, "id", "") == "RepeatSampler":
+                    holders.add(inner.arg)
+                if isinstance(inner, ast.Assign) and getattr(inner.value, "func", None) is not None:
+                    if getattr(inner.value.func, "attr", "") == "_get_train_sampler":
+                        holders |= {target.id for target in inner.targets if isinstance(target, ast.Name)}
+            found |= {
+                inner.attr
+                for inner in ast.walk(node)
+                if isinstance(inner, ast.Attribute) and getattr(inner.value, "id", "") in holders
+            }
+    return found
+
+
+def scan(package: Path) -> dict[str, dict[str, set[str]]]:
+    """What every module of `package` does with names: `private` (a private attribute of any object, or a literal
+    name given to getattr & co), `read_on_self` (private attributes read on `self`), `defined` (names a `def`, a
+    class body or an assignment to an attribute defines), `sampler` (`RepeatSampler` attributes used) and, in the
+    classes `POISETrainer` is made of, `members` (their `def`s and class-level assignments); by module."""
+    trainer_classes, found = _trainer_classes(), {}
+    for path in sorted(package.rglob("*.py")):
+        tree, names = ast.parse(path.read_text()), defaultdict(set)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                names["private"].add(node.attr)
+                if getattr(node.value, "id", "") == "self" and isinstance(node.ctx, ast.Load):
+                    names["read_on_self"].add(node.attr)
+                if isinstance(node.ctx, ast.Store):
+                    names["defined"].add(node.attr)
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ATTRIBUTE_CALLS and len(node.args) > 1:
+                literal = node.args[1]
+                if isinstance(literal, ast.Constant) and isinstance(literal.value, str) and _private(literal.value):
+                    names["private"].add(literal.value)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names["defined"].add(node.name)
+            if isinstance(node, ast.ClassDef):
+                body = set()
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                        body.add(item.name)
+                    targets = item.targets if isinstance(item, ast.Assign) else []
+                    if isinstance(item, ast.AnnAssign | ast.AugAssign):
+                        targets = [item.target]
+                    body |= {target.id for target in targets if isinstance(target, ast.Name)}
+                names["defined"] |= body
+                if node.name in trainer_classes:
+                    names["members"] |= body
+        names["sampler"] = _sampler_names(tree)
+        found[str(path.relative_to(package))] = names
+    return found
+
+
+def _by_module(found: dict[str, dict[str, set[str]]], kind: str, wanted: set[str]) -> dict[str, list[str]]:
+    return {module: sorted(names[kind] & wanted) for module, names in found.items() if names[kind] & wanted}
 
 
 def test_the_contract_names_every_trl_name_and_override_the_trainer_relies_on(tiny_model_path, tmp_path):
-    """Every private attribute or method of TRL's trainer that POISE's TRL-aware code reads, writes or calls is one
-    of a behaviour's `names` or `overrides`; every override of a TRL method is one of a behaviour's `overrides`; and
-    the contract names nothing the code no longer uses."""
+    """Over every module of the package: each private name of TRL's trainer (one a `GRPOTrainer` has once built or
+    once trained, as names `train()` sets; read or written on any object, `self`, an alias or another, or given to
+    getattr & co by a literal) is one of a behaviour's `names` or `overrides`; each `RepeatSampler` attribute used
+    on a sampler is a 'RepeatSampler' behaviour's; each override of a TRL method or class attribute, by `def` or by
+    assignment, in the classes `POISETrainer` is made of, is a behaviour's `overrides`; a private name read on `self`
+    is POISE's own or TRL's; and the contract names nothing the code no longer uses."""
     grpo = _trainer(tiny_model_path, tmp_path)
-    classes = _trainer_code()
-    defined = {item.name for cls in classes for item in cls.body if isinstance(item, ast.FunctionDef)}
-    overrides = {name for name in defined if hasattr(GRPOTrainer, name) and name != "__init__"}
-    used = {
-        node.attr
-        for cls in classes
-        for node in ast.walk(cls)
-        if isinstance(node, ast.Attribute)
-        and node.attr.startswith("_")
-        and not node.attr.startswith("__")
-        and (
-            (isinstance(node.value, ast.Name) and node.value.id == "self")
-            or (isinstance(node.value, ast.Call) and getattr(node.value.func, "id", "") == "super")
-        )
-    }
-    trl_names = {name for name in used if hasattr(grpo, name)}
-    named = {name for behaviour in CONTRACT.values() for name in behaviour.names}
+    trl_names = {name for name in dir(grpo) if _private(name)}
+    grpo.train()
+    trl_names |= {name for name in dir(grpo) if _private(name)}
+    sampler_names = set(vars(grpo._get_train_sampler()))
+    found = scan(PACKAGE)
+    used = set().union(*(names["private"] for names in found.values())) & trl_names
+    sampled = set().union(*(names["sampler"] for names in found.values())) & sampler_names
+    members = set().union(*(names["members"] for names in found.values()))
+    overrides = {name for name in members if hasattr(GRPOTrainer, name) and name != "__init__"}
+    defined = set().union(*(names["defined"] for names in found.values()))
+    unknown = set().union(*(names["read_on_self"] for names in found.values())) - defined - trl_names
+    named = {name for b in CONTRACT.values() if b.owner == "GRPOTrainer" for name in b.names}
+    sampler_named = {name for b in CONTRACT.values() if b.owner == "RepeatSampler" for name in b.names}
     listed = {name for behaviour in CONTRACT.values() for name in behaviour.overrides}
-    assert sorted(overrides - listed) == [], "overrides of TRL methods no behaviour names"
+    assert _by_module(found, "members", overrides - listed) == {}, "overrides of TRL's no behaviour names"
     assert sorted(listed - overrides) == [], "behaviours name overrides the trainer no longer has"
-    assert sorted(trl_names - named - listed) == [], "private TRL names no behaviour names"
-    assert sorted(named - trl_names) == [], "behaviours name private TRL names the trainer no longer uses"
+    assert _by_module(found, "private", used - named - listed) == {}, "private TRL names no behaviour names"
+    assert sorted(named - used) == [], "behaviours name private TRL names the code no longer uses"
+    assert _by_module(found, "sampler", sampled - sampler_named) == {}, "RepeatSampler attributes no behaviour names"
+    assert sorted(sampler_named - sampled) == [], "behaviours name RepeatSampler attributes no longer used"
+    assert _by_module(found, "read_on_self", unknown) == {}, (
+        "private names read on self that neither POISE nor TRL sets"
+    )

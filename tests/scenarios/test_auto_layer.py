@@ -61,12 +61,12 @@ class LayerRecorder(SpyTrainer):
     features, rewards and advantages."""
 
     def before_batch(self, inputs):
-        buffer = self.probe_buffer
+        buffer = self.estimator.probes["default"].buffer
         return dict(
             index=self.estimator.layer_index,
-            layer=self.probe_layer,
-            probe=copy.deepcopy(self.value_probe),
-            trusted=self.probes["default"].trusted,
+            layer=self.estimator.layer,
+            probe=copy.deepcopy(self.estimator.probes["default"].probe),
+            trusted=self.estimator.probes["default"].trusted,
             buffer=None
             if buffer.targets is None
             else (buffer.features.clone(), buffer.targets.clone(), buffer.groups),
@@ -92,7 +92,7 @@ def test_auto_layer_chooses_from_earlier_steps_in_one_pass(tiny_model_path, tmp_
     trainer = LayerRecorder(model, digit_reward, args=args, train_dataset=digit_dataset())
     trainer.train()
     steps = 5
-    assert trainer.probe_layers == [1, 2, 3]  # round(0.25·4), round(0.53·4) (the fixed default), round(0.75·4)
+    assert trainer.estimator.layers == (1, 2, 3)  # round(0.25·4), round(0.53·4) (the fixed default), round(0.75·4)
     records = trainer.records
     assert records[0]["layer"] == 2
 
@@ -134,7 +134,7 @@ def test_select_layer_hysteresis_and_logging_in_the_trainer(tiny_model_path, tmp
         args=_args(tmp_path, probe_layer_switch_margin=0.05),
         train_dataset=digit_dataset(),
     )
-    assert trainer.probe_layer == 2
+    assert trainer.estimator.layer == 2
     per_layer = {}
     monkeypatch.setattr(OnlineLearner, "layer_errors", lambda self, folds, device=None: per_layer["errors"])
     per_layer["errors"] = torch.tensor([[0.97, 0.97], [1.0, 1.0], [1.5, 1.5]], dtype=torch.float64)  # 3% better
@@ -148,10 +148,10 @@ def test_select_layer_hysteresis_and_logging_in_the_trainer(tiny_model_path, tmp
         return metrics
 
     assert select() == {"layer_mae/1": 0.97, "layer_mae/2": 1.0, "layer_mae/3": 1.5}
-    assert trainer.probe_layer == 2
+    assert trainer.estimator.layer == 2
     per_layer["errors"] = torch.tensor([[0.8, 0.8], [1.0, 1.0], [1.5, 1.5]], dtype=torch.float64)  # 20%: switch
     select()
-    assert trainer.probe_layer == 1
+    assert trainer.estimator.layer == 1
 
 
 def test_saved_probes_record_the_candidate_set(tiny_model_path, tmp_path):
@@ -164,7 +164,7 @@ def test_saved_probes_record_the_candidate_set(tiny_model_path, tmp_path):
         args=_args(tmp_path, probe_init_path=str(tmp_path / "auto.safetensors")),
         train_dataset=digit_dataset(),
     )
-    assert again.probe_layer == 3
+    assert again.estimator.layer == 3
     for other in (dict(probe_layer_candidates=[1, 2]), dict(probe_layer=2)):
         with pytest.raises(ValueError, match="fitted on features"):
             POISETrainer(

@@ -228,7 +228,7 @@ def test_checkpoints_of_the_loss_route_fall_between_generation_batches_and_resum
         save_steps=1,
     )
     whole = _train(tiny_model_path, tmp_path / "whole", "auto", **settings)
-    assert whole._capture_route("train") == "loss" and whole._shuffle_whole_groups
+    assert whole._capture_route("train") == "loss" and whole._regroups("train")
     checkpoint = tmp_path / "whole" / "auto" / "out" / "checkpoint-1"
     assert not list(checkpoint.glob("poise_generation_batch-*"))
     args = short_args(tmp_path / "resumed", probe_capture="auto", max_steps=3, **settings)

@@ -85,7 +85,7 @@ class DomainRecorder(SpyTrainer):
     adds the rewards, features and advantages."""
 
     def before_batch(self, inputs):
-        before = {name: (copy.deepcopy(p.probe), p.trusted) for name, p in self.probes.items()}
+        before = {name: (copy.deepcopy(p.probe), p.trusted) for name, p in self.estimator.probes.items()}
         return dict(before=before, domains=[x["domain"] for x in inputs])
 
     @property
@@ -100,15 +100,14 @@ def test_domains_get_separate_buffers_metrics_bootstrap_and_checkpoints(tiny_mod
 
     # Separate buffers: each domain's rows came only from its prompts; "big" is capped at its own size.
     prompts = {d: [r["prompt"] for r in _dataset() if r["domain"] == d] for d in ("big", "small")}
-    assert set(trainer.probes) == {"big", "small"}
-    for name, online in trainer.probes.items():
+    probes = trainer.estimator.probes
+    assert set(probes) == {"big", "small"}
+    for name, online in probes.items():
         assert set(online.buffer.groups.tolist()) <= set(prompt_group_ids(prompts[name]).tolist())
         assert online.buffer.features.shape[1:] == (1, 2 * 128 + 3)
-    assert trainer.probes["big"].buffer.capacity == 20 == len(trainer.probes["big"].buffer)
-    assert trainer.probes["small"].buffer.capacity == args.probe_buffer_size
-    assert trainer.probes["big"].steps == 4 and 1 <= trainer.probes["small"].steps < args.probe_warmup_steps
-    with pytest.raises(AttributeError, match="probes\\[domain\\]"):
-        _ = trainer.value_probe
+    assert probes["big"].buffer.capacity == 20 == len(probes["big"].buffer)
+    assert probes["small"].buffer.capacity == args.probe_buffer_size
+    assert probes["big"].steps == 4 and 1 <= probes["small"].steps < args.probe_warmup_steps
 
     # Per row: a trusted domain's rows get the cross-rollout probe baseline, an untrusted one's the partner's reward.
     mixed = 0
@@ -135,20 +134,20 @@ def test_domains_get_separate_buffers_metrics_bootstrap_and_checkpoints(tiny_mod
     assert any("poise/domain/small/bootstrap" in h for h in logged)
     assert all(h["poise/domain/small/bootstrap"] == 1.0 for h in logged if "poise/domain/small/bootstrap" in h)
     assert [h["poise/domain/big/bootstrap"] for h in logged] == [1.0, 1.0, 0.0, 0.0]
-    assert logged[-1]["poise/buffer_size"] == 20 + len(trainer.probes["small"].buffer)
+    assert logged[-1]["poise/buffer_size"] == 20 + len(trainer.estimator.probes["small"].buffer)
 
     # The checkpoint holds every domain; resuming reproduces step 4 bit for bit.
     checkpoint = tmp_path / "out" / "checkpoint-3"
     info = read_state(checkpoint / ESTIMATOR_FILE)["info"]
-    assert [d["name"] for d in info["domains"]] == list(trainer.probes)
+    assert [d["name"] for d in info["domains"]] == list(trainer.estimator.probes)
     assert info["feature_config"]["probe_domain_column"] == "domain"
     resumed = DomainRecorder(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert len(resumed.records) == 1
     assert torch.equal(resumed.records[0]["advantages"], trainer.records[3]["advantages"])
-    assert list(resumed.probes) == list(trainer.probes)
-    for name, online in trainer.probes.items():
-        again = resumed.probes[name]
+    assert list(resumed.estimator.probes) == list(trainer.estimator.probes)
+    for name, online in trainer.estimator.probes.items():
+        again = resumed.estimator.probes[name]
         assert (again.steps, again.layer_index, again.warm_started) == (
             online.steps,
             online.layer_index,
@@ -168,8 +167,8 @@ def test_domains_get_separate_buffers_metrics_bootstrap_and_checkpoints(tiny_mod
         args=_args(tmp_path, probe_init_path=str(tmp_path / "all.safetensors")),
         train_dataset=_dataset(),
     )
-    assert all(p.warm_started and p.steps == 0 for p in warm.probes.values())
-    assert warm.probes["big"].trusted  # fitted: used from the first step
+    assert all(p.warm_started and p.steps == 0 for p in warm.estimator.probes.values())
+    assert warm.estimator.probes["big"].trusted  # fitted: used from the first step
     with pytest.raises(ValueError, match="probe_domain_column=None"):
         POISETrainer(
             str(tiny_model_path),
@@ -185,13 +184,21 @@ def test_domains_get_separate_buffers_metrics_bootstrap_and_checkpoints(tiny_mod
 
 
 def test_missing_domain_column_fails_with_the_columns_present(tiny_model_path, tmp_path):
+    """At construction when the dataset lacks it; at the first batch when TRL drops it (remove_unused_columns)."""
+    with pytest.raises(ValueError, match=r"probe_domain_column='topic', but train_dataset has the columns .*'domain'"):
+        POISETrainer(
+            str(tiny_model_path),
+            digit_reward,
+            args=_args(tmp_path, max_steps=1, probe_domain_column="topic", probe_domain_buffer_sizes=None),
+            train_dataset=_dataset(),
+        )
     trainer = POISETrainer(
         str(tiny_model_path),
         digit_reward,
-        args=_args(tmp_path, max_steps=1, probe_domain_column="topic", probe_domain_buffer_sizes=None),
+        args=_args(tmp_path, max_steps=1, remove_unused_columns=True),
         train_dataset=_dataset(),
     )
-    with pytest.raises(ValueError, match="no such column.*'domain'"):
+    with pytest.raises(ValueError, match=r"probe_domain_column='domain', but the batch has no such column"):
         trainer.train()
 
 

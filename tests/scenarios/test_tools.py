@@ -77,7 +77,7 @@ class Recording(SpyTrainer):
         mask = torch.cat([output["prompt_mask"], output["completion_mask"]], 1)
         with torch.no_grad():
             out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-        self.forwards.append(dict(hidden=out.hidden_states[self.probe_layer + 1], logits=out.logits))
+        self.forwards.append(dict(hidden=out.hidden_states[self.estimator.layer + 1], logits=out.logits))
         return output
 
     @property

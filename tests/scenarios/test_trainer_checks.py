@@ -84,6 +84,36 @@ def test_a_training_set_smaller_than_one_generation_batch_is_refused(tiny_model_
     POISETrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset(8))  # exactly enough
 
 
+def test_columns_trl_or_poise_need_are_checked_before_the_first_step(tiny_model_path, tmp_path):
+    """A dataset without `prompt`, without a column a reward function requires (in training or evaluation data), or
+    without `probe_domain_column` is refused at construction, naming the dataset's columns; TRL would fail at the
+    first step (or the first evaluation) inside its own code. An environment-only dataset: test_tools.py."""
+    questions = Dataset.from_list([{"question": f"{i}+1", "answer": str(i + 1)} for i in range(8)])
+    with pytest.raises(ValueError, match=r"train_dataset has the columns \['answer', 'question'\] and no 'prompt'"):
+        POISETrainer(str(tiny_model_path), digit_reward, args=poise_args(tmp_path), train_dataset=questions)
+
+    def exact(completions, answer, **kwargs):
+        return [float(c.strip() == a) for c, a in zip(completions, answer, strict=True)]
+
+    answered = questions.rename_column("question", "prompt")
+    args = poise_args(tmp_path, eval_strategy="steps", eval_steps=2)
+    POISETrainer(str(tiny_model_path), exact, args=args, train_dataset=answered, eval_dataset=answered)
+    with pytest.raises(
+        ValueError, match=r"'exact' requires \['answer'\].* train_dataset has the columns \['prompt'\]"
+    ):
+        POISETrainer(str(tiny_model_path), exact, args=poise_args(tmp_path), train_dataset=digit_dataset())
+    evaluations = {"held_out": digit_dataset(8)}
+    with pytest.raises(ValueError, match=r"requires \['answer'\].*eval_dataset\['held_out'\] has the columns"):
+        POISETrainer(str(tiny_model_path), exact, args=args, train_dataset=answered, eval_dataset=evaluations)
+    with pytest.raises(ValueError, match=r"probe_domain_column='topic', but train_dataset has the columns"):
+        POISETrainer(
+            str(tiny_model_path),
+            digit_reward,
+            args=poise_args(tmp_path, probe_domain_column="topic"),
+            train_dataset=digit_dataset(),
+        )
+
+
 def test_the_training_script_refuses_a_two_row_file_instead_of_training_zero_steps(tiny_model_path, tmp_path):
     """`poise-trl train` (examples/train_poise.py) with the recipe's batch sizes on a 2-row file used to exit 0 after
     0 steps."""

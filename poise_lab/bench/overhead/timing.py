@@ -154,7 +154,7 @@ def fill_probe_buffer(trainer: POISETrainer) -> None:
     """Repeat the buffered rows up to each buffer's capacity (the per-prefix probe's too), so each refit costs what it
     costs in steady state."""
     learners = trainer.estimator.token_baseline.learners
-    for buffer in (trainer.probe_buffer, *(learner.buffer for learner in learners)):
+    for buffer in (trainer.estimator.probes["default"].buffer, *(learner.buffer for learner in learners)):
         _fill(buffer)
 
 

@@ -63,7 +63,7 @@ args = short_args(
     save_steps=1,
 )
 trainer = Child(MODEL, digit_reward, args=args, train_dataset=digit_dataset(12), callbacks=[MidStepPause()])
-assert trainer._capture_route("train") == "loss" and trainer._shuffle_whole_groups
+assert trainer._capture_route("train") == "loss" and trainer._regroups("train")
 trainer.remove_callback(PrinterCallback)
 RESULT.mkdir(parents=True, exist_ok=True)
 trainer.train(resume_from_checkpoint=True if CHECKPOINT == "latest" else CHECKPOINT)

@@ -50,7 +50,7 @@ class Recording(POISETrainer):
         record = {
             "route": step.route,
             "baselines": result.logged_rows()[1],  # every process's rows
-            "probe": {k: v.flatten().tolist() for k, v in self.value_probe.state_dict().items()},
+            "probe": {k: v.flatten().tolist() for k, v in self.estimator.probes["default"].probe.state_dict().items()},
         }
         if result.token_advantages is not None:  # each row's generated tokens, whatever the rank's width
             mask = step.spans.completion_mask.bool()
