@@ -20,11 +20,12 @@ from poise_lab.bench.scalars import (
     measure_rows,
     scalar_set,
     weighted_pearson,
+    with_tokenizer,
 )
 from poise_lab.bench.value.collect import Collection, collect, tokens_path
 from poise_trl import cli
-from poise_trl.columns import DEFAULT_SCALARS, scalar_columns
-from poise_trl.features import FeatureLayout
+from poise_trl.columns import DEFAULT_SCALARS, REFERENCE_SCALARS, SCALARS, scalar_columns
+from poise_trl.features import FeatureLayout, feature_spans
 from poise_trl.tiny import save_tiny
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -134,6 +135,33 @@ def test_pool_tokens_adds_the_record_only_with_the_model_that_sampled_the_pool(t
     _, differences = teacher_force(made["pool"], model, tokenizer, batch_size=4)
     assert set(differences) == {"prompt", "reasoning", "entropy", "length"} and max(differences.values()) < 1e-4
     assert block_differences(made["pool"].features, made["pool"].features + 1, 128)["length"] == 1.0
+
+
+def test_the_scalars_cut_from_the_decoded_text_get_the_tokenizer_of_the_pool_only_when_asked(tiny_model_path):
+    """A `--probe-scalars` set of `text_*` scalars is given the sampling model's tokenizer (and refused without one,
+    or with a path that holds none), and its columns are the library's with that tokenizer; other sets load none."""
+    pool = _collect(tiny_model_path, 4, 2)
+    reference, paper = scalar_set("reference=" + ",".join(REFERENCE_SCALARS)), scalar_set("paper=paper")
+    assert "text_reasoning_mean_token_entropy" not in SCALAR_SETS["entropy12"] and len(SCALAR_SETS["entropy12"]) == 12
+    with pytest.raises(ValueError, match="'text_reasoning_mean_token_entropy' cuts its span from the decoded text"):
+        reference.rows(pool, ["prompt", "entropy"])
+    assert with_tokenizer([paper], "/no/such/model") == [paper]  # nothing to load
+    with pytest.raises(SystemExit, match="give it with --tokenizer PATH"):
+        with_tokenizer([paper, reference], "/no/such/model")
+    given = with_tokenizer([paper, reference], str(tiny_model_path))
+    assert given[0].tokenizer is given[1].tokenizer is not None
+    rows = given[1].rows(pool, ["prompt", "entropy"])
+    rollouts = PoolRollouts.of(pool)
+    spans = feature_spans(
+        rollouts.prompt_mask,
+        rollouts.completion_ids,
+        rollouts.completion_mask,
+        int(pool.meta["default_pool"]),
+        pool.tokens.marker_ids,
+        tokenizer=AutoTokenizer.from_pretrained(tiny_model_path),
+    )
+    expected = scalar_columns(REFERENCE_SCALARS, rollouts.entropies, spans)
+    assert torch.equal(rows[:, -3:], expected) and all(SCALARS[name].reads_text for name in REFERENCE_SCALARS[1:])
 
 
 def test_weighted_pearson_is_pearson_on_the_resampled_prompts():
