@@ -194,7 +194,8 @@ def test_a_training_step_computes_the_reference_scalars_with_the_trainers_tokeni
     tiny_model_path, tmp_path, monkeypatch
 ):
     """POISETrainer hands its processing class to the spans: every batch's `text_*` columns are the reference's
-    statistics of each completion's generated tokens, decoded by the model's own tokenizer."""
+    statistics of each completion's generated tokens, decoded by the model's own tokenizer (the untrained tiny
+    model writes no tags, so they are 0 here: what this checks is that the tokenizer arrives)."""
     import poise_trl.features as features
 
     calls = []
