@@ -52,15 +52,17 @@ class PCARidgeProbe:
         clip: None, a (low, high) pair, or "observed" (the range of the targets seen in `fit`); the reference's is
             (0, 1).
         seed: `random_state` of the randomized PCA; the reference's is 42.
+
+    The shared settings (alpha, pca_dims, clip) default as every head's do; the estimator sets them.
     """
 
     name = "pca_ridge"  # its key in heads.HEADS
 
     def __init__(
         self,
-        alpha: float = 100.0,
+        alpha: float = 1.0,
         pca_dims: int | Sequence[PCABlock] | None = None,
-        clip: tuple[float, float] | str | None = (0.0, 1.0),
+        clip: tuple[float, float] | str | None = "observed",
         seed: int = 42,
     ):
         ScaledHead(alpha, pca_dims, clip)  # the shared settings' checks, as every head makes them
