@@ -15,6 +15,8 @@ HEADS = {
     "mlp": "the same front end, then one hidden ReLU layer trained by Adam, as the official code's mlp",
     "ensemble": "heads fitted side by side (its `children`), combined by their mean or a ridge stacked on their "
     "out-of-fold predictions, as the official code's multi-estimator",
+    "pca_ridge": "scikit-learn's seeded randomized PCA of each raw hidden-state block, then StandardScaler and "
+    "scikit-learn's ridge with intercept, as the POISE authors' reference probe (verl-recipe); needs scikit-learn",
 }
 """`probe_head` -> what the value head fits (heads.py)."""
 

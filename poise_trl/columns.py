@@ -17,6 +17,12 @@ whitespace; from token ids alone, a span's tokens stand for its words here (`*_u
 `build_inputs` reads a missing ratio as 0.0). The official code's line-level (`duplicate_line_ratio`) and
 text-presence features (`has_complete_answer`, `has_reasoning_content`) need the decoded text and are not offered.
 
+The `text_*` scalars are the POISE authors' reference's (verl-project/verl-recipe, `poise/features.py`,
+`entropy_features`): its mean token entropy over the reasoning and the answer span cut from the decoded text
+(text_spans.py), which need the tokenizer the spans carry (`features.feature_spans(..., tokenizer=...)`; the trainer
+passes its own). The reference's third statistic, the mean over the whole output, is `output_mean_token_entropy`:
+`REFERENCE_SCALARS` are the three.
+
 This module imports no torch (its computations call tensor methods only), so the command lines list the scalars
 without loading it.
 """
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -33,12 +39,17 @@ if TYPE_CHECKING:
 
 class Spans(Protocol):
     """What the scalars read of a batch's spans (`features.FeatureSpans` is one): (B, C) masks of the generated, the
-    reasoning and the answer tokens, and the completion's token ids."""
+    reasoning and the answer tokens, and the completion's token ids; for the `text_*` scalars the tokenizer (None
+    where not known) and the reasoning and answer masks cut from the decoded text."""
 
     completion_mask: Tensor
     reasoning_mask: Tensor
     answer_mask: Tensor
     completion_ids: Tensor
+    tokenizer: Any
+
+    @property
+    def text_masks(self) -> tuple[Tensor, Tensor]: ...
 
 
 SPANS = {"output": "completion_mask", "reasoning": "reasoning_mask", "answer": "answer_mask"}
@@ -46,6 +57,13 @@ SPANS = {"output": "completion_mask", "reasoning": "reasoning_mask", "answer": "
 
 DEFAULT_SCALARS = ("output_mean_token_entropy", "reasoning_mean_token_entropy", "answer_mean_token_entropy")
 """The paper's three entropy statistics (§3), the official code's `scalar_keys` for Qwen3-4B and OLMo-3-7B."""
+
+REFERENCE_SCALARS = (
+    "output_mean_token_entropy",
+    "text_reasoning_mean_token_entropy",
+    "text_answer_mean_token_entropy",
+)
+"""The POISE authors' reference's three entropy statistics (`entropy_features`): its spans from the decoded text."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +73,7 @@ class Scalar:
 
     help: str
     compute: Callable[[Tensor, Spans], Tensor]
+    reads_text: bool = False  # cuts its span from the decoded text: needs the spans' tokenizer
 
 
 def _mask(spans: Spans, span: str) -> Tensor:
@@ -127,6 +146,32 @@ def _entropy(span: str, statistic: str) -> Scalar:
     )
 
 
+TEXT_SPANS = {
+    "reasoning": "the text inside `<think>...</think>`",
+    "answer": "the text inside `<answer>...</answer>`, else after the first `</think>`",
+}
+"""The spans the `text_*` scalars cut from the decoded text (text_spans.py), in the order of `Spans.text_masks`."""
+
+
+def _text_entropy(span: str) -> Scalar:
+    name = f"text_{span}_mean_token_entropy"
+
+    def compute(entropies: Tensor, spans: Spans) -> Tensor:
+        if spans.tokenizer is None:
+            raise ValueError(
+                f"The rollout scalar {name!r} cuts its span from the decoded text and needs the tokenizer: build the "
+                "spans with features.feature_spans(..., tokenizer=...) (POISETrainer passes its processing class's)."
+            )
+        return masked_mean(entropies, spans.text_masks[list(TEXT_SPANS).index(span)])
+
+    return Scalar(
+        f"the mean token entropy over the {span} span as the POISE authors' reference (verl-recipe) cuts it from the "
+        f"decoded text: {TEXT_SPANS[span]} (0 without it); needs the tokenizer",
+        compute,
+        reads_text=True,
+    )
+
+
 def _of_spans(text: str, compute: Callable[[Spans], Tensor]) -> Scalar:
     return Scalar(text, lambda entropies, spans: compute(spans))
 
@@ -169,10 +214,12 @@ SCALARS: dict[str, Scalar] = {
     "answer_entropy_gap_vs_output": _difference("answer_mean_token_entropy", "output_mean_token_entropy"),
     "unique_gap_reasoning_output": _difference("reasoning_unique_token_ratio", "output_unique_token_ratio"),
     "repetition_gap_reasoning_output": _difference("reasoning_repetition_ratio", "output_repetition_ratio"),
+    **{f"text_{span}_mean_token_entropy": _text_entropy(span) for span in TEXT_SPANS},
 }
 """Every rollout scalar by name: the official code's 12 token-entropy statistics ({output, reasoning, answer} x {mean,
 last, max, min}), its length features (the spans' token counts and their shares of the completion), its repetition
-features (the share of distinct tokens, and 1 minus it) and the gaps between them it derives."""
+features (the share of distinct tokens, and 1 minus it) and the gaps between them it derives; then the reference's
+mean entropies over its spans from the decoded text."""
 
 
 def column(name: str, entropies: Tensor, spans: Spans) -> Tensor:

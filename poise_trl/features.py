@@ -7,13 +7,15 @@ activation outlives its layer call. `FeatureLayout` lays φ out; the rollout sca
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from typing import Any
 
 import torch
 from torch import nn
 
 from .columns import DEFAULT_SCALARS, scalar_columns
+from .text_spans import text_span_masks
 
 FEATURE_BLOCKS = ("prompt", "reasoning", "entropy", "length")
 HIDDEN_BLOCKS = ("prompt", "reasoning")
@@ -94,7 +96,8 @@ class FeatureSpans:
     n prompt tokens and the last n reasoning tokens, with weight 0 on slots a short span cannot fill.
     `completion_mask` marks the completion tokens the policy generated (tool results and environment feedback
     excluded); `reasoning_mask`/`answer_mask` are (B, C) subsets of it for the rollout scalars (columns.py), which
-    also read the (B, C) `completion_ids`.
+    also read the (B, C) `completion_ids`, and the scalars that cut their spans from the decoded text the `tokenizer`
+    (None: not known, and those scalars refuse).
     """
 
     pool_index: torch.Tensor
@@ -103,11 +106,21 @@ class FeatureSpans:
     reasoning_mask: torch.Tensor
     answer_mask: torch.Tensor
     completion_ids: torch.Tensor
+    tokenizer: Any = None
 
     def rows(self, index: torch.Tensor) -> "FeatureSpans":
         """The spans of some of the batch's rows (a micro-batch the loss's forward sees), in `index` order."""
         index = index.to(self.pool_index.device)
-        return FeatureSpans(*(getattr(self, name)[index] for name in self.__dataclass_fields__))
+        tensors = [f.name for f in fields(self) if f.name != "tokenizer"]
+        return replace(self, **{name: getattr(self, name)[index] for name in tensors})
+
+    @cached_property
+    def text_masks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, C) masks of the reasoning and answer tokens cut from the decoded text, as the POISE authors'
+        reference cuts them (text_spans.py), among the generated tokens; computed once, on first use."""
+        if self.tokenizer is None:
+            raise ValueError("These spans have no tokenizer to decode the completions with: pass feature_spans one.")
+        return text_span_masks(self.tokenizer, self.completion_ids, self.completion_mask)
 
 
 def _last_valid(mask: torch.Tensor) -> torch.Tensor:
@@ -137,6 +150,7 @@ def feature_spans(
     pool_tokens: int,
     marker_ids: Sequence[int] | None,
     generated_mask: torch.Tensor | None = None,
+    tokenizer: Any = None,
 ) -> FeatureSpans:
     """Spans for pooling and the rollout scalars (paper §3), over the tokens the policy generated.
 
@@ -145,7 +159,8 @@ def feature_spans(
     scalars or count as length, and only a marker the policy wrote ends the reasoning span, so a `</think>` inside
     a tool result cannot move the cut. The reasoning span runs from the first completion token to the last occurrence
     of the marker, marker included; without a marker it is the whole completion. The answer span is what follows the
-    marker; without a marker it is the last n generated tokens.
+    marker; without a marker it is the last n generated tokens. `tokenizer` (the trainer's processing class) is
+    for the rollout scalars that cut their spans from the decoded text instead (`FeatureSpans.text_masks`).
     """
     prompt_len = prompt_mask.size(1)
     generated = completion_mask.bool()
@@ -175,6 +190,7 @@ def feature_spans(
         reasoning_mask=reasoning_mask,
         answer_mask=answer_mask,
         completion_ids=completion_ids,
+        tokenizer=tokenizer,
     )
 
 

@@ -19,6 +19,7 @@ import torch
 from .ensemble import EnsembleProbe
 from .logistic import LogisticProbe
 from .mlp import MLPProbe
+from .pca_ridge import PCARidgeProbe
 from .probe import ValueProbe
 
 
@@ -51,8 +52,11 @@ class ValueHead(Protocol):
         """Replace every fitted tensor by `function(tensor)` in place (a broadcast from rank 0)."""
 
 
-HEADS: dict[str, type] = {head.name: head for head in (ValueProbe, LogisticProbe, MLPProbe, EnsembleProbe)}
-"""Ridge (probe.py), sigmoid-BCE (logistic.py), one hidden layer (mlp.py), and an ensemble of heads (ensemble.py)."""
+HEADS: dict[str, type] = {
+    head.name: head for head in (ValueProbe, LogisticProbe, MLPProbe, EnsembleProbe, PCARidgeProbe)
+}
+"""Ridge (probe.py), sigmoid-BCE (logistic.py), one hidden layer (mlp.py), an ensemble of heads (ensemble.py), and
+the POISE authors' reference probe, fitted by scikit-learn (pca_ridge.py)."""
 
 SHARED_SETTINGS = ("alpha", "pca_dims", "clip")
 """The front end's settings every head takes (`probe.ScaledHead`): the estimator sets them from its own."""

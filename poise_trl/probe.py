@@ -16,6 +16,27 @@ from .settings import Refused
 PCABlock = tuple[int, int, int]  # (start column, stop column, n_components)
 
 
+def pca_blocks(pca_dims: int | Sequence[PCABlock] | None, n_features: int) -> list[PCABlock]:
+    """A head's `pca_dims` as sorted (start, stop, k) blocks of `n_features` columns, k > 0: None gives none, an int k
+    one block of every column; negative columns count from the end, as in a slice ((0, -1, k) leaves the last column
+    out). Overlapping blocks, or blocks beyond the columns, raise."""
+    if pca_dims is None:
+        return []
+    if isinstance(pca_dims, int):
+        return [(0, n_features, pca_dims)] if pca_dims > 0 else []
+
+    def column(c) -> int:
+        return int(c) + n_features if int(c) < 0 else int(c)
+
+    blocks = sorted((column(a), column(b), int(k)) for a, b, k in pca_dims if k > 0)
+    for (_, stop, _), (start, _, _) in zip(blocks, blocks[1:], strict=False):
+        if start < stop:
+            raise ValueError(f"PCA blocks overlap: {blocks}")
+    if blocks and (blocks[0][0] < 0 or blocks[-1][1] > n_features):
+        raise ValueError(f"PCA blocks {blocks} exceed the {n_features} feature columns.")
+    return blocks
+
+
 def _principal_axes(block: torch.Tensor, k: int) -> torch.Tensor:
     """Top-k principal axes (k, D) of a centred (N, D) block, with scikit-learn's PCA `svd_solver="auto"` choice, so
     the probe captures the subspace its reference would: for tall-and-narrow blocks the eigenvectors of the (D, D)
@@ -101,21 +122,7 @@ class ScaledHead:
         return "coef" in self._state
 
     def _blocks(self, n_features: int) -> list[PCABlock]:
-        if self.pca_dims is None:
-            return []
-        if isinstance(self.pca_dims, int):
-            return [(0, n_features, self.pca_dims)] if self.pca_dims > 0 else []
-
-        def column(c) -> int:  # negative counts from the end, as in a slice: (0, -1, k) leaves the last column out
-            return int(c) + n_features if int(c) < 0 else int(c)
-
-        blocks = sorted((column(a), column(b), int(k)) for a, b, k in self.pca_dims if k > 0)
-        for (_, stop, _), (start, _, _) in zip(blocks, blocks[1:], strict=False):
-            if start < stop:
-                raise ValueError(f"PCA blocks overlap: {blocks}")
-        if blocks and (blocks[0][0] < 0 or blocks[-1][1] > n_features):
-            raise ValueError(f"PCA blocks {blocks} exceed the {n_features} feature columns.")
-        return blocks
+        return pca_blocks(self.pca_dims, n_features)
 
     def _design(self, x: torch.Tensor) -> torch.Tensor:
         """Standardize, then project each PCA block onto its components; other columns pass through."""

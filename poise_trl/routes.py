@@ -162,7 +162,13 @@ class CaptureRoutes:
                 mask = torch.as_tensor(mask, dtype=generated.dtype)[: generated.size(1)]
                 generated[row, : mask.numel()] = mask
         step.spans = feature_spans(
-            prompt_mask, completion_ids, completion_mask, self.args.probe_pool_tokens, self.marker_ids, generated
+            prompt_mask,
+            completion_ids,
+            completion_mask,
+            self.args.probe_pool_tokens,
+            self.marker_ids,
+            generated,
+            self._tokenizer,
         )
         step.tokens = self.estimator.token_baseline.capturer(
             prompt_mask,

@@ -12,9 +12,11 @@ import torch
 
 from poise_trl.columns import DEFAULT_SCALARS, SCALARS, scalar_columns
 from poise_trl.features import feature_spans
+from poise_trl.tiny import build_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = [7, 8]
+TOKENIZER = build_tiny_tokenizer()  # for the scalars that read the decoded text
 
 
 def _entropy_stats(values: list[float]) -> dict[str, float]:
@@ -79,7 +81,7 @@ def test_every_scalar_matches_the_official_formula_on_hand_built_rows():
     completion_mask = torch.tensor([[1] * n + [0] * (width - n) for n in lengths])
     generated = torch.ones_like(completion_mask)
     generated[2, 1] = 0  # a tool result inside the third completion
-    spans = feature_spans(torch.ones(4, 2), ids, completion_mask, 3, MARKER, generated)
+    spans = feature_spans(torch.ones(4, 2), ids, completion_mask, 3, MARKER, generated, TOKENIZER)
     entropies = torch.arange(4 * width, dtype=torch.float32).view(4, width).remainder(7.0) * 0.5
     entropies[0, 5] = math.nan
     columns = scalar_columns(list(SCALARS), entropies, spans)
@@ -98,7 +100,7 @@ def test_the_default_is_the_paper_three_and_a_subset_is_those_columns_in_order()
         "answer_mean_token_entropy",
     )
     ids = torch.tensor([[3, 4, 7, 8, 5]])
-    spans = feature_spans(torch.ones(1, 1), ids, torch.ones(1, 5), 2, MARKER)
+    spans = feature_spans(torch.ones(1, 1), ids, torch.ones(1, 5), 2, MARKER, tokenizer=TOKENIZER)
     entropies = torch.tensor([[1.0, 2.0, 3.0, 10.0, 20.0]])
     everything = scalar_columns(list(SCALARS), entropies, spans)
     names = ["answer_last_token_entropy", "output_length", "output_min_token_entropy"]

@@ -15,6 +15,7 @@ from poise_trl.features import (
     pool_hidden,
     resolve_layer_index,
 )
+from poise_trl.tiny import build_tiny_tokenizer
 
 MARKER = [7, 8]
 
@@ -202,6 +203,7 @@ def test_nan_at_padding_never_reaches_the_pooled_mean_and_zero_width_completions
         torch.zeros(2, 0, dtype=torch.long),
         2,
         MARKER,
+        tokenizer=build_tiny_tokenizer(),
     )
     pooled = pool_hidden(torch.randn(2, 3, 4), empty.pool_index, empty.pool_weight)
     assert pooled[:, 1].eq(0).all()

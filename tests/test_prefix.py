@@ -11,6 +11,7 @@ from sklearn.preprocessing import StandardScaler
 
 from poise_trl.baselines import prefix_advantages
 from poise_trl.features import capture_layer, find_decoder_layers
+from poise_trl.heads import HEADS, make_head
 from poise_trl.prefix import (
     STATS,
     PrefixCapture,
@@ -34,11 +35,16 @@ def tiny():
     return model, find_decoder_layers(model)[0]
 
 
-def _fit_probe(rows, targets, alpha=100.0, pca_dims=(0, 0), clip="observed") -> ValueProbe:
-    """A prefix probe on (N, feature_width) rows, built as the per-prefix baseline builds it."""
+def _fit_probe(rows, targets, alpha=100.0, pca_dims=(0, 0), clip="observed", head="ridge") -> ValueProbe:
+    """A prefix probe (the value head `head`) on (N, feature_width) rows, built as the per-prefix baseline builds
+    it."""
     hidden_size = (rows.size(-1) - len(STATS)) // 2
-    probe = ValueProbe(alpha=alpha, pca_dims=prefix_pca_blocks(hidden_size, pca_dims) or None, clip=clip)
+    probe = make_head(head, alpha=alpha, pca_dims=prefix_pca_blocks(hidden_size, pca_dims) or None, clip=clip)
     return probe.fit(rows, targets)
+
+
+AFFINE_HEADS = [name for name, head in HEADS.items() if callable(getattr(head, "affine", None))]
+"""The heads the per-prefix value takes: those with an affine map."""
 
 
 def _rows(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,11 +98,11 @@ def _pass(model, layer, ids, prefix_map=None, samples=4, generated=None, seed=0)
     return rows, values, spans, entropies
 
 
-def _fitted_map(model, layer, ids) -> tuple[PrefixMap, object]:
+def _fitted_map(model, layer, ids, head="ridge") -> tuple[PrefixMap, object]:
     rows, _, spans, _ = _pass(model, layer, ids, samples=6)
     flat = rows[spans.sampled]
     targets = flat[:, 0] + flat[:, D + 1] + flat[:, 2 * D]  # a value that reads every block
-    probe = _fit_probe(flat, targets + 0.1 * torch.randn(len(targets)), alpha=1.0, clip=None)
+    probe = _fit_probe(flat, targets + 0.1 * torch.randn(len(targets)), alpha=1.0, clip=None, head=head)
     return PrefixMap.fold(probe, D), probe
 
 
@@ -107,12 +113,14 @@ def _example(seed: int = 0):
     return prompts, completions
 
 
-def test_hook_values_equal_the_probe_on_every_tokens_features(tiny):
-    """The hook's folded running means give what the probe predicts from each token's full feature row."""
+@pytest.mark.parametrize("head", AFFINE_HEADS)
+def test_hook_values_equal_the_probe_on_every_tokens_features(tiny, head):
+    """The hook's folded running means give what the probe, each head with an affine map, predicts from each token's
+    full feature row."""
     model, layer = tiny
     prompts, completions = _example()
     ids = _batch(model, prompts, completions)
-    prefix_map, probe = _fitted_map(model, layer, ids)
+    prefix_map, probe = _fitted_map(model, layer, ids, head)
     _, values, spans, entropies = _pass(model, layer, ids, prefix_map)
     every = torch.arange(spans.generated.size(1)).expand(len(prompts), -1)
     with torch.no_grad():

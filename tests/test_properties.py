@@ -18,7 +18,7 @@ from poise_trl.columns import DEFAULT_SCALARS, SCALARS, scalar_columns
 from poise_trl.features import FEATURE_BLOCKS, FeatureLayout, feature_spans, find_last_subsequence, pool_hidden
 from poise_trl.probe import ValueProbe
 
-from .test_columns import assert_matches_reference
+from .test_columns import TOKENIZER, assert_matches_reference
 
 NAN, INF = float("nan"), float("inf")
 SETTINGS = settings(max_examples=80, deadline=None, derandomize=True)
@@ -259,7 +259,13 @@ def test_spans_pooling_and_entropy_match_a_brute_force_oracle(case):
     n = case["pool_tokens"]
     generated_mask = case["generated_mask"]
     spans = feature_spans(
-        case["prompt_mask"], case["completion_ids"], case["completion_mask"], n, case["marker"], generated_mask
+        case["prompt_mask"],
+        case["completion_ids"],
+        case["completion_mask"],
+        n,
+        case["marker"],
+        generated_mask,
+        TOKENIZER,
     )
     pooled = pool_hidden(case["hidden"], spans.pool_index, spans.pool_weight)
     stats = scalar_columns(DEFAULT_SCALARS, case["entropies"], spans)

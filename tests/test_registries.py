@@ -20,6 +20,7 @@ from poise_trl.granularity import GRANULARITIES
 from poise_trl.heads import HEADS
 from poise_trl.sampling import RULES, Draw, rule_from_config
 from poise_trl.specs import BufferSpec, EstimatorSpec, GranularitySpec, HeadSpec, SettingError
+from poise_trl.tiny import build_tiny_tokenizer
 
 from .test_config import _config
 
@@ -145,7 +146,8 @@ def test_every_rule_is_set_by_config_fields_and_draws_valid_seeded_prompts(name)
 
 
 def _spans(seed: int = 0) -> tuple[torch.Tensor, object]:
-    """A batch of 6 completions of up to 9 tokens, one empty, markers [7, 8] in some, tool tokens in one."""
+    """A batch of 6 completions of up to 9 tokens, one empty, markers [7, 8] in some, tool tokens in one; with the
+    tokenizer the scalars that read the decoded text need."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 10, (6, 9), generator=g)
     ids[1, 3:5] = torch.tensor([7, 8])
@@ -153,7 +155,7 @@ def _spans(seed: int = 0) -> tuple[torch.Tensor, object]:
     mask = (torch.arange(9) < lengths[:, None]).long()
     generated = torch.ones_like(mask)
     generated[5, 2] = 0
-    spans = feature_spans(torch.ones(6, 3), ids, mask, 3, [7, 8], generated)
+    spans = feature_spans(torch.ones(6, 3), ids, mask, 3, [7, 8], generated, build_tiny_tokenizer())
     return torch.rand(6, 9, generator=g) * 4, spans
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from poise_trl.columns import DEFAULT_SCALARS, SCALARS, scalar_columns
+from poise_trl.columns import DEFAULT_SCALARS, REFERENCE_SCALARS, SCALARS, scalar_columns
 from poise_trl.features import HIDDEN_BLOCKS, FeatureSpans, feature_spans
 
 from .common import CONTENDERS, format_table, write_json
@@ -68,7 +68,8 @@ class PoolRollouts:
     spans: FeatureSpans  # the library's spans (whole completion, reasoning, answer) at the pool's window
 
     @classmethod
-    def of(cls, collection: Collection) -> "PoolRollouts":
+    def of(cls, collection: Collection, tokenizer: Any = None) -> "PoolRollouts":
+        """The pool's rollouts; `tokenizer` (the sampling model's) is for the scalars that read the decoded text."""
         tokens = collection.tokens
         if tokens is None:
             raise SystemExit(
@@ -78,7 +79,7 @@ class PoolRollouts:
         prompt_ids, prompt_mask = (t[collection.prompt_index] for t in (collection.prompt_ids, collection.prompt_mask))
         completion_ids, completion_mask = collection.completion_ids.long(), collection.completion_mask.bool()
         window = int(collection.meta["default_pool"])
-        spans = feature_spans(prompt_mask, completion_ids, completion_mask, window, tokens.marker_ids)
+        spans = feature_spans(prompt_mask, completion_ids, completion_mask, window, tokens.marker_ids, None, tokenizer)
         return cls(
             prompt_ids,
             prompt_mask,
@@ -122,6 +123,7 @@ SCALAR_SETS: dict[str, tuple[str, ...]] = {
         "unique_gap_reasoning_output",
         "repetition_gap_reasoning_output",
     ),
+    "reference": REFERENCE_SCALARS,
     "all": (
         *ENTROPY12,
         "output_length",
@@ -154,6 +156,11 @@ class ScalarSet:
 
     names: tuple[str, ...]
 
+    @property
+    def reads_text(self) -> bool:
+        """Whether a scalar of the set cuts its span from the decoded text (needs the tokenizer)."""
+        return any(SCALARS[name].reads_text for name in self.names)
+
     def __call__(self, rollouts: PoolRollouts) -> torch.Tensor:
         return scalar_columns(self.names, rollouts.entropies, rollouts.spans)
 
@@ -184,6 +191,7 @@ class Variant:
     name: str
     columns: ColumnFn | None = None
     replace: bool = False
+    tokenizer: Any = None  # the sampling model's, for scalars that read the decoded text (`with_tokenizer`)
 
     def rows(self, collection: Collection, blocks: Sequence[str]) -> torch.Tensor:
         """(N, D') the probe's input rows of `collection` (`gradient.Rows`)."""
@@ -191,7 +199,7 @@ class Variant:
         default = probe_rows(collection, kept)
         if self.columns is None:
             return default
-        extra = self.columns(PoolRollouts.of(collection))
+        extra = self.columns(PoolRollouts.of(collection, self.tokenizer))
         n = collection.rewards.numel()
         if extra.dim() != 2 or extra.size(0) != n or not torch.isfinite(extra).all():
             raise ValueError(
@@ -226,6 +234,23 @@ def load_column_fn(spec: str, replace: bool = False) -> Variant:
         return Variant(name, getattr(importlib.import_module(module), attr), replace)
     except (ImportError, AttributeError) as error:
         raise SystemExit(f"{spec!r}: {error}") from error
+
+
+def with_tokenizer(variants: Sequence[Variant], path: str) -> list[Variant]:
+    """The variants, given the tokenizer at `path` when a `--probe-scalars` set reads the decoded text (the `text_*`
+    scalars); loaded only then."""
+    if not any(isinstance(v.columns, ScalarSet) and v.columns.reads_text for v in variants):
+        return list(variants)
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise SystemExit(
+            f"--probe-scalars names scalars cut from the decoded text, which need the tokenizer of the model that "
+            f"sampled the pool; {path} gives none ({error}): give it with --tokenizer PATH"
+        ) from error
+    return [Variant(v.name, v.columns, v.replace, tokenizer) for v in variants]
 
 
 def completion_length(rollouts: PoolRollouts) -> torch.Tensor:
@@ -385,6 +410,7 @@ def run_scalars(args: argparse.Namespace, log: Log = print) -> int:
     if len({v.name for v in variants}) != len(variants):
         raise SystemExit(f"two variants share a name ({', '.join(v.name for v in variants)})")
     pool, probe, cached = read_pool(folder)
+    variants = with_tokenizer(variants, args.tokenizer or pool.meta["model_path"])
     probe_prompts = args.probe_prompts or probe.num_prompts - pool.num_prompts
     keep = separate_prompts(pool, probe, probe_prompts)
     # the run's saved estimator: kept beside a committed pool, or in the snapshot's folder the pool was sampled from

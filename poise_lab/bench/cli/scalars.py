@@ -54,6 +54,12 @@ def add_scalars_parser(subparsers: Any) -> argparse.ArgumentParser:
         "poise_trl.columns.SCALARS or a group of poise_lab.bench.scalars.SCALAR_SETS: paper, entropy12, length, "
         "repetition, all), computed by the library from the pool's per-token record",
     )
+    add(
+        "--tokenizer",
+        default=None,
+        help="the tokenizer of the model that sampled the pool, for the scalars cut from the decoded text (text_*; "
+        "default: the pool's model_path)",
+    )
     add("--bootstrap", type=int, default=1000, help="bootstrap resamples of the pool's prompts for the CIs")
     add("--seed", type=int, default=None, help="the bootstrap's seed (default: the pool's, as bench gradient used)")
     add(

@@ -236,9 +236,9 @@ def test_command_end_to_end_refit_without_generation_and_export_warm_starts_the_
     assert [row["pool"] for row in sections["Pooling window"]] == [2, 3]
     # the trainer's other value heads by default, on the ridge row's front end, before the sklearn MLPs
     arch = [row["name"] for row in sections["Probe architecture"]]
-    heads = [f"probe_head={h} (release preset)" for h in ("logistic", "mlp", "ensemble")]
+    heads = [f"probe_head={h} (release preset)" for h in ("logistic", "mlp", "ensemble", "pca_ridge")]
     assert arch == ["Linear ridge (release preset)", *heads, "MLP 1x8"]
-    for row in sections["Probe architecture"][1:4]:
+    for row in sections["Probe architecture"][1:5]:
         assert 0 <= row["mae"] <= 1 and -1 <= row["pearson_r"] <= 1 and row["mae_ci"][0] <= row["mae_ci"][1]
     critic = sections["Probe vs critic"][2]
     assert all(0 <= v <= 1 for v in critic["per_prompt_prediction"])
@@ -367,7 +367,7 @@ def test_pair_fitted_probe_learns_from_partner_rewards_as_the_online_buffer_does
 def test_probe_heads_default_to_every_other_head_and_refuse_unknown_names():
     from poise_lab.bench.common import other_heads as probe_heads
 
-    assert probe_heads(None) == ["logistic", "mlp", "ensemble"] and probe_heads([]) == []
+    assert probe_heads(None) == ["logistic", "mlp", "ensemble", "pca_ridge"] and probe_heads([]) == []
     assert probe_heads(["ridge", "mlp"]) == ["mlp"]  # ridge is the preset row already
-    with pytest.raises(SystemExit, match="choose among ridge, logistic, mlp, ensemble"):
+    with pytest.raises(SystemExit, match="choose among ridge, logistic, mlp, ensemble, pca_ridge"):
         probe_heads(["sigmoid"])

@@ -23,11 +23,12 @@ from poise_lab.bench.scalars import (
     measure_rows,
     scalar_set,
     weighted_pearson,
+    with_tokenizer,
 )
 from poise_lab.bench.value.collect import Collection, collect, tokens_path
 from poise_trl import cli
-from poise_trl.columns import DEFAULT_SCALARS, SCALARS, Scalar, scalar_columns
-from poise_trl.features import FeatureLayout
+from poise_trl.columns import DEFAULT_SCALARS, REFERENCE_SCALARS, SCALARS, Scalar, scalar_columns
+from poise_trl.features import FeatureLayout, feature_spans
 from poise_trl.tiny import save_tiny
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -129,6 +130,33 @@ def test_pool_tokens_adds_the_record_only_with_the_model_that_sampled_the_pool(t
     assert block_differences(made["pool"].features, made["pool"].features + 1, 128)["length"] == 1.0
 
 
+def test_the_scalars_cut_from_the_decoded_text_get_the_tokenizer_of_the_pool_only_when_asked(tiny_model_path):
+    """A `--probe-scalars` set of `text_*` scalars is given the sampling model's tokenizer (and refused without one,
+    or with a path that holds none), and its columns are the library's with that tokenizer; other sets load none."""
+    pool = _collect(tiny_model_path, 4, 2)
+    reference, paper = scalar_set("reference=" + ",".join(REFERENCE_SCALARS)), scalar_set("paper=paper")
+    assert "text_reasoning_mean_token_entropy" not in SCALAR_SETS["entropy12"] and len(SCALAR_SETS["entropy12"]) == 12
+    with pytest.raises(ValueError, match="'text_reasoning_mean_token_entropy' cuts its span from the decoded text"):
+        reference.rows(pool, ["prompt", "entropy"])
+    assert with_tokenizer([paper], "/no/such/model") == [paper]  # nothing to load
+    with pytest.raises(SystemExit, match="give it with --tokenizer PATH"):
+        with_tokenizer([paper, reference], "/no/such/model")
+    given = with_tokenizer([paper, reference], str(tiny_model_path))
+    assert given[0].tokenizer is given[1].tokenizer is not None
+    rows = given[1].rows(pool, ["prompt", "entropy"])
+    rollouts = PoolRollouts.of(pool)
+    spans = feature_spans(
+        rollouts.prompt_mask,
+        rollouts.completion_ids,
+        rollouts.completion_mask,
+        int(pool.meta["default_pool"]),
+        pool.tokens.marker_ids,
+        tokenizer=AutoTokenizer.from_pretrained(tiny_model_path),
+    )
+    expected = scalar_columns(REFERENCE_SCALARS, rollouts.entropies, spans)
+    assert torch.equal(rows[:, -3:], expected) and all(SCALARS[name].reads_text for name in REFERENCE_SCALARS[1:])
+
+
 def test_weighted_pearson_is_pearson_on_the_resampled_prompts():
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=9), rng.normal(size=9)
@@ -228,14 +256,18 @@ def test_scalars_on_a_committed_pool_reproduce_bench_gradient_and_move_only_the_
     assert "POISE (default) G=2 [entropy]" in (out / "results.md").read_text()
 
 
-def test_every_named_set_lists_scalars_of_the_library_and_all_lists_every_one():
+def test_every_named_set_lists_scalars_of_the_library_and_every_scalar_is_in_a_set():
     for name, names in SCALAR_SETS.items():
         assert names and len(set(names)) == len(names), name
         assert not set(names) - set(SCALARS), f"{name}: {set(names) - set(SCALARS)} not in poise_trl.columns.SCALARS"
     assert SCALAR_SETS["paper"] == DEFAULT_SCALARS
     assert len(SCALAR_SETS["entropy12"]) == 12 and len(SCALAR_SETS["all"]) == 26
-    # a scalar added to the library belongs in `all` (and the results of `all26` are then another row's)
-    assert SCALAR_SETS["all"] == tuple(SCALARS), "list a new scalar in SCALAR_SETS (and re-measure what all measured)"
+    assert SCALAR_SETS["reference"] == REFERENCE_SCALARS
+    # `all` is the official code's 26 (the scalars computed from token ids); the reference's text scalars have their
+    # own set. A scalar added to the library must be placed in a set (and a set it joins re-measured).
+    assert SCALAR_SETS["all"] == tuple(name for name, scalar in SCALARS.items() if not scalar.reads_text)
+    placed = {name for names in SCALAR_SETS.values() for name in names}
+    assert placed == set(SCALARS), f"list {set(SCALARS) - placed} in SCALAR_SETS"
 
 
 def test_a_scalar_added_to_the_library_changes_no_named_set(monkeypatch):
