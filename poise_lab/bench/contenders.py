@@ -67,7 +67,9 @@ class Contender:
 def _paper_ablation(name: str, label: str, change: dict[str, Any], summary: str) -> Contender:
     """POISE (paper) with one change: the difference against POISE (paper) is that change's effect."""
     pins = {key: value for key, value in PAPER_PINS.items() if key not in change}
-    return Contender(name, label, "poise", 2, summary, {"probe_preset": "paper", **change}, pins, rate_of="poise_paper")
+    return Contender(
+        name, label, "poise", 2, summary, {"probe_preset": "paper", **change}, pins, rate_of="poise_paper"
+    )
 
 
 CGRPO_AT_SCALE = {"budget_grid": [2, 4, 8], "num_calibration_samples": 32}
@@ -139,7 +141,10 @@ CONTENDERS = {
             "POISE (paper) with the partner-aware probe",
         ),
         _paper_ablation(
-            "poise_shrunk", "POISE +shrunk G=2", {"probe_bootstrap": "shrunk"}, "POISE (paper) with the shrunk bootstrap"
+            "poise_shrunk",
+            "POISE +shrunk G=2",
+            {"probe_bootstrap": "shrunk"},
+            "POISE (paper) with the shrunk bootstrap",
         ),
         _paper_ablation(
             "poise_select",

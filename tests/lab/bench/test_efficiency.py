@@ -340,7 +340,8 @@ def test_per_prefix_contender_trains_and_is_paired_with_poise_default(tmp_path):
 def test_history_contender_trains_where_prompts_repeat(tmp_path):
     """POISE +history is POISE (default) with `probe_history`, paired with it; `--train-limit` makes a demo task's
     prompts repeat (RL on its first N prompts), so the history has something to read."""
-    assert paired_references("poise_history") == (*REFERENCES, "poise") and CONTENDERS["poise_history"].rate_of == "poise"
+    assert paired_references("poise_history") == (*REFERENCES, "poise")
+    assert CONTENDERS["poise_history"].rate_of == "poise"
     out = tmp_path / "study"
     argv = ["bench", "efficiency", "--seeds", "0", "--budget", "24", "--eval-every", "8", "--train-limit", "4"]
     argv += ["--completions-per-step", "8", "--eval-k", "2", "--num-eval", "8", "--warmup-steps", "5", "--jobs", "1"]
