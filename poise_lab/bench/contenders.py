@@ -1,7 +1,8 @@
-"""The contenders of `poise-trl bench efficiency` as data: one entry per contender with its traits, the only place
-that knows them. The study, the report, the trainers' configs, `bench gradient` and both commands' `--help` read
-this table, and `tests/lab/bench/test_contenders.py` checks every entry, so a new peer is one entry here (plus, once
-a page quotes its results, how the docs name it: `tests/docs/figures.py`'s `CONTENDERS`, which that test checks).
+"""The contenders of `poise-trl bench efficiency` as data: one entry per contender with its traits, the one place
+that holds them. The study, the report, the trainers' configs, `bench gradient` and both commands' `--help` read this
+table; where a bench picks a few contenders by name (the report's goal, `bench gradient`'s comparators), the name is
+checked to be an entry. `tests/lab/bench/test_contenders.py` checks every entry, so a new peer is one entry here
+(plus how the docs name it in prose, `tests/docs/figures.py`'s `CONTENDERS`, which that test asks for).
 
 It imports no torch, so the commands' `--help` can list the contenders.
 """

@@ -1,4 +1,4 @@
-"""Sample efficiency of POISE vs GRPO, DAPO dynamic sampling, RLOO, A*-PO and C-GRPO, per generated rollout.
+"""Sample efficiency of POISE against GRPO, DAPO's dynamic sampling, RLOO and the peers, per generated rollout.
 
 Every contender trains on the same B completions per optimizer step (paper §2.3: at a fixed budget, fewer rollouts
 per prompt means more distinct prompts and a lower-variance gradient). The contenders, each with the prompts a step
@@ -110,7 +110,7 @@ def _run_summarize(args: argparse.Namespace) -> int:
 def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "efficiency",
-        help="POISE vs GRPO G=8, DAPO dynamic sampling, RLOO k=2, GRPO G=2, A*-PO and C-GRPO per completion generated",
+        help="POISE against GRPO, DAPO's dynamic sampling, RLOO and the peers, per completion generated",
         description=__doc__,
         epilog=contenders_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
