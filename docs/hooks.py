@@ -5,6 +5,9 @@
   from the code. The API page gets the same fields as `POISEConfig`'s parameters (`TRLDocstrings`). The probe presets
   (`<!-- poise-probe-presets -->`), the rollout scalars (`<!-- poise-rollout-scalars -->`) and the TRL contract
   (`<!-- poise-trl-contract -->`, poise_trl/contract.py) come from their tables the same way.
+- The changelog page includes `CHANGELOG.md`, whose links name the docs pages as GitHub finds them from the
+  repository root (`docs/PAGE.md#anchor`); the hook includes it with those links made relative to the page, so one
+  file's links work on GitHub and on the site, where `mkdocs build --strict` checks each page and anchor.
 - MathJax's es5 bundle, its fonts and its TeX extensions are copied from the installed `django-static-mathjax`
   package (MathJax 3.2, Apache-2.0) into the site at build time, so the math renders offline and the repository
   carries no copy.
@@ -27,6 +30,7 @@ MARKER = "<!-- poise-config-fields -->"
 PRESETS_MARKER = "<!-- poise-probe-presets -->"
 SCALARS_MARKER = "<!-- poise-rollout-scalars -->"
 CONTRACT_MARKER = "<!-- poise-trl-contract -->"
+CHANGELOG_INCLUDE = '--8<-- "CHANGELOG.md"'
 MATHJAX_DIR = "assets/mathjax"  # where the site serves MathJax; mkdocs.yml's extra_javascript names the bundle in it
 MATHJAX_FILES = ("tex-mml-chtml.js", "output/chtml/fonts/woff-v2/*.woff", "input/tex/extensions/*.js")
 TRL_DOCS = "https://huggingface.co/docs/trl"
@@ -109,7 +113,14 @@ def contract_table() -> str:
     return "\n".join(rows)
 
 
+def changelog_markdown(root: Path) -> str:
+    """CHANGELOG.md with its links into `docs/` made relative to the changelog page, which sits in `docs/`."""
+    return re.sub(r"\]\(docs/", "](", (root / "CHANGELOG.md").read_text())
+
+
 def on_page_markdown(markdown: str, page, config, files) -> str:
+    if CHANGELOG_INCLUDE in markdown:
+        markdown = markdown.replace(CHANGELOG_INCLUDE, changelog_markdown(Path(config["config_file_path"]).parent))
     tables = {
         MARKER: config_fields_table,
         PRESETS_MARKER: presets_table,

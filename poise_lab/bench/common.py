@@ -1,4 +1,5 @@
-"""What the benchmarks share: contenders, defaults, device settings, seed statistics, the table and JSON writers.
+"""What the benchmarks share: defaults, device settings, seed statistics, the table and JSON writers (the efficiency
+study's contenders are `bench.contenders`).
 
 It imports no torch at module level (only inside the device helpers), so `poise_lab.bench.cli` can read its
 defaults and `poise-trl --help` stays light.
@@ -9,12 +10,13 @@ import math
 import os
 import platform
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from poise_lab.tasks.arith import ARITH_DATASET  # noqa: F401 (re-exported with TASKS: the CLI reads them here)
 from poise_lab.tasks.toy import TASKS  # noqa: F401 (re-exported: the CLI reads the task names here, light)
+
+from .contenders import CONTENDERS  # noqa: F401 (re-exported: bench scalars reads it here)
 
 # The efficiency task must leave many G=8 groups tied at the start, or DAPO's dynamic sampling has nothing to do and
 # POISE's answer to degenerate groups is not tested (issue #13 asks for >= 25%), and must not saturate. Sorting 2-8
@@ -39,104 +41,6 @@ DEFAULT_POOLS = (5, 10, 15)
 # Depth x width, a CPU-sized slice of paper Table 10's grid (3x512 alone costs ~40 s on 2 cores for 2k rows); on a
 # GPU machine pass the paper's "1x512,3x512,5x512,7x512,9x512,3x1024,5x1024".
 DEFAULT_MLPS = "1x128,3x128,1x512,3x512"
-
-
-# The paper's algorithm, field by field, for POISEConfig fields that arrive after it (issue 12): where a field exists,
-# "POISE (paper)" and its one-change ablations pin it to the paper's choice; where it does not, the library predates it
-# and already behaves as the paper.
-PAPER_PINS: dict[str, Any] = {"probe_partner_reward": False, "probe_bootstrap": "rloo", "prompt_selection": None}
-
-
-@dataclass(frozen=True)
-class Contender:
-    """One line per contender: its trainer, group size and config overrides.
-
-    `overrides` must all exist as config fields (a missing one makes the contender unavailable, reported, not run);
-    `pins` are applied only where the field exists (see PAPER_PINS).
-    """
-
-    name: str
-    label: str
-    trainer: str  # a key of bench.trainers.TRAINERS: "poise", "grpo", "rloo", "dapo_ds", "a2po", "cgrpo", ...
-    group_size: int  # completions per prompt a step (C-GRPO: the most, max(budget_grid))
-    overrides: dict[str, Any] = field(default_factory=dict)
-    pins: dict[str, Any] = field(default_factory=dict)
-
-
-def _paper_ablation(name: str, label: str, change: dict[str, Any]) -> Contender:
-    """POISE (paper) with one change: the difference against POISE (paper) is that change's effect."""
-    pins = {key: value for key, value in PAPER_PINS.items() if key not in change}
-    return Contender(name, label, "poise", 2, {"probe_preset": "paper", **change}, pins)
-
-
-CONTENDERS = {
-    c.name: c
-    for c in (
-        Contender("grpo8", "GRPO G=8", "grpo", 8),
-        Contender("grpo8_noscale", "GRPO G=8 no-scale", "grpo", 8, {"scale_rewards": "none"}),
-        Contender("dapo_ds", "DAPO-DS G=8", "dapo_ds", 8),
-        Contender("dapo_ds_carry", "DAPO-DS-carry G=8", "dapo_ds_carry", 8),
-        Contender("rloo2", "RLOO k=2", "rloo", 2),
-        Contender("grpo2", "GRPO G=2", "grpo", 2),
-        Contender("poise_paper", "POISE (paper) G=2", "poise", 2, {"probe_preset": "paper"}, PAPER_PINS),
-        Contender("poise", "POISE (default) G=2", "poise", 2),
-        _paper_ablation("poise_partner", "POISE +partner G=2", {"probe_partner_reward": True}),
-        _paper_ablation("poise_shrunk", "POISE +shrunk G=2", {"probe_bootstrap": "shrunk"}),
-        _paper_ablation("poise_select", "POISE +selection G=2", {"prompt_selection": "value"}),
-        Contender(
-            "poise_importance",
-            "POISE +importance G=2",
-            "poise",
-            2,
-            {"prompt_selection": "importance", "prompt_selection_floor": 0.5},
-        ),
-        Contender("poise_prefix", "POISE per-prefix G=2", "poise", 2, {"probe_granularity": "prefix"}),
-        # Each prompt's own history as probe input: it only knows prompts drawn before, so it is measured where
-        # prompts repeat (`--train-limit`)
-        Contender("poise_history", "POISE +history G=2", "poise", 2, {"probe_history": True}),
-        # The peers a TRL user would pick instead, each its own trainer unmodified (bench.trainers), at its defaults
-        # but where the study's scale needs otherwise: A*-PO's 8 value samples per prompt, beta1 = 0.5, beta2 = 1e-3;
-        # C-GRPO's APS score, automatic delta and recalibration every 50 steps, with the grid capped at GRPO's G = 8
-        # (its default [2, 4, 8, 16, 32] would make a step of 32 completions one prompt) and 32 held-out calibration
-        # prompts (256 completions a calibration).
-        Contender("a2po", "A*-PO", "a2po", 1),
-        Contender("cgrpo", "C-GRPO G=2-8", "cgrpo", 8, {"budget_grid": [2, 4, 8], "num_calibration_samples": 32}),
-        # Calibrated once, before the first step: its one change, the calibration's share of the budget (a quarter to
-        # a third of 3,200 completions when recalibrated every 50 steps)
-        Contender(
-            "cgrpo_once",
-            "C-GRPO G=2-8 calibrated once",
-            "cgrpo",
-            8,
-            {"budget_grid": [2, 4, 8], "num_calibration_samples": 32, "recalibrate_every": 0},
-        ),
-    )
-}
-# Paired statistics are taken against each: GRPO-8 (the paper's baseline) and GRPO-8 without reward scaling (POISE
-# does not scale either), DAPO-DS (behind the paper's wall-clock claim) and DAPO-DS-carry (the strongest dynamic
-# sampling) and RLOO-2 (the same prompts per step as POISE, with the plain leave-one-out baseline).
-REFERENCES = ("grpo8", "grpo8_noscale", "dapo_ds", "dapo_ds_carry", "rloo2")
-HEADLINE_CONTENDERS = (
-    "poise",
-    "poise_paper",
-    "poise_importance",
-    "poise_prefix",
-    "poise_history",
-    "a2po",
-    "cgrpo",
-    "cgrpo_once",
-)
-# A headline row that changes POISE (default), or a peer in its place, is also paired with it: the difference is that
-# change's effect, or which of the two a user should pick.
-PAIRED_WITH_DEFAULT = ("poise_importance", "poise_prefix", "poise_history", "a2po", "cgrpo", "cgrpo_once")
-# One-change ablations skip learning-rate tuning and run at the tuned rate of the contender they change.
-ABLATIONS = {
-    "poise_partner": "poise_paper",
-    "poise_shrunk": "poise_paper",
-    "poise_select": "poise_paper",
-    "cgrpo_once": "cgrpo",
-    "poise_history": "poise",
-}
 DEFAULT_SEEDS = tuple(range(20))
 DEFAULT_TUNING_SEEDS = (1000, 1001, 1002)  # disjoint from any evaluation seed the defaults use
 DEFAULT_LR_GRID = (2.5e-5, 5e-5, 1e-4)
@@ -148,18 +52,6 @@ DEFAULT_EVAL_EVERY = 320  # completions generated between held-out evaluations, 
 TASK_WARMUP_STEPS = {"sort": 200, "hops": 200}
 TASK_DIGITS = {"sort": (2, 9)}  # the sort task's digit range in the bench (hops has one length)
 DAPO_MAX_ROUNDS = 8  # DAPO's recipe caps dynamic sampling at a few generation batches per step (max_num_gen_batches)
-GRADIENT_CONTENDERS = ("grpo8", "grpo8_noscale", "dapo_ds_carry", "rloo2", "poise_paper", "poise")  # bench gradient
-# bench gradient's per-prefix rows (--contenders adds them; they need a second gradient pass): name -> label
-GRADIENT_PREFIX_ROWS = {
-    "poise_prefix": CONTENDERS["poise_prefix"].label,
-    "poise_prefix_mix": "POISE per-prefix ½ + partner ½ G=2",
-}
-PREFIX_SAMPLED_ROW = ("poise_prefix_probe_sampler", "POISE per-prefix + probe sampler G=2")  # with poise_prefix
-
-
-def paired_references(name: str) -> tuple[str, ...]:
-    """The contenders a headline row's paired statistics are taken against."""
-    return REFERENCES + (("poise",) if name in PAIRED_WITH_DEFAULT else ())
 
 
 def smallest_p_holm(seeds: int, tests: int) -> float:

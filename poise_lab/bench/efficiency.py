@@ -28,10 +28,10 @@ from .common import (
     ARITH_DATASET,
     ARITH_EVAL_PROMPTS,
     COUNTERS,
-    Contender,
     mean_or_none,
     trainer_device_args,
 )
+from .contenders import Contender
 from .settings import EfficiencySettings
 from .trainers import TRAINERS, trainer_inputs
 
@@ -269,9 +269,9 @@ def _config(
         **trainer_device_args(settings.gradient_checkpointing),
     )
     config = {key: value for key, value in shared.items() if key in fields}
-    if "loss_type" in fields and contender.trainer != "rloo":  # RLOOTrainer's loss is a sequence mean, fixed
+    if "loss_type" in fields:  # RLOOConfig has none (its loss is a sequence mean, fixed), nor has A2POConfig
         config["loss_type"] = "dapo"
-    if contender.trainer in ("grpo", "dapo_ds", "dapo_ds_carry", "cgrpo"):
+    if "scale_rewards" in fields and contender.trainer != "poise":  # the GRPO family; POISE keeps its own, none
         config["scale_rewards"] = settings.grpo_scale_rewards
     if contender.trainer == "a2po":
         config["max_steps"] = settings.budget

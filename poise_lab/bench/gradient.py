@@ -34,7 +34,8 @@ from safetensors.torch import load_file, save_file
 from poise_trl.estimator import POISEEstimator, Rollouts
 from poise_trl.settings import DEFAULT_FLOOR, check_floor
 
-from .common import CONTENDERS, config_default, format_table, other_heads, resolve_device, write_json
+from .common import config_default, format_table, other_heads, resolve_device, write_json
+from .contenders import CONTENDERS
 from .exact import (
     PoolGram,
     RuleMoments,
@@ -325,15 +326,17 @@ def rule_moments(
     sampler and (with `probe`) the probe sampler."""
     out: dict[str, RuleMoments] = {}
     for rule in rules:
-        if rule in ("grpo8", "grpo8_noscale", "dapo_ds_carry"):
-            group = CONTENDERS[rule].group_size
-            out[rule] = group_moments(
-                rewards, group, rule != "grpo8_noscale", informative_only=rule == "dapo_ds_carry"
-            )
-        elif rule == "rloo2":
+        contender = CONTENDERS[rule]
+        if contender.gradient in ("group", "informative_groups"):
+            scale = contender.overrides.get("scale_rewards") != "none"
+            informative = contender.gradient == "informative_groups"
+            out[rule] = group_moments(rewards, contender.group_size, scale, informative_only=informative)
+        elif contender.gradient == "leave_one_out":
             out[rule] = pair_moments(rewards, rewards)
-        else:
+        elif contender.gradient == "probe":
             out[rule] = pair_moments(rewards, values[rule].reshape(rewards.shape))
+        else:
+            raise ValueError(f"{rule}: bench gradient measures no {contender.gradient!r} rule in one pass")
     out["oracle"] = oracle_moments(rewards)[0]
     out.update({row: out[rule] for row, rule in sampled_rows(rules, oracle=True, probe=probe).items()})
     return out
@@ -499,9 +502,7 @@ def format_report(results: dict[str, Any]) -> str:
                 _fmt(c["variance"], 2),
                 _fmt(c["bias2"]),
                 _fmt(c["matched_variance"], 2),
-                _fmt(c.get("share_grpo8"), 2),
-                _fmt(c.get("share_grpo8_noscale"), 2),
-                _fmt(c.get("share_rloo2"), 2),
+                *(_fmt(c.get(f"share_{comparator}"), 2) for comparator in COMPARATORS),
             ]
             for rule, c in block["table"].items()
         ]
@@ -510,9 +511,7 @@ def format_report(results: dict[str, Any]) -> str:
             "Variance per completion (W)",
             "Bias² (||g||²)",
             "Scale-matched variance (W)",
-            "Share of GRPO G=8",
-            "Share of GRPO G=8 no-scale",
-            "Share of RLOO k=2",
+            *(f"Share of {CONTENDERS[comparator].label}" for comparator in COMPARATORS),
         ]
         lines.append(format_table(headers, rows))
         lines += [

@@ -25,7 +25,8 @@ from safetensors.torch import load_file, save_file
 
 from poise_trl.features import find_decoder_layers
 
-from .common import CONTENDERS, GRADIENT_PREFIX_ROWS, PREFIX_SAMPLED_ROW, resolve_device
+from .common import resolve_device
+from .contenders import CONTENDERS, GRADIENT_PREFIX_ROWS, PREFIX_SAMPLED_ROW
 from .exact import (
     PoolGram,
     RuleMoments,

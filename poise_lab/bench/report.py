@@ -17,27 +17,16 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from .common import (
-    ALPHA,
-    CONTENDERS,
-    HEADLINE_CONTENDERS,
-    REFERENCES,
-    TASKS,
-    fmt,
-    format_table,
-    mean_or_none,
-    median,
-    paired_references,
-    smallest_p_holm,
-    write_json,
-)
+from .common import ALPHA, TASKS, fmt, format_table, mean_or_none, median, smallest_p_holm, write_json
+from .contenders import CONTENDERS, HEADLINE_CONTENDERS, REFERENCES, paired_references
 from .summary import completions_to_gain, interpolate, normalized_auc
 
 TARGET_FRACTION = 0.75
 BOOTSTRAP_RESAMPLES = 9999
 _LOG_NEVER = 50.0  # a log-ratio standing for "never reached" (ranks and medians only need it beyond any real one)
 _LOG_REAL = 20.0  # no real ratio of completion counts comes near e^20; a median or bound beyond it involves "never"
-GOAL_CONTENDER = "poise"
+TARGET_REFERENCE = "grpo8"  # the target: TARGET_FRACTION of its median gain
+GOAL_CONTENDER = "poise"  # the study's goal is this row's; its headline lines come first
 GOAL_RATIO_BOUNDS = {"dapo_ds_carry": 0.6, "rloo2": 0.9}  # the study's goal: upper CI ends of completions to target
 
 
@@ -124,7 +113,7 @@ def summarize_task(task: str, runs: list[dict[str, Any]], rates: dict[str, Any],
     """Per contender of one task: rate, AUC with CI, compute medians and paired statistics against each reference."""
     by_contender = _eval_runs(runs, rates)
     starts = {seed: run["avg_at_k"][0] for seeds in by_contender.values() for seed, run in seeds.items()}
-    reference = by_contender.get("grpo8", {})
+    reference = by_contender.get(TARGET_REFERENCE, {})
     gains = [interpolate(r["eval_completions"], r["avg_at_k"], budget) - r["avg_at_k"][0] for r in reference.values()]
     target_gain = TARGET_FRACTION * median(gains) if gains and median(gains) > 0 else None
     summary: dict[str, Any] = {}
@@ -149,7 +138,7 @@ def summarize_task(task: str, runs: list[dict[str, Any]], rates: dict[str, Any],
             "reached_target": sum(v is not None for v in to_target.values()),
             "paired": {},
         }
-        if name in HEADLINE_CONTENDERS:
+        if CONTENDERS[name].headline:
             for ref in paired_references(name):
                 if ref in by_contender:
                     entry["paired"][ref] = _paired(aucs, to_target, by_contender[ref], budget, target_gain)
@@ -189,12 +178,12 @@ def _paired(
 
 
 def _check(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Can this task separate the contenders? G=8 groups tied in the first 5 steps (GRPO-8, median over seeds; want
-    >= 0.25), start avg@k (want 0.3-0.7) and the best final avg@k (no contender may saturate)."""
+    """Can this task separate the contenders? G=8 groups tied in the first 5 steps (the G=8 references' runs, median;
+    want >= 0.25), start avg@k (want 0.3-0.7) and the best final avg@k (no contender may saturate)."""
     first = [
         mean_or_none(r["per_step"]["frac_reward_zero_std"][:5])
         for r in runs
-        if r["contender"] in ("grpo8", "grpo8_noscale", "dapo_ds", "dapo_ds_carry")
+        if CONTENDERS[r["contender"]].g8_reference
     ]
     first = [v for v in first if v is not None]
     return {
@@ -377,7 +366,7 @@ def format_headline(summary: dict[str, Any]) -> str:
     """Plain words per POISE row and comparator (verdict, seeds won, Holm-corrected p), then the goal's verdict."""
     contenders = summary["contenders"]
     lines = []
-    for name in HEADLINE_CONTENDERS:
+    for name in sorted(HEADLINE_CONTENDERS, key=lambda name: name != GOAL_CONTENDER):
         if name not in contenders or not contenders[name]["paired"]:
             continue
         auc, target = [], []
@@ -501,7 +490,8 @@ def plot_task(summary: dict[str, Any], path: Path) -> Path:
         ]
         curves = np.array([[interpolate(r["eval_completions"], r["avg_at_k"], x) for x in grid] for r in mine])
         gains = curves - curves[:, :1]
-        style = dict(linestyle="-" if name.startswith("poise") else "--", color=colors[index % len(colors)])
+        solid = CONTENDERS[name].trainer == "poise"
+        style = dict(linestyle="-" if solid else "--", color=colors[index % len(colors)])
         level.plot(grid, np.median(curves, 0), label=f"{entry['label']} (lr {entry['learning_rate']:g})", **style)
         gain.plot(grid, np.median(gains, 0), **style)
         if len(mine) > 1:

@@ -18,19 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from .common import (
-    ABLATIONS,
     ALPHA,
-    CONTENDERS,
-    HEADLINE_CONTENDERS,
-    Contender,
     environment,
     fmt,
     median,
-    paired_references,
     quiet_libraries,
     set_cpu_threads,
     smallest_p_holm,
 )
+from .contenders import CONTENDERS, Contender, paired_references
 from .efficiency import run_one, task_factory
 from .settings import EfficiencySettings
 from .summary import normalized_auc
@@ -182,16 +178,15 @@ def learning_rates(study: Study, task: str, contenders: list[Contender]) -> dict
     names = [c.name for c in contenders]
     if not settings.tune_lr:
         return {name: {"learning_rate": settings.learning_rate, "source": "--learning-rate"} for name in names}
-    ablations = [name for name in names if name in ABLATIONS]
-    if missing := sorted({ABLATIONS[name] for name in ablations} - set(names)):
+    ablations = {c.name: c.rate_of for c in contenders if c.rate_of is not None}
+    if missing := sorted(set(ablations.values()) - set(names)):
         raise SystemExit(
             f"--tune-lr runs the ablations {', '.join(ablations)} at the tuned rate of the contender each changes: "
             f"add {' '.join(missing)} to --contenders"
         )
-    tuned = tune(study, task, [name for name in names if name not in ABLATIONS])
+    tuned = tune(study, task, [name for name in names if name not in ablations])
     rates = {name: {**tuned[name], "source": "tuned"} for name in tuned}
-    for name in ablations:
-        parent = ABLATIONS[name]
+    for name, parent in ablations.items():
         rates[name] = {"learning_rate": tuned[parent]["learning_rate"], "source": f"{parent}'s tuned rate"}
     path = study.results_dir / f"tuning_{task}.json"
     earlier = json.loads(path.read_text()) if path.exists() else {}  # a run of some contenders keeps the others'
@@ -232,7 +227,7 @@ def validate(settings: EfficiencySettings, contenders: list[Contender]) -> None:
             )
         if len(settings.lr_grid) < 2 or any(not math.isfinite(lr) or lr <= 0 for lr in settings.lr_grid):
             raise SystemExit("--lr-grid needs at least two positive rates")
-    headline = [c.name for c in contenders if c.name in HEADLINE_CONTENDERS]
+    headline = [c.name for c in contenders if c.headline]
     names = {c.name for c in contenders}
     tests = 2 * sum(ref in names for name in headline for ref in paired_references(name)) * len(settings.tasks)
     for task in settings.tasks:

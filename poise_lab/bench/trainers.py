@@ -17,7 +17,8 @@ from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from poise_trl.config import POISEConfig
 from poise_trl.trainer import POISETrainer
 
-from .common import COUNTERS, Contender
+from .common import COUNTERS
+from .contenders import Contender
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # A*-PO lives in trl.experimental: its import warns
 from trl.experimental.a2po import A2POConfig, A2POTrainer  # noqa: E402

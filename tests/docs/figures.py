@@ -1,5 +1,6 @@
-"""Every result figure and verdict of the README, the result pages and the changelog's newest section, checked against
-the committed file it comes from (`tests/docs/test_figures.py` runs the checks; this module is the checker).
+"""Every result figure and verdict of the README, the docs' home, the result pages and the changelog's newest section,
+checked against the committed file it comes from (`tests/docs/test_figures.py` runs the checks; this module is the
+checker).
 
 **Marking a figure.** A clause that prints a result figure or states a verdict ends with an HTML comment naming its
 sources (GitHub and the docs site show none of it); a table gets one comment before it:
@@ -88,6 +89,7 @@ class Page:
 DOCS = ROOT / "docs"
 PAGES = (
     Page(ROOT / "README.md"),
+    Page(DOCS / "index.md"),  # the site's home repeats the README's first screen
     Page(DOCS / "results.md", skip_sections=("## Glossary",)),
     Page(DOCS / "choosing-settings.md"),
     Page(DOCS / "overhead.md"),

@@ -283,6 +283,29 @@ def test_readme_fits_a_few_screens_and_links_resolve():
     assert '"trl>=1.16,<1.17"' in (ROOT / "pyproject.toml").read_text() and "trl>=1.16,<1.17" in readme
 
 
+def _github_anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation but `-` and `_` dropped, each space a `-`
+    (mkdocs' own anchors are checked by `mkdocs build --strict`, `validation.anchors` in mkdocs.yml)."""
+    headings = [m.group(1) for m in re.finditer(r"(?m)^#{1,6} (.+)$", page.read_text())]
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+def test_changelog_links_work_on_github_and_on_the_site():
+    """The changelog is read on GitHub from the repository root and on the site from `docs/` (docs/hooks.py makes its
+    `docs/` links relative there): every link is absolute or names a docs page, and an anchor one of its headings.
+    A link into the repository outside `docs/` would break on the site."""
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    newest = changelog.split("## [Unreleased]", 1)[1].split("\n## [", 1)[0]
+    links = re.findall(r"\]\(([^)\s]+)\)", changelog)
+    assert len(re.findall(r"\]\(docs/", newest)) >= 50, "the newest section links the docs pages with the details"
+    for link in links:
+        if link.startswith(("https://", "http://")):
+            continue
+        path, _, anchor = link.partition("#")
+        assert path.startswith("docs/") and path.endswith(".md") and (ROOT / path).is_file(), link
+        assert not anchor or anchor in _github_anchors(ROOT / path), f"{link}: no such heading on GitHub"
+
+
 def test_configuration_reference_is_generated_from_every_poise_field():
     import dataclasses
 

@@ -1,7 +1,7 @@
-"""Every result figure and verdict of the README, the result pages and the changelog's newest section is checked
-against the committed file it comes from: a contradicting edit of a figure (in any form), an interval, a count, a
-verdict word, a clause's scope, two runs' swapped figures, a deleted marker or an unmarked verdict fails here, naming
-the page, the line and the clause. The marker syntax and the rules are in `tests/docs/figures.py`'s docstring.
+"""Every result figure and verdict of the README, the docs' home, the result pages and the changelog's newest section
+is checked against the committed file it comes from: a contradicting edit of a figure (in any form), an interval, a
+count, a verdict word, a clause's scope, two runs' swapped figures, a deleted marker or an unmarked verdict fails here,
+naming the page, the line and the clause. The marker syntax and the rules are in `tests/docs/figures.py`'s docstring.
 """
 
 import re

@@ -1,28 +1,8 @@
-"""Sample efficiency of POISE vs GRPO, DAPO dynamic sampling, RLOO, A*-PO and C-GRPO, per generated rollout.
+"""Sample efficiency of POISE against GRPO, DAPO's dynamic sampling, RLOO and the peers, per generated rollout.
 
 Every contender trains on the same B completions per optimizer step (paper §2.3: at a fixed budget, fewer rollouts
-per prompt means more distinct prompts and a lower-variance gradient):
-
-    GRPO  G=8        B/8 prompts   trl.GRPOTrainer
-    GRPO  G=8 no-scale             the same with scale_rewards="none" (POISE does not scale either)
-    DAPO-DS G=8      B/8 prompts   GRPOTrainer + dynamic sampling (DAPO §3.2, in the benchmark): groups whose rewards
-                                   all tie are dropped and fresh prompts generated until B/8 groups are informative
-                                   (at most --dapo-max-rounds generation batches per step); it generates more than B
-    DAPO-DS-carry G=8              the same, but the last round's surplus informative groups are trained on at the
-                                   next step: only tied groups are discarded
-    RLOO  k=2        B/2 prompts   trl.RLOOTrainer
-    GRPO  G=2        B/2 prompts   trl.GRPOTrainer
-    POISE (paper)    B/2 prompts   POISETrainer, the paper's algorithm (paper probe preset, RLOO bootstrap)
-    POISE (default)  B/2 prompts   POISETrainer with the library's defaults
-    POISE +partner / +shrunk / +selection   POISE (paper) plus one beyond-the-paper option each: the partner-aware
-                                   probe, the shrunk bootstrap, value-guided prompt selection
-    POISE per-prefix B/2 prompts   POISE (default) with probe_granularity="prefix": A_t = r - V(x, y_<t) per token
-    A*-PO            B prompts     trl.experimental.a2po.A2POTrainer, unmodified: V*(x) from 8 reference samples
-                                   per training prompt before the first step (charged: budget / 16 prompts, half the
-                                   budget offline), then one completion per prompt
-    C-GRPO G=2-8     B/8 prompts   trl_cgrpo.CGRPOTrainer (PyPI trl-cgrpo 0.2.0, installed --no-deps), unmodified:
-                                   each prompt sampled 2, 4, 8 until its conformal answer set is one answer;
-                                   calibration on 32 held-out training prompts every 50 steps (charged)
+per prompt means more distinct prompts and a lower-variance gradient). The contenders, each with the prompts a step
+covers and what it runs, are listed after the options (the table `poise_lab.bench.contenders`).
 
 Shared by all: the model and its warm start (per seed), the data-order seed, clip range (0.2/0.28), max completion
 length, temperature 1, no KL, one generation per optimizer step, the completions budget (`--budget`: every run stops
@@ -30,17 +10,17 @@ once it has generated that many) and the held-out evaluator (its own sampling se
 the same measured accuracy), run each time another `--eval-every` completions have been generated: one grid for
 all. The learning rate is `--learning-rate`, or with `--tune-lr` each contender's own: the best median AUC over
 `--lr-grid` on `--tuning-seeds` (disjoint from the evaluation seeds; a best rate at the edge extends the grid x2),
-the one-change ablations at POISE (paper)'s. GRPO, DAPO-DS and POISE use token-mean aggregation
-(`loss_type="dapo"`); TRL's RLOOTrainer always uses a sequence mean, the one difference that cannot be set away.
+each one-change ablation at the tuned rate of the contender it changes. GRPO, DAPO-DS and POISE use token-mean
+aggregation (`loss_type="dapo"`); TRL's RLOOTrainer always uses a sequence mean, the one difference that cannot be set
+away.
 
 Compute, per run: completions generated and trained, tokens generated, prefill tokens (prompt tokens per generated
 completion, plus value-guided selection's own prefill), rows through teacher-forced passes, and train seconds.
 
 Statistics (scipy), with the x-axis in completions GENERATED: the AUC, the mean held-out avg@k over the first
-`--budget` completions (linear interpolation between evaluations); per headline comparison (POISE default and paper
-against GRPO-8, GRPO-8 no-scale, DAPO-DS, DAPO-DS-carry, RLOO-2; the beyond-the-paper rows and the peers also
-against POISE default), paired by seed, the wins, the difference of AUC
-above the start and the ratio of completions generated until avg@k gains 75% of GRPO-8's median gain (never
+`--budget` completions (linear interpolation between evaluations); per headline comparison (each headline row
+against each reference and each row it is paired with, as listed below), paired by seed, the wins, the difference of
+AUC above the start and the ratio of completions generated until avg@k gains 75% of GRPO-8's median gain (never
 reached counts against its contender), with BCa bootstrap CIs and Wilcoxon signed-rank p-values, Holm-corrected
 across all headline tests.
 
@@ -65,7 +45,6 @@ from poise_lab.models.real import REAL_MODELS
 
 from ..common import (
     ARITH_DATASET,
-    CONTENDERS,
     DAPO_MAX_ROUNDS,
     DEFAULT_BUDGET,
     DEFAULT_EVAL_EVERY,
@@ -80,6 +59,7 @@ from ..common import (
     quiet_libraries,
     set_cpu_threads,
 )
+from ..contenders import CONTENDERS, contenders_help
 from ..settings import EfficiencySettings
 
 
@@ -130,8 +110,9 @@ def _run_summarize(args: argparse.Namespace) -> int:
 def add_efficiency_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "efficiency",
-        help="POISE vs GRPO G=8, DAPO dynamic sampling, RLOO k=2, GRPO G=2, A*-PO and C-GRPO per completion generated",
+        help="POISE against GRPO, DAPO's dynamic sampling, RLOO and the peers, per completion generated",
         description=__doc__,
+        epilog=contenders_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(

@@ -29,7 +29,7 @@ from typing import Any
 from poise_trl.choices import HEADS
 from poise_trl.settings import DEFAULT_FLOOR
 
-from ..common import GRADIENT_CONTENDERS, GRADIENT_PREFIX_ROWS
+from ..contenders import GRADIENT_CONTENDERS, GRADIENT_PREFIX_ROWS
 from .collection import add_collection_arguments
 
 

@@ -11,7 +11,8 @@ import threading
 import pytest
 import torch
 
-from poise_lab.bench.common import CONTENDERS, summarize
+from poise_lab.bench.common import summarize
+from poise_lab.bench.contenders import CONTENDERS
 from poise_lab.bench.efficiency import micro_batching
 from poise_lab.bench.overhead.timing import Baton
 from poise_lab.bench.settings import EfficiencySettings

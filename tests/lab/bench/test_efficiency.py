@@ -15,15 +15,8 @@ import torch
 import poise_trl
 from poise_lab.bench import study as study_module
 from poise_lab.bench.cli import add_efficiency_parser
-from poise_lab.bench.common import (
-    ABLATIONS,
-    CONTENDERS,
-    PAPER_PINS,
-    REFERENCES,
-    environment,
-    paired_references,
-    smallest_p_holm,
-)
+from poise_lab.bench.common import environment, smallest_p_holm
+from poise_lab.bench.contenders import CONTENDERS, PAPER_PINS, REFERENCES, paired_references
 from poise_lab.bench.efficiency import HeldOutCurve, _config, micro_batching, task_factory
 from poise_lab.bench.report import _log_ratio, _wilcoxon, goal, holm, summarize_task, verdict, write_report
 from poise_lab.bench.settings import EfficiencySettings
@@ -347,7 +340,8 @@ def test_per_prefix_contender_trains_and_is_paired_with_poise_default(tmp_path):
 def test_history_contender_trains_where_prompts_repeat(tmp_path):
     """POISE +history is POISE (default) with `probe_history`, paired with it; `--train-limit` makes a demo task's
     prompts repeat (RL on its first N prompts), so the history has something to read."""
-    assert paired_references("poise_history") == (*REFERENCES, "poise") and ABLATIONS["poise_history"] == "poise"
+    assert paired_references("poise_history") == (*REFERENCES, "poise")
+    assert CONTENDERS["poise_history"].rate_of == "poise"
     out = tmp_path / "study"
     argv = ["bench", "efficiency", "--seeds", "0", "--budget", "24", "--eval-every", "8", "--train-limit", "4"]
     argv += ["--completions-per-step", "8", "--eval-k", "2", "--num-eval", "8", "--warmup-steps", "5", "--jobs", "1"]
