@@ -34,7 +34,8 @@ import torch
 from poise_trl.columns import DEFAULT_SCALARS, REFERENCE_SCALARS, SCALARS, scalar_columns
 from poise_trl.features import HIDDEN_BLOCKS, FeatureSpans, feature_spans
 
-from .common import CONTENDERS, format_table, write_json
+from .common import format_table, write_json
+from .contenders import CONTENDERS
 from .exact import (
     PoolGram,
     bootstrap_counts,
