@@ -16,7 +16,6 @@ from typing import Any
 from poise_lab.tasks.arith import ARITH_DATASET  # noqa: F401 (re-exported with TASKS: the CLI reads them here)
 from poise_lab.tasks.toy import TASKS  # noqa: F401 (re-exported: the CLI reads the task names here, light)
 
-
 # The efficiency task must leave many G=8 groups tied at the start, or DAPO's dynamic sampling has nothing to do and
 # POISE's answer to degenerate groups is not tested (issue #13 asks for >= 25%), and must not saturate. Sorting 2-8
 # digits after 150 warm-up steps left 20-30% of training prompts tied at 8 samples (24% of GRPO-8's groups in a
