@@ -10,8 +10,11 @@ line fitted on the earlier steps' pairs is recorded in both forms, with the rang
 `steps_as_study` counts the leading steps whose mean reward is the committed run's: past it, today's code has
 taken another trajectory than the study's (its commit was 6f24dd8), in the same settings.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/efficiency-v3/bootstrap_lines.py \
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/efficiency-v3/bootstrap_lines.py --seeds 5 \
         > benchmarks/efficiency-v3/bootstrap-lines.json
+
+`--seeds N` replays each contender's first N evaluation seeds of the study's 20 (every one warm-starts its own
+model: a few minutes a seed on 2 busy cores).
 """
 
 import argparse
@@ -120,17 +123,20 @@ def summary(replays: list[dict]) -> dict:
 
 
 def main() -> None:
+    own = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    own.add_argument("--seeds", type=int, default=20, help="the first N evaluation seeds of each contender and task")
+    seeds = own.parse_args().seeds
     identity = json.loads((STUDY / "study.json").read_text())["settings"]
     parser = argparse.ArgumentParser(prog="poise-trl")
     add_bench_parser(parser.add_subparsers(dest="command", required=True))
     settings = EfficiencySettings.from_args(parser.parse_args(["bench", "efficiency"]))
     run_settings = {**identity, "warmup_steps": None, "budget": STEPS * identity["completions_per_step"]}
     settings = dataclasses.replace(settings, **run_settings)
-    out: dict = {"steps": STEPS, "contenders": list(CONTENDER_NAMES), "tasks": {}}
+    out: dict = {"steps": STEPS, "seeds": seeds, "contenders": list(CONTENDER_NAMES), "tasks": {}}
     for task in ("sort", "hops"):
         for contender in CONTENDER_NAMES:
             runs = [json.loads(p.read_text()) for p in sorted((STUDY / "runs" / task / contender).glob("*.json"))]
-            runs = sorted((r for r in runs if r["role"] == "eval"), key=lambda r: r["seed"])
+            runs = sorted((r for r in runs if r["role"] == "eval"), key=lambda r: r["seed"])[:seeds]
             replays = []
             for run in runs:
                 replays.append(replay(settings, task, contender, run))
