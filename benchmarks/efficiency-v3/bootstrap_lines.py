@@ -5,16 +5,15 @@ from today's (a convex mix (1 - w) r̄ + w m_i with the least-squares w held in 
 The study's 620 runs took hours, so they are not rerun. Instead the first 16 steps (`probe_warmup_steps`: every
 baseline is the bootstrap's) of each evaluation run of the two contenders that use the shrunk line, POISE (default)
 and POISE +shrunk, on both tasks, are rerun as the study ran them (its settings, seed and learning rate, G = 2, 32
-completions a step), with the old line serving the baselines so that the trajectory is the study's. At every step the
-line fitted on the earlier steps' pairs is recorded in both forms, with the range of the baselines the old line gave.
+completions a step), with the old line serving the baselines as it served the study's. At every step the line fitted
+on the earlier steps' pairs is recorded in both forms, with the range of the baselines the old line gave.
 `steps_as_study` counts the leading steps whose mean reward is the committed run's: past it, today's code has
 taken another trajectory than the study's (its commit was 6f24dd8), in the same settings.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/efficiency-v3/bootstrap_lines.py --seeds 5 \
-        > benchmarks/efficiency-v3/bootstrap-lines.json
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/efficiency-v3/bootstrap_lines.py
 
-`--seeds N` replays each contender's first N evaluation seeds of the study's 20 (every one warm-starts its own
-model: a few minutes a seed on 2 busy cores).
+writes `benchmarks/efficiency-v3/bootstrap-lines.json` (`--output`). `--seeds N` replays only each contender's first
+N evaluation seeds of the study's 20 (each seed warm-starts its own model).
 """
 
 import argparse
@@ -125,7 +124,9 @@ def summary(replays: list[dict]) -> dict:
 def main() -> None:
     own = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     own.add_argument("--seeds", type=int, default=20, help="the first N evaluation seeds of each contender and task")
-    seeds = own.parse_args().seeds
+    own.add_argument("--output", type=Path, default=STUDY / "bootstrap-lines.json")
+    options = own.parse_args()
+    seeds = options.seeds
     identity = json.loads((STUDY / "study.json").read_text())["settings"]
     parser = argparse.ArgumentParser(prog="poise-trl")
     add_bench_parser(parser.add_subparsers(dest="command", required=True))
@@ -143,7 +144,7 @@ def main() -> None:
                 print(task, contender, run["seed"], summary(replays[-1:]), file=sys.stderr, flush=True)
             out["tasks"].setdefault(task, {})[contender] = {"summary": summary(replays), "runs": replays}
     out["summary"] = summary([r for t in out["tasks"].values() for c in t.values() for r in c["runs"]])
-    print(json.dumps(out, indent=1))
+    options.output.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":
