@@ -99,22 +99,25 @@ def replay(settings: EfficiencySettings, task: str, contender: str, run: dict) -
     }
 
 
+def _differ(step: dict) -> bool:
+    return max(abs(old - new) for old, new in zip(step["old"], step["new"], strict=True)) > 1e-12
+
+
 def summary(replays: list[dict]) -> dict:
+    """Counts as {count, of}: steps whose old line gave a baseline outside [0, 1], steps and runs where the two
+    lines differ, steps whose old weight fell below 0 or rose above 1; the ranges of the old baselines and weights."""
     steps = [step for run in replays for step in run["steps"]]
     left = [s for s in steps if s.get("low", 0) < 0 or s.get("high", 1) > 1]
-    differs = [s for s in steps if max(abs(o - n) for o, n in zip(s["old"], s["new"], strict=True)) > 1e-12]
     return {
-        "runs": len(replays),
         "steps_as_study_median": statistics.median(run["steps_as_study"] for run in replays),
-        "steps": len(steps),
-        "old_line_left_reward_range": len(left),
-        "old_line_differs_from_new": len(differs),
-        "old_weight_below_0": sum(s["old"][1] < 0 for s in steps),
-        "old_weight_above_1": sum(s["old"][1] > 1 for s in steps),
-        "runs_where_lines_differ": sum(
-            any(max(abs(o - n) for o, n in zip(s["old"], s["new"], strict=True)) > 1e-12 for s in run["steps"])
-            for run in replays
-        ),
+        "steps_where_old_line_left_0_1": {"count": len(left), "of": len(steps)},
+        "steps_where_lines_differ": {"count": sum(map(_differ, steps)), "of": len(steps)},
+        "runs_where_lines_differ": {
+            "count": sum(any(map(_differ, run["steps"])) for run in replays),
+            "of": len(replays),
+        },
+        "steps_where_old_weight_below_0": {"count": sum(s["old"][1] < 0 for s in steps), "of": len(steps)},
+        "steps_where_old_weight_above_1": {"count": sum(s["old"][1] > 1 for s in steps), "of": len(steps)},
         "old_baseline_range": [min(s.get("low", 0) for s in steps), max(s.get("high", 1) for s in steps)],
         "old_weight_range": [min(s["old"][1] for s in steps), max(s["old"][1] for s in steps)],
         "new_weight_range": [min(s["new"][1] for s in steps), max(s["new"][1] for s in steps)],
