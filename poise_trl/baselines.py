@@ -266,22 +266,25 @@ def append_reward_column(features: torch.Tensor, rewards: torch.Tensor) -> torch
 
 
 def shrunk_rloo_line(partner_means: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
-    """[a, w] of the least-squares line r_i ≈ a + w * m_i over the finite pairs (m_i = mean reward of i's partners),
-    as a float64 tensor on the inputs' device, computed without a device sync.
+    """[a, w] of the shrunk bootstrap's baseline a + w * m_i = (1 - w) * r̄ + w * m_i, RLOO's m_i (the mean reward of
+    i's partners) shrunk towards r̄, the mean reward of the finite pairs, as a float64 tensor on the inputs' device,
+    computed without a device sync.
 
-    The shrunk bootstrap uses a + w * m_i as baseline: with (a, w) fitted on earlier steps only it is a fixed
-    function of the partners' rewards, hence unbiased. With no pairs: a=0, w=1 (plain RLOO); when every m_i is the
-    same: w=0 and a = the mean reward.
+    w is the least-squares weight over the pairs, min over w in [0, 1] of sum_i (r_i - r̄ - w * (m_i - r̄))^2: the
+    unconstrained minimiser clamped to [0, 1], as the objective is a parabola in w. Being a convex mix of r̄ and m_i,
+    the baseline lies between the pairs' mean reward and the partners' mean for every m_i, so within the rewards
+    seen; a free intercept could leave that range (one group of G alone fits w = 1 - G, as m_i = (S - r_i) / (G - 1)
+    falls as r_i rises). With (a, w) fitted on earlier steps only the baseline is a fixed function of the partners'
+    rewards, hence unbiased. With no pairs: a=0, w=1 (plain RLOO); when every m_i equals r̄: w=0, a = r̄.
     """
     keep = torch.isfinite(partner_means) & torch.isfinite(rewards)
     n = keep.sum().double()
-    m_mean = torch.where(keep, partner_means.double(), 0.0).sum() / n.clamp(min=1)
     r_mean = torch.where(keep, rewards.double(), 0.0).sum() / n.clamp(min=1)
-    dm = torch.where(keep, partner_means.double() - m_mean, 0.0)
+    dm = torch.where(keep, partner_means.double() - r_mean, 0.0)
     dr = torch.where(keep, rewards.double() - r_mean, 0.0)
-    variance = dm.pow(2).sum() / n.clamp(min=1)
-    weight = torch.where(variance > 1e-12, (dm * dr).sum() / n.clamp(min=1) / variance.clamp(min=1e-300), 0.0)
-    line = torch.stack([r_mean - weight * m_mean, weight])
+    # |sum dm * dr| <= sqrt(sum dm^2 * sum dr^2), so a zero denominator has a zero numerator: 0 / tiny = w 0
+    weight = ((dm * dr).sum() / dm.pow(2).sum().clamp(min=torch.finfo(torch.float64).tiny)).clamp(0.0, 1.0)
+    line = torch.stack([(1 - weight) * r_mean, weight])
     return torch.where(n > 0, line, torch.tensor([0.0, 1.0], dtype=torch.float64, device=line.device))
 
 
@@ -291,7 +294,8 @@ BOOTSTRAPS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | Non
 }
 """`probe_bootstrap` -> the baseline of a row before its probe is trusted: a line [a, w] fitted on earlier steps'
 (partner mean m_i, reward r_i) pairs, whose a + w * m_i is the baseline; None is the paper's RLOO, m_i itself, which
-learns nothing and keeps no pairs. A new bootstrap is one entry: its line's fit."""
+learns nothing and keeps no pairs. A new bootstrap is one entry: its line's fit, whose baseline must stay within the
+rewards seen (w in [0, 1], a + w * m between the pairs' rewards and m)."""
 
 REWARD_SCALINGS: dict[str, Callable[[RunningStd], torch.Tensor | None]] = {
     "none": lambda std: None,

@@ -41,8 +41,9 @@ RULES = {
 
 BOOTSTRAPS = {
     "rloo": "the other rollouts' mean reward m_i (the paper's)",
-    "shrunk": "a + w * m_i, with (a, w) a least-squares fit of r_i on m_i over earlier steps' rollouts (a=0, w=1 "
-    "before any history)",
+    "shrunk": "a + w * m_i, m_i shrunk towards the mean reward of earlier steps' rollouts (a = (1 - w) * that "
+    "mean, w in [0, 1] their least-squares fit), so it stays within the rewards seen (a=0, w=1, plain RLOO, before "
+    "any history)",
 }
 """`probe_bootstrap` -> the baseline before the probe is trusted (baselines.py)."""
 

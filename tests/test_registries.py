@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from poise_trl import choices
-from poise_trl.baselines import BOOTSTRAPS, REWARD_SCALINGS, RunningStd
+from poise_trl.baselines import BOOTSTRAPS, REWARD_SCALINGS, RunningStd, leave_one_out_targets
 from poise_trl.batch import Rollouts
 from poise_trl.columns import SCALARS, column
 from poise_trl.estimator import POISEEstimator
@@ -96,9 +96,16 @@ def test_every_bootstrap_fits_a_finite_line_and_serves_an_estimator_that_resumes
     fit = BOOTSTRAPS[name]
     if fit is not None:  # None: the partners' mean itself, nothing learned
         g = torch.Generator().manual_seed(0)
-        partners, rewards = torch.rand(64, generator=g), (torch.rand(64, generator=g) < 0.5).float()
-        line = fit(partners, rewards)
-        assert line.shape == (2,) and line.dtype == torch.float64 and line.isfinite().all()
+        one_group = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0])  # m_i falls as r_i rises: OLS w = -7
+        for partners, rewards in (
+            (torch.rand(64, generator=g), (torch.rand(64, generator=g) < 0.5).float()),
+            (leave_one_out_targets(one_group, 8), one_group),
+        ):
+            line = fit(partners, rewards)
+            assert line.shape == (2,) and line.dtype == torch.float64 and line.isfinite().all()
+            # the baseline a + w * m stays within the rewards seen: between their range and m, for any m
+            for m in (-1.0, 0.0, 0.5, 1.0, 2.0):
+                assert min(0.0, m) <= line[0] + line[1] * m <= max(1.0, m)
     _run(EstimatorSpec(bootstrap=name, buffer=BufferSpec(warmup_steps=100)), tmp_path)  # the bootstrap serves
 
 

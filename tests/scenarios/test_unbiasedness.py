@@ -285,6 +285,32 @@ def test_shrunk_bootstrap_from_earlier_steps_is_unbiased(bandit, group):
     assert p_value > 1e-4, f"shrunk χ²={statistic:.1f}"
 
 
+def test_shrunk_bootstrap_is_exactly_unbiased_and_a_line_fitted_on_the_own_step_is_not(bandit):
+    """Enumerating every batch of one prompt × 3 binary rewards: the estimator's shrunk baseline (1 - w) r̄ + w m_i,
+    with its line fitted on an earlier step, gives E[ĝ] = ∇J to rounding. The same rule with the line fitted on the
+    batch's own pairs is biased: one group fits w = 0, and the baseline is the group's mean, own reward included."""
+    group, exact, unscaled = 3, bandit.exact_gradient(), lambda r: torch.ones(r.size(0), dtype=torch.float64)
+    earlier = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0])
+    estimator = estimator_with(None, group, bootstrap="shrunk", buffer=BufferSpec(warmup_steps=10**6))
+    estimator.observe(features=torch.zeros(earlier.numel(), 1), rollouts=Rollouts(earlier))
+    intercept, weight = estimator.bootstrap_lines[DEFAULT_DOMAIN].tolist()
+    assert 0 < weight < 1 and intercept > 0  # both the earlier mean and the partners' mean enter
+
+    def shrunk(rewards: torch.Tensor) -> torch.Tensor:
+        flat = rewards.reshape(-1).float()
+        result = estimator.advantages(torch.zeros(flat.numel(), 1), Rollouts(flat))
+        return result.baselines.double().reshape(rewards.shape)
+
+    def own_step_line(rewards: torch.Tensor) -> torch.Tensor:
+        partners = _rloo(rewards)
+        lines = [shrunk_rloo_line(m, r) for m, r in zip(partners, rewards, strict=True)]
+        return torch.stack([a + w * m for (a, w), m in zip(lines, partners, strict=True)])
+
+    torch.testing.assert_close(exact_expected_gradient(bandit, group, unscaled, shrunk), exact, rtol=1e-10, atol=1e-14)
+    leaked = exact_expected_gradient(bandit, group, unscaled, own_step_line)
+    assert (leaked - exact).norm() > 0.3 * exact.norm()  # E[ĝ] = (1 - 1/G) ∇J: a third short
+
+
 def test_history_baseline_is_unbiased_and_one_holding_the_own_rollouts_is_not(bandit):
     """With `history`, a prompt's history columns come from earlier steps only: b_i = mean over j != i of h(φ_j, H)
     stays unbiased. Every group is a prompt of its own, whose history holds one earlier group of its context: were a
@@ -375,14 +401,18 @@ def test_gradient_variance_decomposition(bandit, baseline_name):
 
 
 # ------------------------------------------------------------------------------------------ scale_rewards="batch"
-def exact_expected_gradient(bandit: Bandit, group: int, scale) -> torch.Tensor:
-    """E[ĝ] for batches of ONE prompt × `group` rollouts with the RLOO advantage divided by `scale(rewards)`, by
-    enumerating every batch (no Monte Carlo): a bias this small would be invisible at any affordable number of reps."""
+def _rloo(rewards: torch.Tensor) -> torch.Tensor:
+    return leave_one_out_targets(rewards.reshape(-1), rewards.size(1)).reshape(rewards.shape)
+
+
+def exact_expected_gradient(bandit: Bandit, group: int, scale, baseline=_rloo) -> torch.Tensor:
+    """E[ĝ] for batches of ONE prompt × `group` rollouts with the advantage r - `baseline(rewards)` (RLOO unless
+    given; (batches, group) in and out) divided by `scale(rewards)`, by enumerating every batch (no Monte Carlo): a
+    bias this small would be invisible at any affordable number of reps."""
     outcomes = torch.tensor([(a, r) for a in range(A) for r in (0, 1)])  # (2A, 2)
     combos = torch.cartesian_prod(*[torch.arange(len(outcomes))] * group)  # (2A^group, group)
     actions, rewards = outcomes[combos, 0], outcomes[combos, 1].double()
-    advantages = rewards - leave_one_out_targets(rewards.reshape(-1), group).reshape(rewards.shape)
-    advantages = advantages / scale(rewards).unsqueeze(1)
+    advantages = (rewards - baseline(rewards)) / scale(rewards).unsqueeze(1)
     expected = torch.zeros(C * A, dtype=torch.float64)
     for x in range(C):
         p_outcome = bandit.pi[x, actions] * torch.where(rewards > 0, bandit.p[x, actions], 1 - bandit.p[x, actions])

@@ -2,8 +2,9 @@
 
 Two questions, each answered on held-out prompts with the same split protocol as the main tables (`ValueBenchmark`):
 
-- Baseline rules: the variance reduction at G = `vr_group_size` of RLOO, the shrunk RLOO a + w * RLOO ((a, w) a
-  least-squares fit on the train prompts' groups), the POISE probe g(φ_j) and the partner-aware probe h(φ_j, r_j).
+- Baseline rules: the variance reduction at G = `vr_group_size` of RLOO, the shrunk RLOO a + w * RLOO ((a, w) the
+  shrunk bootstrap's fit, `shrunk_rloo_line`, on the train prompts' groups), the POISE probe g(φ_j) and the
+  partner-aware probe h(φ_j, r_j).
 - Value-guided prompt selection: from `oversample` x `batch_prompts` random held-out candidates, keep `batch_prompts`
   by the predicted reward variance of a prompt-only probe (the trainer's rule, `poise_trl.sampling`: top-k by
   q(1 - q); or sampled in proportion to q(1 - q) + ε) or at random, and compare the kept prompts' true p(1 - p)
@@ -29,7 +30,8 @@ SAMPLING_EPSILON = 0.01  # ε of the proportional rule: every candidate keeps a 
 
 
 def shrunk_line(bench: ValueBenchmark) -> tuple[float, float]:
-    """(a, w) of r_i ≈ a + w * m_i on the train prompts' rollouts, grouped as the VR column groups held-out ones."""
+    """(a, w) of the shrunk bootstrap's baseline a + w * m_i, fitted as the trainer fits it (`shrunk_rloo_line`) on
+    the train prompts' rollouts, grouped as the VR column groups held-out ones."""
     g, k = bench.vr_group_size, bench.collection.k
     used = (k // g) * g
     rewards = bench.collection.rewards[bench.train_rows].view(-1, k)[:, :used].reshape(-1)
