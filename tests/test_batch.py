@@ -65,7 +65,7 @@ def test_the_partner_reward_column_stays_outside_an_integer_pca():
     """pca_dims=4 is the PCA of the 6 feature columns; the reward (column 7) passes through it untouched."""
     estimator = _trained(steps=2, settings=spec(head={"pca_dims": 4}))
     probe = estimator.probes["default"].probe
-    assert probe._pca_blocks == [(0, 6)] and probe.fitted_pca_dims == [4]
+    assert probe._fit.blocks == ((0, 6),) and probe.fitted_pca_dims == [4]
     with pytest.raises(ValueError, match=r"covers column 6, the partner-reward column"):
         _trained(steps=1, settings=spec(head={"pca_dims": [(0, 7, 4)]}))
 
