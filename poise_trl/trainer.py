@@ -27,6 +27,7 @@ from trl.trainer.utils import (
     unsplit_pixel_values_by_grid,
 )
 
+from .batch import DEFAULT_DOMAIN
 from .buffer import ProbeBuffer, prompt_group_ids
 from .capture import capture_pass
 from .card import card_section
@@ -34,7 +35,6 @@ from .config import POISEConfig
 from .contract import TESTED_TRL, ContractError
 from .estimator import POISEEstimator, Rollouts
 from .features import FeatureLayout, feature_spans, find_decoder_layers
-from .files import DEFAULT_DOMAIN
 from .heads import ValueHead
 from .prefix import PrefixBatch
 from .resume import (
@@ -176,8 +176,6 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
             self.hidden_size,
             broadcast=(lambda t: broadcast(t, from_process=0)) if self.accelerator.num_processes > 1 else None,
         )
-        if args.probe_domain_column is None:
-            self._single_probe()  # the one probe exists from the start, as `value_probe` promises
         if args.probe_init_path is not None:
             self.estimator.load(args.probe_init_path, warm_start=True, device=self.accelerator.device)
         self.feature_passes = 0  # teacher-forced passes POISE ran itself (0 when TRL's pass or the loss's serves)
@@ -202,7 +200,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
     @property
     def probes(self):
         """Domain -> `OnlineLearner` (probe, buffer, step counter); one entry, "default", without a domain column."""
-        return self.estimator.probes
+        return self.estimator.probes_
 
     @property
     def probe_layers(self) -> list[int]:
@@ -211,19 +209,19 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
     @property
     def probe_layer(self) -> int:
         """The decoder layer whose features the probes use now (fixed, or the latest automatic choice)."""
-        return self.estimator.layer
+        return self.estimator.layer_
 
     @property
     def probe_steps(self) -> int:
-        return self.estimator.steps
+        return self.estimator.steps_
 
     @property
     def reward_std(self):
-        return self.estimator.reward_std
+        return self.estimator.reward_std_
 
     @property
     def bootstrap_pairs(self) -> dict[str, ProbeBuffer]:
-        return self.estimator.bootstrap_pairs
+        return self.estimator.bootstrap_pairs_
 
     def _single_probe(self):
         if self.args.probe_domain_column is not None:
@@ -231,7 +229,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
                 f"This run keeps one probe per value of {self.args.probe_domain_column!r}: use "
                 "`trainer.probes[domain].probe`, `.buffer` and `.steps`."
             )
-        return self.estimator.probes.setdefault(DEFAULT_DOMAIN, self.estimator.new_probe(DEFAULT_DOMAIN))
+        return self.estimator.probes_.get(DEFAULT_DOMAIN) or self.estimator.new_probe(DEFAULT_DOMAIN)
 
     @property
     def value_probe(self) -> ValueHead:
@@ -341,7 +339,7 @@ class POISETrainer(GRPOTrainer, ValueGuidedSelection):
         step.spans = feature_spans(
             prompt_mask, completion_ids, completion_mask, self.args.probe_pool_tokens, self.marker_ids, generated
         )
-        step.tokens = self.estimator.token_baseline.capturer(
+        step.tokens = self.estimator.token_baseline_.capturer(
             prompt_mask,
             completion_mask,
             step.spans.completion_mask,

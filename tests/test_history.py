@@ -177,8 +177,8 @@ def test_without_prompt_ids_the_history_refuses_and_a_step_reads_only_earlier_on
     result = estimator.advantages(x, Rollouts(r, prompt_ids=ids))
     assert (result.batch.features[:, 0, -3:] == 0).all()  # nothing seen before the first step
     estimator.observe(result)
-    seen, count, _ = estimator.prompt_history.lookup(ids)
-    assert seen.all() and count.min() >= G and estimator.probes["default"].buffer.features.size(-1) == 6 + 1 + 3
+    seen, count, _ = estimator.prompt_history_.lookup(ids)
+    assert seen.all() and count.min() >= G and estimator.probes_["default"].buffer.features.size(-1) == 6 + 1 + 3
 
 
 def test_the_samplers_prompt_values_read_the_history_before_the_step():

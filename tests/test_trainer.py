@@ -366,7 +366,7 @@ def test_a_short_run_with_the_prompt_history_feeds_it_to_the_probe_and_names_it(
     prompts = _dataset(4)
     trainer = POISETrainer(str(small_model_path), digit_reward, args=args, train_dataset=prompts)
     trainer.train()
-    seen, count, _ = trainer.estimator.prompt_history.lookup(prompt_group_ids(prompts["prompt"]))
+    seen, count, _ = trainer.estimator.prompt_history_.lookup(prompt_group_ids(prompts["prompt"]))
     assert seen.all() and count.tolist() == [3 * 2] * 4  # 3 steps x 2 rollouts
     rows = trainer.probe_buffer.features[:, 0]
     assert rows.size(-1) == 2 * trainer.hidden_size + 3 + 1 + 3  # [φ | r | seen, log(1 + count), mean]

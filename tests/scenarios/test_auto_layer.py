@@ -2,6 +2,7 @@
 on earlier steps only, with hysteresis."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -63,7 +64,7 @@ class LayerRecorder(SpyTrainer):
     def before_batch(self, inputs):
         buffer = self.probe_buffer
         return dict(
-            index=self.estimator.layer_index,
+            index=self.estimator.layer_index_,
             layer=self.probe_layer,
             probe=copy.deepcopy(self.value_probe),
             trusted=self.probes["default"].trusted,
@@ -141,10 +142,11 @@ def test_select_layer_hysteresis_and_logging_in_the_trainer(tiny_model_path, tmp
     estimator = trainer.estimator
 
     def select() -> dict[str, float]:
-        learners, layers = list(estimator.probes.values()), estimator.spec.layers
-        estimator.layer_index, metrics = select_layer(
-            learners, layers.ids, estimator.layer_index, layers.switch_margin, layers.folds, "cpu"
+        learners, layers = list(estimator.probes_.values()), estimator.spec.layers
+        layer_index, metrics = select_layer(
+            learners, layers.ids, estimator.layer_index_, layers.switch_margin, layers.folds, "cpu"
         )
+        estimator.state_ = replace(estimator.state_, layer_index=layer_index)
         return metrics
 
     assert select() == {"layer_mae/1": 0.97, "layer_mae/2": 1.0, "layer_mae/3": 1.5}
@@ -156,7 +158,7 @@ def test_select_layer_hysteresis_and_logging_in_the_trainer(tiny_model_path, tmp
 
 def test_saved_probes_record_the_candidate_set(tiny_model_path, tmp_path):
     auto = POISETrainer(str(tiny_model_path), digit_reward, args=_args(tmp_path), train_dataset=digit_dataset())
-    auto.estimator.layer_index = 2
+    auto.estimator.state_ = replace(auto.estimator.state_, layer_index=2)
     auto.save_probe(tmp_path / "auto.safetensors")
     again = POISETrainer(
         str(tiny_model_path),

@@ -49,11 +49,10 @@ def test_per_domain_probes_beat_one_shared_probe_on_held_out_rows():
         rows = slice(step * 200, (step + 1) * 200)
         for name, data in train.items():
             batch = (data["x"][rows], data["y"][rows], data["groups"][rows])
-            shared.add(*batch)
-            per_domain[name].add(*batch)
-    shared.fit()
-    for probe in per_domain.values():
-        probe.fit()
+            shared = shared.added(*batch)
+            per_domain[name] = per_domain[name].added(*batch)
+    shared = shared.fitted()
+    per_domain = {name: probe.fitted() for name, probe in per_domain.items()}
     assert len(shared.buffer) == 1600 and all(len(p.buffer) == 800 for p in per_domain.values())
 
     shared_mae = sum(_mae(shared, data) for data in test.values()) / 2

@@ -84,7 +84,7 @@ class Recording(SpyTrainer):
     def records(self) -> list[dict]:
         """Per step: TRL's output, the forward's hidden states and logits, and POISE's features at the layer in use."""
         return [
-            {**forward, "output": scored["output"], "features": scored["features"][:, self.estimator.layer_index]}
+            {**forward, "output": scored["output"], "features": scored["features"][:, self.estimator.layer_index_]}
             for forward, scored in zip(self.forwards, self.scored, strict=True)
         ]
 

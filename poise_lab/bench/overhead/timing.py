@@ -153,7 +153,7 @@ def time_selection(trainer: POISETrainer) -> None:
 def fill_probe_buffer(trainer: POISETrainer) -> None:
     """Repeat the buffered rows up to each buffer's capacity (the per-prefix probe's too), so each refit costs what it
     costs in steady state."""
-    learners = trainer.estimator.token_baseline.learners
+    learners = trainer.estimator.token_baseline_.learners
     for buffer in (trainer.probe_buffer, *(learner.buffer for learner in learners)):
         _fill(buffer)
 

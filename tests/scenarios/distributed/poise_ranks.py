@@ -57,7 +57,7 @@ class Recording(POISETrainer):
             tokens = result.token_advantages[rows, : mask.size(1)]
             record["token_advantages"] = [row[m].tolist() for row, m in zip(tokens, mask, strict=True)]
         record["advantages"] = advantages.tolist()
-        prefix = self.estimator.token_baseline
+        prefix = self.estimator.token_baseline_
         if prefix.name == "prefix" and prefix.probe.is_fitted:
             record["prefix_probe"] = {k: v.flatten().tolist() for k, v in prefix.probe.state_dict().items()}
         self.steps.append(record)
