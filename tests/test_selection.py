@@ -61,7 +61,7 @@ def test_selection_keeps_the_highest_predicted_spread(tiny_model_path, tmp_path,
     trainer = POISETrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
     values = torch.tensor([0.0, 0.9, 0.5, 1.0, 0.4, 0.2])  # p(1-p): 0, .09, .25, 0, .24, .16 -> keep 2 and 4
     trainer.model.train()
-    monkeypatch.setattr(POISEEstimator, "trusted", property(lambda self: True))
+    monkeypatch.setattr(POISEEstimator, "trusted_", property(lambda self: True))
     trainer.estimator.prompt_values = lambda states, prompt_ids: states
     trainer.estimator.target_range = lambda: (torch.tensor(0.0), torch.tensor(1.0))
     trainer._prefill_prompts = lambda prompts: (values[: len(prompts)], 7)

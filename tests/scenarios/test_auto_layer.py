@@ -67,7 +67,7 @@ class LayerRecorder(SpyTrainer):
             index=self.estimator.layer_index_,
             layer=self.probe_layer,
             probe=copy.deepcopy(self.value_probe),
-            trusted=self.probes["default"].trusted,
+            trusted=self.estimator.trusted_,  # the one domain's probe
             buffer=None
             if buffer.targets is None
             else (buffer.features.clone(), buffer.targets.clone(), buffer.groups),
@@ -142,7 +142,7 @@ def test_select_layer_hysteresis_and_logging_in_the_trainer(tiny_model_path, tmp
     estimator = trainer.estimator
 
     def select() -> dict[str, float]:
-        learners, layers = list(estimator.probes_.values()), estimator.spec.layers
+        learners, layers = [estimator.new_probe("default")], estimator.spec.layers  # its errors: `per_layer`
         layer_index, metrics = select_layer(
             learners, layers.ids, estimator.layer_index_, layers.switch_margin, layers.folds, "cpu"
         )

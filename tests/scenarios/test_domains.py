@@ -206,7 +206,7 @@ def test_the_estimator_refuses_a_domain_past_max_domains_and_buffers_grow_with_t
     estimator = POISEEstimator(2, EstimatorSpec(head=HeadSpec(alpha=1.0), buffer=buffers))
     x, r = torch.randn(8, 1, 16), torch.tensor([0.0, 1.0] * 4)
     estimator.observe(features=x, rollouts=Rollouts(r, domains=["a"] * 6 + ["b"] * 2))
-    assert {name: online.buffer.allocated for name, online in estimator.probes.items()} == {"a": 8, "b": 8}
+    assert {name: online.buffer.allocated for name, online in estimator.probes_.items()} == {"a": 8, "b": 8}
     with pytest.raises(ValueError, match=r"3 distinct domains \('a', 'b', 'c'\) exceed max_domains=2"):
         estimator.advantages(x, Rollouts(r, domains=["c"] * 8))
 
