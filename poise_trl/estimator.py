@@ -19,7 +19,9 @@ The contract (the one TRL's `POISETrainer`, verl, OpenRLHF or a hand-written loo
   buffer of each domain, refits the ridge probe, the shrunk bootstrap's line, the running reward std and (with
   several candidate layers) the layer choice. Handed the step's `result`, it reuses the batch `advantages` prepared
   (`PreparedBatch`, batch.py) and the step costs exactly one device->host transfer; given the batch
-  (`observe(features=..., rollouts=...)`) it prepares it itself.
+  (`observe(features=..., rollouts=...)`) it prepares it itself. It builds the whole next learned state from the old
+  one and the batch and assigns it once: a stop anywhere inside leaves the estimator as it was before the call or
+  as it is after it, never between (so does `load_state_dict`).
 - `prompt_values` predicts a prompt's success rate from its prompt block; which prompts to draw from it is
   sampling.py's.
 - With a `HistorySpec`, each row's input also holds its prompt's history (history.py: seen, log(1 + count), mean
@@ -29,15 +31,16 @@ The contract (the one TRL's `POISETrainer`, verl, OpenRLHF or a hand-written loo
   (`poise_probe.safetensors` + `.json`, `poise_bootstrap.safetensors`). The file holds the spec: `from_file` rebuilds
   a saved estimator, and `refit` makes one with another spec (another head, no history) from its buffered rows.
 
-Features may hold one vector per candidate layer, (N, C, D); `layer_index` says which slice the probes use. Rows are
+Features may hold one vector per candidate layer, (N, C, D); `layer_index_` says which slice the probes use. Rows are
 grouped as G consecutive rollouts of one prompt. The record's `domains` (one name per row) give each domain its own
 probe.
 
-What it is made of, each in a module of its own: its settings (specs.py), the feature row's layout (row.py), the
-value head (heads.py, probe.py), the online learner that buffers, trusts and persists a head (learner.py; one per
-domain, and one more for the per-prefix value), the granularity's token baseline (granularity.py), the layer choice
-(layer_choice.py), the sampler's prompt values (prompt_value.py), the prompts' history (history.py) and the file
-format (files.py).
+What it is made of, each in a module of its own: its settings (specs.py), what it learned (state.py: one frozen
+`EstimatorState`, `state_`), the feature row's layout (row.py), the value head (heads.py, probe.py), the online
+learner that buffers, trusts and persists a head (learner.py; one per domain, and one more for the per-prefix
+value), the granularity's token baseline (granularity.py), the layer choice (layer_choice.py), the sampler's prompt
+values (prompt_value.py), the prompts' history (history.py) and the file format (files.py: functions of the state
+and the settings).
 """
 
 import time

@@ -6,7 +6,8 @@ rollout and, once a head is fitted, every token's value from that head folded in
 (prefix.py). Its head is an `OnlineLearner` like the sequence value's (target: the rollout's own reward), so trust,
 warm start and persistence are the learner's. Until it is trusted the caller keeps the sequence-level advantages.
 
-Both entries answer the same calls, so the estimator and the trainer never ask which granularity runs. Each says
+Both entries answer the same calls, so the estimator and the trainer never ask which granularity runs; a token
+baseline is a value, as its learner is (`observed`, `fitted` and `loaded` return a new one). Each says
 what it can work with, which the estimator's spec checks (specs.py) instead of names: whether its value reads the
 prompt history's columns (`takes_history`), whether it needs one fixed layer (`one_layer`), and which methods its
 head must have (`head_methods`: the per-prefix value folds its head into an affine map applied inside the hook).
