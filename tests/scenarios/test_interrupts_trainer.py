@@ -133,3 +133,4 @@ def test_a_stop_at_any_estimator_line_of_train_or_evaluate(tiny_model_path, tmp_
         trainer.train()
         assert trainer.state.global_step == args.max_steps and not forward_hooks(trainer.model), at
     assert len(chosen) >= 10
+    print(f"{len(chosen)} of {len(stops)} stops made")  # shown with -rP
