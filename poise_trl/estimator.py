@@ -65,8 +65,8 @@ from .baselines import (
 from .batch import AdvantageResult, PreparedBatch, Rollouts, prepare_batch, scale_advantages, split_domains
 from .buffer import ProbeBuffer
 from .features import FeatureLayout
-from .files import describe_head, read_state, save_state, state_from_dict, state_to_dict
-from .granularity import PrefixBatch
+from .files import read_state, save_state, state_from_dict, state_to_dict
+from .granularity import PrefixBaseline, PrefixBatch, SequenceBaseline
 from .heads import ValueHead
 from .history import PromptHistory
 from .layer_choice import select_layer
@@ -239,7 +239,7 @@ class POISEEstimator:
         return self.state_.prompt_history
 
     @property
-    def token_baseline_(self) -> Any:
+    def token_baseline_(self) -> SequenceBaseline | PrefixBaseline:
         """The granularity's token baseline (granularity.py), with its learner for "prefix"."""
         return self.state_.token_baseline
 
@@ -568,9 +568,8 @@ class POISEEstimator:
         probe). Buffers go to `device` (where the features will come from). Refuses a state of another feature
         configuration or prompt history setting, and on resume one whose refit settings, bootstrap or history table
         differ from this estimator's (`files.state_from_dict`)."""
-        describe = self.describe or describe_head
         self.state_ = state_from_dict(
-            state, self.spec, self.feature_config, self.state_, warm_start, source, device, describe
+            state, self.spec, self.feature_config, self.state_, warm_start, source, device, self.describe
         )
 
     def save(self, path: str | Path, include_buffer: bool = True) -> None:

@@ -47,6 +47,9 @@ class OnlineLearner:
     def replace(self, **changes: Any) -> "OnlineLearner":
         """A copy of this learner with `changes` (e.g. `probe=` an unfitted head of another size); this one is left
         as it is."""
+        unknown = set(changes) - set(vars(self))
+        if unknown:
+            raise TypeError(f"An OnlineLearner has no {', '.join(sorted(unknown))}.")
         learner = copy.copy(self)
         vars(learner).update(changes)
         return learner

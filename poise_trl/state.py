@@ -13,13 +13,12 @@ in files.py's `state_to_dict`/`state_from_dict`.
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from .baselines import BOOTSTRAPS, RunningStd
 from .buffer import ProbeBuffer
-from .granularity import GRANULARITIES, SequenceBaseline
+from .granularity import GRANULARITIES, PrefixBaseline, SequenceBaseline
 from .history import PromptHistory
 from .learner import OnlineLearner
 from .specs import EstimatorSpec
@@ -46,7 +45,7 @@ class EstimatorState:
     steps: int = 0
     layer_index: int = 0
     prompt_history: PromptHistory | None = None
-    token_baseline: Any = field(default_factory=SequenceBaseline)
+    token_baseline: SequenceBaseline | PrefixBaseline = field(default_factory=SequenceBaseline)
 
     @classmethod
     def initial(cls, spec: EstimatorSpec) -> "EstimatorState":
