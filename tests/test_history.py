@@ -237,3 +237,12 @@ def test_a_resume_from_the_file_is_exact_and_files_without_history_still_load(tm
 def test_bad_history_settings_are_refused(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_updated_returns_a_new_table_and_leaves_this_one_as_it_was():
+    history = PromptHistory(size=4)
+    history.update(torch.tensor([1, 2]), torch.tensor([1.0, 0.0]))
+    before = history.state_dict()
+    new = history.updated(torch.tensor([1, 3]), torch.tensor([0.0, 1.0]))
+    assert history.steps == 1 and all(torch.equal(v, history.state_dict()[k]) for k, v in before.items())
+    assert new.steps == 2 and new.lookup(torch.tensor([1, 3]))[1].tolist() == [2, 1]
