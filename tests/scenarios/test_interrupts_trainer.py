@@ -10,8 +10,8 @@ each stop the estimator's `state_dict()` is the one after its last completed `ob
 before or after that call (replayed uninterrupted on a copy).
 
 The suite stops at a sample: every line that registers or removes the pass's hooks (`features.hooked`,
-`capture.capture_pass`), and a seeded few of the other lines of `train()` and `evaluate()`. Every line, once each
-(about 650 lines of `train()` and 350 of `evaluate()`, some 40 minutes on 2 cores):
+`capture.capture_pass`), and a seeded few of the other lines of `train()` and `evaluate()` (20 stops). Every line,
+once each (about 1,000 stops; 45 minutes on 2 shared cores):
 
     POISE_INTERRUPT_FUZZ=all python -m pytest --without-lab tests/scenarios/test_interrupts_trainer.py
 """
