@@ -83,7 +83,7 @@ def train(model_dir: str, train_set: Dataset, eval_set: Dataset, steps: int = 15
         optimizer.step()
         estimator.observe(result)  # learns from the batch `advantages` prepared
         history.append(
-            {"reward": rewards.mean().item(), "trusted": estimator.trusted, **result.metrics(),
+            {"reward": rewards.mean().item(), "trusted": estimator.trusted_, **result.metrics(),
              "advantages": result.advantages.tolist(), "baselines": result.baselines.tolist(),
              "values": result.values.tolist()}
         )  # fmt: skip

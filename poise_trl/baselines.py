@@ -5,9 +5,19 @@ an invalid rollout is never used as somebody else's partner, so a NaN never cros
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
+
+
+def check_num_generations(num_generations: Any) -> None:
+    """G, the rollouts per prompt: the cross-rollout baseline needs a partner."""
+    if not isinstance(num_generations, int) or isinstance(num_generations, bool) or num_generations < 2:
+        raise ValueError(
+            f"num_generations={num_generations!r} is too small: POISE's cross-rollout baseline needs at least 2 "
+            "rollouts per prompt. Set num_generations=2 (the paper's value) or more."
+        )
 
 
 def _mean_of_others(values: torch.Tensor, num_generations: int, valid: torch.Tensor | None) -> torch.Tensor:
@@ -143,6 +153,28 @@ def diagnostic_tensors(
     return torch.stack([v.double() for v in out])
 
 
+def step_statistics(
+    rewards: torch.Tensor,
+    num_generations: int,
+    baselines: torch.Tensor,
+    values: torch.Tensor,
+    unclipped: torch.Tensor,
+    receives: torch.Tensor,
+    extra: Mapping[str, torch.Tensor],
+    domain_rows: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, list[str]]:
+    """A step's diagnostics of the sequence-level baseline as one float64 tensor and its names, for the one host
+    transfer: `DIAGNOSTICS` over every row, then `extra`'s 0-d tensors, then `DIAGNOSTICS` per domain of
+    `domain_rows` (name -> (N,) bool; None: no per-domain diagnostics)."""
+    stats = [diagnostic_tensors(rewards, baselines, values, num_generations, receives, unclipped)]
+    stats.append(torch.stack([v.double().reshape(()) for v in extra.values()]))
+    names = [*DIAGNOSTICS, *extra]
+    for name, rows in (domain_rows or {}).items():
+        stats.append(diagnostic_tensors(rewards, baselines, values, num_generations, receives & rows, unclipped))
+        names += [f"domain/{name}/{key}" for key in DIAGNOSTICS]
+    return torch.cat(stats), names
+
+
 def poise_advantages(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -205,8 +237,8 @@ class RunningStd:
     def __init__(self) -> None:
         self.state = torch.zeros(3, dtype=torch.float64)
 
-    def update(self, values: torch.Tensor) -> None:
-        """Add the finite entries of `values`."""
+    def updated(self, values: torch.Tensor) -> "RunningStd":
+        """A new running std that has also seen the finite entries of `values`; this one is left as it is."""
         finite = torch.isfinite(values)
         state = self.state.to(values.device)
         n = finite.sum().double()
@@ -222,7 +254,13 @@ class RunningStd:
                 running_m2 + m2 + delta * delta * count * n / total.clamp(min=1),
             ]
         )
-        self.state = torch.where(n > 0, merged, state)
+        running = RunningStd()
+        running.state = torch.where(n > 0, merged, state)
+        return running
+
+    def update(self, values: torch.Tensor) -> None:
+        """Add the finite entries of `values` (one assignment)."""
+        self.state = self.updated(values).state
 
     @property
     def count(self) -> int:
@@ -249,20 +287,6 @@ class RunningStd:
         self.state = torch.tensor(
             [float(state["count"]), float(state["mean"]), float(state["m2"])], dtype=torch.float64
         )
-
-
-def append_reward_column(features: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
-    """[φ_j, r_j]: the partner-aware probe's input, the rollout's own reward as one more (last) column.
-
-    `features` is (N, D) or (N, C, D) (one vector per candidate layer); every slice gets the same reward column. The
-    probe h(φ_j, r_j) only ever serves as the baseline of j's partners, so using r_j keeps their gradient unbiased.
-    """
-    if rewards.shape != features.shape[:1]:
-        raise ValueError(f"Got {rewards.shape[0]} rewards for {features.shape[0]} feature rows.")
-    # At least fp32: in bf16 a reward of 0.3 reads 0.30078125, and in fp16 a reward of 70,000 overflows to inf.
-    dtype = torch.promote_types(features.dtype, torch.float32)
-    column = rewards.to(dtype).view(-1, *([1] * (features.ndim - 1)))
-    return torch.cat([features.to(dtype), column.expand(*features.shape[:-1], 1)], dim=-1)
 
 
 def shrunk_rloo_line(partner_means: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:

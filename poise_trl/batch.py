@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from .baselines import DIAGNOSTICS, diagnostic_tensors, leave_one_out_targets
-from .files import DEFAULT_DOMAIN
+from .baselines import check_num_generations, leave_one_out_targets
 from .prefix import PrefixBatch
 from .row import FeatureRow
-from .specs import check_num_generations
+
+DEFAULT_DOMAIN = "default"  # the one domain's name when rows carry none
 
 
 def _shape(value: Any) -> Any:
@@ -169,27 +169,6 @@ def scale_advantages(
             -1, *[1] * (advantages.ndim - 1)
         )
     return advantages
-
-
-def step_statistics(
-    batch: PreparedBatch,
-    baselines: torch.Tensor,
-    values: torch.Tensor,
-    unclipped: torch.Tensor,
-    receives: torch.Tensor,
-    extra: dict[str, torch.Tensor],
-) -> tuple[torch.Tensor, list[str]]:
-    """The step's diagnostics of the sequence-level baseline (overall, then `extra`'s 0-d tensors, then per named
-    domain) as one float64 tensor and its names, for the one host transfer."""
-    g, rewards = batch.num_generations, batch.rewards
-    stats = [diagnostic_tensors(rewards, baselines, values, g, receives, unclipped)]
-    stats.append(torch.stack([v.double().reshape(()) for v in extra.values()]))
-    names = [*DIAGNOSTICS, *extra]
-    if batch.named_domains:
-        for name, rows in batch.domain_rows.items():
-            stats.append(diagnostic_tensors(rewards, baselines, values, g, receives & rows, unclipped))
-            names += [f"domain/{name}/{key}" for key in DIAGNOSTICS]
-    return torch.cat(stats), names
 
 
 @dataclass

@@ -1,17 +1,17 @@
 """One teacher-forced pass, captured: the pooled features of every candidate layer and, with a per-token baseline,
 its capture on the same pass. The one helper the trainer calls around the pass; pure torch.
 
-Every hook is registered inside the `with` block only (`features.capture_layer`), so generation, the reference pass
-and the training pass, which run the same layer modules, are never captured.
+Every hook is registered inside the `with` block only and removed however it is left (`features.hooked`), so
+generation, the reference pass and the training pass, which run the same layer modules, are never captured.
 """
 
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from .features import FeatureLayout, FeatureSpans, PooledCapture, capture_layer
+from .features import FeatureLayout, FeatureSpans, PooledCapture, hooked
 from .prefix import PrefixBatch, PrefixCapture
 
 
@@ -38,9 +38,11 @@ def capture_pass(
     tokens: PrefixCapture | None = None,
 ) -> Iterator[PassCapture]:
     """Hook each candidate layer with a pooling capture, and the first with `tokens` (the per-token baseline's
-    capture, which reads one fixed layer), for the passes inside the `with` block; φ is laid out as `layout` says."""
-    with ExitStack() as hooks:
-        pooled = [hooks.enter_context(capture_layer(layer, spans)) for layer in layers]
-        if tokens is not None:
-            hooks.enter_context(capture_layer(layers[0], tokens))
+    capture, which reads one fixed layer), for the passes inside the `with` block; φ is laid out as `layout` says.
+    The hooks are registered and removed together (`features.hooked`): no stop leaves one behind."""
+    pooled = [PooledCapture(spans) for _ in layers]
+    hooks: list[tuple[nn.Module, Callable]] = list(zip(layers, pooled, strict=True))
+    if tokens is not None:
+        hooks.append((layers[0], tokens))
+    with hooked(hooks):
         yield PassCapture(pooled, spans, layout, tokens)

@@ -12,12 +12,12 @@ from typing import Any
 from trl import GRPOConfig
 
 from . import migration
+from .baselines import check_num_generations
 from .choices import BOOTSTRAPS, GRANULARITIES, HEADS, PROBE_PRESETS, REWARD_SCALINGS, RULES, described
 from .columns import DEFAULT_SCALARS, SCALARS
 from .features import FEATURE_BLOCKS
 from .heads import own_settings
 from .settings import DEFAULT_FLOOR
-from .specs import check_num_generations
 from .validation import validate
 
 _PRESETS = "; ".join(f"{name!r}: alpha={alpha}, PCA dims {dims}" for name, (alpha, dims) in PROBE_PRESETS.items())

@@ -19,7 +19,9 @@ The contract (the one TRL's `POISETrainer`, verl, OpenRLHF or a hand-written loo
   buffer of each domain, refits the ridge probe, the shrunk bootstrap's line, the running reward std and (with
   several candidate layers) the layer choice. Handed the step's `result`, it reuses the batch `advantages` prepared
   (`PreparedBatch`, batch.py) and the step costs exactly one device->host transfer; given the batch
-  (`observe(features=..., rollouts=...)`) it prepares it itself.
+  (`observe(features=..., rollouts=...)`) it prepares it itself. It builds the whole next learned state from the old
+  one and the batch and assigns it once: a stop anywhere inside leaves the estimator as it was before the call or
+  as it is after it, never between (so does `load_state_dict`).
 - `prompt_values` predicts a prompt's success rate from its prompt block; which prompts to draw from it is
   sampling.py's.
 - With a `HistorySpec`, each row's input also holds its prompt's history (history.py: seen, log(1 + count), mean
@@ -29,58 +31,65 @@ The contract (the one TRL's `POISETrainer`, verl, OpenRLHF or a hand-written loo
   (`poise_probe.safetensors` + `.json`, `poise_bootstrap.safetensors`). The file holds the spec: `from_file` rebuilds
   a saved estimator, and `refit` makes one with another spec (another head, no history) from its buffered rows.
 
-Features may hold one vector per candidate layer, (N, C, D); `layer_index` says which slice the probes use. Rows are
+Features may hold one vector per candidate layer, (N, C, D); `layer_index_` says which slice the probes use. Rows are
 grouped as G consecutive rollouts of one prompt. The record's `domains` (one name per row) give each domain its own
 probe.
 
-What it is made of, each in a module of its own: its settings (specs.py), the feature row's layout (row.py), the
-value head (heads.py, probe.py), the online learner that buffers, trusts and persists a head (learner.py; one per
-domain, and one more for the per-prefix value), the granularity's token baseline (granularity.py), the layer choice
-(layer_choice.py), the sampler's prompt values (prompt_value.py), the prompts' history (history.py) and the file
-format (files.py).
+What it is made of, each in a module of its own: its settings (specs.py), what it learned (state.py: one frozen
+`EstimatorState`, `state_`), the feature row's layout (row.py), the value head (heads.py, probe.py), the online
+learner that buffers, trusts and persists a head (learner.py; one per domain, and one more for the per-prefix
+value), the granularity's token baseline (granularity.py), the layer choice (layer_choice.py), the sampler's prompt
+values (prompt_value.py), the prompts' history (history.py) and the file format (files.py: functions of the state
+and the settings).
 """
 
-import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
-from .baselines import BOOTSTRAPS, REWARD_SCALINGS, RunningStd, cross_rollout_baselines, poise_advantages
-from .batch import (
-    AdvantageResult,
-    PreparedBatch,
-    Rollouts,
-    prepare_batch,
-    scale_advantages,
-    split_domains,
+from .baselines import (
+    BOOTSTRAPS,
+    REWARD_SCALINGS,
+    RunningStd,
+    check_num_generations,
+    cross_rollout_baselines,
+    poise_advantages,
     step_statistics,
 )
+from .batch import AdvantageResult, PreparedBatch, Rollouts, prepare_batch, scale_advantages, split_domains
 from .buffer import ProbeBuffer
 from .features import FeatureLayout
-from .files import EstimatorFile, read_state
-from .granularity import GRANULARITIES, PrefixBatch
+from .files import read_state, save_state, state_from_dict, state_to_dict
+from .granularity import PrefixBaseline, PrefixBatch, SequenceBaseline
 from .heads import ValueHead
 from .history import PromptHistory
 from .layer_choice import select_layer
 from .learner import OnlineLearner
 from .prompt_value import fit_prompt_values, target_range
 from .row import FeatureRow
-from .specs import EstimatorSpec, check_num_generations, estimator_spec, feature_config, head_settings
+from .specs import EstimatorSpec, estimator_spec, feature_config, head_settings
+from .state import EstimatorState, bootstrap_lines, new_learner
 
 __all__ = ["POISEEstimator", "AdvantageResult", "PreparedBatch", "Rollouts"]  # the batch types live in batch.py
 
 
-class POISEEstimator(EstimatorFile):
+class POISEEstimator:
     """POISE's value baseline, learned online (paper Algorithm 1). See the module docstring for the contract.
 
-    The constructor stores its arguments as given (scikit-learn's rule): what derives from them (the probe template,
-    each domain's capacity, the feature row) is computed where it is used, and what is learned (probes, buffers,
-    bootstrap lines, reward std, step count, the layer in use) lives beside them. `state_dict`/`load_state_dict`/
-    `save`/`load` are `files.EstimatorFile`'s, beside the file format; the file holds the spec too (`from_file`).
+    As a scikit-learn estimator, the constructor checks and stores its arguments and builds nothing (None: the
+    default spec); what derives from them (the feature row, each domain's learner) is computed where it is used.
+    What is learned is one frozen record, `state_` (state.py: probes, buffers, bootstrap lines, reward std, step
+    count, the layer in use, the prompt history, the token baseline), which `observe` and `load_state_dict` build
+    whole and assign once; until the first of them it is the record of an estimator that learned nothing (the
+    bootstrap baselines). Its parts read as attributes with scikit-learn's trailing underscore (`probes_`, `steps_`,
+    `layer_`, `trusted_`, ...). `state_dict`/`save` are functions of it and the settings (files.py); the file holds
+    the spec too (`from_file`).
 
     Args:
         num_generations: G, rollouts per prompt (>= 2).
@@ -110,21 +119,6 @@ class POISEEstimator(EstimatorFile):
         self.feature_config = feature_config
         self.broadcast = broadcast
         self.describe = describe
-        # What the estimator learns.
-        self.probes: dict[str, OnlineLearner] = {}  # per domain: the sequence value
-        self.bootstrap_pairs: dict[str, ProbeBuffer] = {}  # per domain: (partner mean, reward) of earlier steps
-        self.bootstrap_lines: dict[str, torch.Tensor] = {}  # per domain: [a, w] fitted on those pairs
-        self.reward_std = RunningStd()
-        self.steps = 0  # observed (training) steps
-        self.layer_index = spec.layers.index  # the automatic layer choice moves it
-        history = spec.history
-        self.prompt_history = None if history is None else PromptHistory(history.size, history.decay)
-        self.token_baseline = GRANULARITIES[spec.granularity.name](
-            head=spec.head.build,
-            pca_dims=spec.granularity.pca_dims,
-            buffer_size=spec.buffer.size,
-            warmup_steps=spec.buffer.warmup_steps,
-        )
 
     @classmethod
     def from_config(
@@ -180,14 +174,79 @@ class POISEEstimator(EstimatorFile):
             key = f"domain.{i}.buffer.features"
             if key in tensors:
                 tensors[key] = self.row.project(tensors[key], refitted.row)
-        if refitted.prompt_history is None:
+        if spec.history is None:
             tensors = {key: value for key, value in tensors.items() if not key.startswith("history.")}
             info.pop("history", None)
         refitted.load_state_dict({"tensors": tensors, "info": info}, source="the estimator refitted")
-        for online in refitted.probes.values():
-            if online.can_fit:
-                online.fit(refitted.layer_index)
+        loaded = refitted.state_  # the new estimator is not returned yet: its state may be set twice
+        probes = {
+            name: online.fitted(loaded.layer_index) if online.can_fit else online
+            for name, online in loaded.probes.items()
+        }
+        refitted.state_ = replace(loaded, probes=probes)
         return refitted
+
+    # ---------------------------------------------------------------------------------------------- learned state
+    @property
+    def state_(self) -> EstimatorState:
+        """What `observe`/`load_state_dict` learned, one frozen record (state.py); before either of them, what an
+        estimator of this spec knows then: nothing learned, the bootstrap baselines."""
+        learned = vars(self).get("_state")
+        return EstimatorState.initial(self.spec) if learned is None else learned
+
+    @state_.setter
+    def state_(self, state: EstimatorState) -> None:
+        self._state = state  # the one assignment that changes what the estimator learned
+
+    @property
+    def probes_(self) -> Mapping[str, OnlineLearner]:
+        """Domain -> the learner of its sequence value (`OnlineLearner`: probe, buffer, step count)."""
+        return MappingProxyType(self.state_.probes)
+
+    @property
+    def bootstrap_pairs_(self) -> Mapping[str, ProbeBuffer]:
+        """Domain -> its buffered (partner mean, reward) pairs of earlier steps (the shrunk bootstrap's)."""
+        return MappingProxyType(self.state_.bootstrap_pairs)
+
+    @property
+    def bootstrap_lines_(self) -> Mapping[str, torch.Tensor]:
+        """Domain -> its bootstrap line [a, w]."""
+        return MappingProxyType(self.state_.bootstrap_lines)
+
+    @property
+    def reward_std_(self) -> RunningStd:
+        """The running std of earlier steps' rewards."""
+        return self.state_.reward_std
+
+    @property
+    def steps_(self) -> int:
+        """Observed (training) steps."""
+        return self.state_.steps
+
+    @property
+    def layer_index_(self) -> int:
+        """The candidate slice the probes use now (fixed, or the latest automatic choice)."""
+        return self.state_.layer_index
+
+    @property
+    def layer_(self) -> int:
+        """The layer id the probes use now (fixed, or the latest automatic choice)."""
+        return self.layers[self.layer_index_]
+
+    @property
+    def prompt_history_(self) -> PromptHistory | None:
+        """Each prompt's count and mean reward at earlier steps (None without a history spec)."""
+        return self.state_.prompt_history
+
+    @property
+    def token_baseline_(self) -> SequenceBaseline | PrefixBaseline:
+        """The granularity's token baseline (granularity.py), with its learner for "prefix"."""
+        return self.state_.token_baseline
+
+    @property
+    def trusted_(self) -> bool:
+        """Whether any domain's probe is trusted (past its bootstrap, or warm-started)."""
+        return any(online.trusted for online in self.state_.probes.values())
 
     # ------------------------------------------------------------------------------------------------- structure
     @property
@@ -196,49 +255,41 @@ class POISEEstimator(EstimatorFile):
         return self.spec.layers.ids
 
     @property
-    def layer(self) -> int:
-        """The layer id the probes use now (fixed, or the latest automatic choice)."""
-        return self.layers[self.layer_index]
-
-    @property
     def row(self) -> FeatureRow:
         """The probe's input row, [φ | partner reward | history]."""
-        return FeatureRow(self.spec.partner_reward, self.spec.history is not None)
-
-    @property
-    def probe_template(self) -> ValueHead:
-        """An unfitted head with this estimator's refit settings, PCA laid on the feature row."""
-        return self.spec.head.build(self.row.pca_dims(self.spec.head.pca_dims))
-
-    def capacity(self, domain: str) -> int:
-        return self.spec.buffer.capacity(domain)
+        return self.spec.row
 
     def new_probe(self, domain: str) -> OnlineLearner:
         """A domain's learner of the sequence value, unfitted, with this estimator's settings."""
-        return OnlineLearner(self.probe_template, self.capacity(domain), self.spec.buffer.warmup_steps)
-
-    def describe_probe(self, probe: ValueHead) -> str:
-        """A probe's refit settings as the caller names them (error messages)."""
-        return f"head {probe.name!r} {json.dumps(probe.config())}" if self.describe is None else self.describe(probe)
+        return new_learner(self.spec, domain)
 
     def prepare(self, features: torch.Tensor, rollouts: Rollouts) -> PreparedBatch:
         """The batch as `advantages`, `predict` and `observe` use it: (N, D) or (N, C, D) features and their
         record."""
+        return self._prepare(self.state_, features, rollouts)
+
+    def _prepare(self, state: EstimatorState, features: torch.Tensor, rollouts: Rollouts) -> PreparedBatch:
         if features.shape[:1] != (rollouts.rows,):
             raise ValueError(f"Got {rollouts.rows} rewards for {features.shape[0]} feature rows.")
         self.row.check_pca(self.spec.head.pca_dims, features.size(-1))
         rewards, max_domains = rollouts.rewards, self.spec.buffer.max_domains
-        domain_rows = split_domains(rollouts.domains, rollouts.rows, rewards.device, self.probes, max_domains)
+        domain_rows = split_domains(rollouts.domains, rollouts.rows, rewards.device, state.probes, max_domains)
         g = rollouts.num_generations or self.num_generations
-        history = self.history_columns(rollouts.prompt_ids, rollouts.rows, rewards.device)
+        history = self._history_columns(state, rollouts.prompt_ids, rollouts.rows, rewards.device)
         return prepare_batch(features, rollouts, g, self.row, domain_rows, history)
 
     def history_columns(
         self, prompt_ids: torch.Tensor | None, rows: int, device: torch.device | str | None = None
     ) -> torch.Tensor | None:
+        """(rows, 3) history columns of each row's prompt from the steps observed so far (None without `history`)."""
+        return self._history_columns(self.state_, prompt_ids, rows, device)
+
+    def _history_columns(
+        self, state: EstimatorState, prompt_ids: torch.Tensor | None, rows: int, device: torch.device | str | None
+    ) -> torch.Tensor | None:
         """(rows, 3) history columns of each row's prompt from earlier steps only (None without `history`), looked
         up on `device`, where the table lives (the rewards' device: ids elsewhere would move it back and forth)."""
-        if self.prompt_history is None:
+        if state.prompt_history is None:
             return None
         if prompt_ids is None or prompt_ids.shape != (rows,):
             got = None if prompt_ids is None else tuple(prompt_ids.shape)
@@ -246,15 +297,16 @@ class POISEEstimator(EstimatorFile):
                 f"history=True (probe_history) looks each row's prompt up by its id: give prompt_ids, ({rows},) "
                 f"int64 ids that are the same for a prompt at every step (e.g. buffer.prompt_group_ids), got {got}."
             )
-        return self.prompt_history.columns(prompt_ids.to(device))
+        return state.prompt_history.columns(prompt_ids.to(device))
 
     # -------------------------------------------------------------------------------------------------- estimate
-    def _probe_values(self, batch: PreparedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def _probe_values(state: EstimatorState, batch: PreparedBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(clipped, unclipped) probe value of each usable row from its domain's fitted probe; NaN elsewhere."""
         values = torch.full_like(batch.rewards, torch.nan)
         unclipped = values.clone()
         for name, rows in batch.domain_rows.items():
-            online = self.probes.get(name)
+            online = state.probes.get(name)
             if online is not None and online.probe.is_fitted:
                 clipped, raw = online.predict(batch.features, return_unclipped=True)
                 values = torch.where(rows & batch.usable, clipped, values)
@@ -265,16 +317,17 @@ class POISEEstimator(EstimatorFile):
         """Each row's probe value g(φ_j) (h(φ_j, r_j) when partner-aware, hence the record's rewards), from what
         earlier `observe` calls taught: NaN where a row has no usable features or its domain no fitted probe. Changes
         nothing; the baseline of rollout i is the mean of its partners' values (`advantages`)."""
-        return self._probe_values(self.prepare(features, rollouts))[0]
+        state = self.state_
+        return self._probe_values(state, self._prepare(state, features, rollouts))[0]
 
-    def _fallback(self, batch: PreparedBatch) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    def _fallback(self, state: EstimatorState, batch: PreparedBatch) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """The bootstrap baseline of each row (None: RLOO, `poise_advantages`' own) and the lines it used."""
         if BOOTSTRAPS[self.spec.bootstrap] is None:
             return None, []
         fallback, lines = batch.targets.clone(), []
         identity = torch.tensor([0.0, 1.0], dtype=torch.float64)
         for name, rows in batch.domain_rows.items():
-            line = self.bootstrap_lines.get(name, identity).to(batch.rewards.device)
+            line = state.bootstrap_lines.get(name, identity).to(batch.rewards.device)
             fallback = torch.where(rows, (line[0] + line[1] * batch.targets).to(batch.rewards.dtype), fallback)
             lines.append(line)
         return fallback, lines
@@ -290,20 +343,22 @@ class POISEEstimator(EstimatorFile):
         Rows without a finite reward or completion get advantage 0; the importance weights multiply the advantages
         after any scaling. prefix: the per-prefix capture (granularity "prefix"); once trusted, the result holds
         `token_advantages`."""
-        batch = self.prepare(features, rollouts)
+        state = self.state_
+        batch = self._prepare(state, features, rollouts)
         g, rewards, scorable, usable = batch.num_generations, batch.rewards, batch.scorable, batch.usable
-        values, unclipped = self._probe_values(batch)
+        values, unclipped = self._probe_values(state, batch)
         trusted = torch.zeros_like(scorable)
         for name, rows in batch.domain_rows.items():
-            online = self.probes.get(name)
+            online = state.probes.get(name)
             if online is not None and online.trusted:
                 trusted = trusted | rows
-        fallback, lines = self._fallback(batch)
+        fallback, lines = self._fallback(state, batch)
         advantages, baselines, receives = poise_advantages(
             rewards, values, g, usable, batch.has_completion, trusted, fallback
         )
-        tokens = self.token_baseline.advantages(prefix, rewards, receives, advantages)
-        divisor = REWARD_SCALINGS[self.spec.scale_rewards](self.reward_std)  # of earlier steps' rewards
+        token_baseline = state.token_baseline
+        tokens = token_baseline.advantages(prefix, rewards, receives, advantages)
+        divisor = REWARD_SCALINGS[self.spec.scale_rewards](state.reward_std)  # of earlier steps' rewards
         from_probe = trusted & ~torch.isnan(cross_rollout_baselines(values, g, usable))
         extra = {  # the share of rows whose baseline really is the bootstrap's (untrusted, or no usable partner)
             "bootstrap": (receives & ~from_probe).double().sum() / receives.sum().clamp(min=1),
@@ -313,8 +368,9 @@ class POISEEstimator(EstimatorFile):
         if lines:
             mean_line = torch.stack(lines).mean(0)
             extra.update(bootstrap_intercept=mean_line[0], bootstrap_weight=mean_line[1])
-        extra.update(self.token_baseline.diagnostics(prefix, rewards, receives, tokens))
-        stats, names = step_statistics(batch, baselines, values, unclipped, receives, extra)
+        extra.update(token_baseline.diagnostics(prefix, rewards, receives, tokens))
+        domains = batch.domain_rows if batch.named_domains else None
+        stats, names = step_statistics(rewards, g, baselines, values, unclipped, receives, extra, domains)
         if tokens is not None:  # a row's logged advantage and baseline: its tokens' mean
             advantages, baselines = tokens.mean, torch.where(receives, rewards - tokens.mean, baselines)
         weights = rollouts.weights
@@ -330,23 +386,25 @@ class POISEEstimator(EstimatorFile):
             prefix=prefix,
             token_advantages=None if tokens is None else scale_advantages(tokens.advantages, divisor, weights),
         )
-        result.host_metrics = {"layer": float(self.layer), **self._buffer_sizes(batch)}
-        result.host_metrics.update(self.token_baseline.host_metrics())
+        result.host_metrics = {"layer": float(self.layers[state.layer_index]), **self._buffer_sizes(state, batch)}
+        result.host_metrics.update(token_baseline.host_metrics())
         if batch.named_domains:
             for name in batch.domain_rows:
-                online = self.probes.get(name)
+                online = state.probes.get(name)
                 result.host_metrics[f"domain/{name}/bootstrap"] = float(online is None or not online.trusted)
         return result
 
-    def _buffer_sizes(self, batch: PreparedBatch) -> dict[str, float]:
+    @staticmethod
+    def _buffer_sizes(state: EstimatorState, batch: PreparedBatch) -> dict[str, float]:
         """`buffer_size` (rows buffered in every domain) and, per domain of the batch, `domain/<name>/buffer_size`;
         `<granularity>/buffer_size` for a token baseline's learner."""
-        sizes = {"buffer_size": float(sum(len(online.buffer) for online in self.probes.values()))}
-        for learner in self.token_baseline.learners:
-            sizes[f"{self.token_baseline.name}/buffer_size"] = float(len(learner.buffer))
+        sizes = {"buffer_size": float(sum(len(online.buffer) for online in state.probes.values()))}
+        tokens = state.token_baseline
+        for learner in tokens.learners:
+            sizes[f"{tokens.name}/buffer_size"] = float(len(learner.buffer))
         if batch.named_domains:
             for name in batch.domain_rows:
-                online = self.probes.get(name)
+                online = state.probes.get(name)
                 sizes[f"domain/{name}/buffer_size"] = float(0 if online is None else len(online.buffer))
         return sizes
 
@@ -365,7 +423,10 @@ class POISEEstimator(EstimatorFile):
         it (`features` and `rollouts`). The record's prompt ids group the rows for K-fold layer selection (without
         them each group of G rows is a prompt of its own) and, with `history`, the step's rewards then enter their
         prompts' history, for later steps. Returns `probe_fit_seconds`, the buffer sizes after learning
-        (`buffer_size`, and per domain with domains) and, when the layer was re-chosen, `layer_mae/<layer>`."""
+        (`buffer_size`, and per domain with domains) and, when the layer was re-chosen, `layer_mae/<layer>`.
+
+        The next learned state is built whole from the old one and the batch, then assigned in one statement: a
+        stop anywhere inside leaves the estimator as it was before the call or as it is after it."""
         start = time.perf_counter()
         if result is not None and (features is not None or rollouts is not None):
             raise ValueError("observe takes `result` or the batch (features= and rollouts=), not both.")
@@ -374,87 +435,94 @@ class POISEEstimator(EstimatorFile):
                 "observe needs `result`, what advantages returned for the batch, or the batch itself: features= and "
                 "rollouts=."
             )
-        batch = self.prepare(features, rollouts) if result is None else result.batch
+        old = self.state_
+        batch = self._prepare(old, features, rollouts) if result is None else result.batch
+        prefix = result.prefix if prefix is None and result is not None else prefix
+        state, metrics = self._next_state(old, batch, result, prefix)
+        self.state_ = state
+        refitted = metrics.pop("refitted")
+        metrics["probe_fit_seconds"] = time.perf_counter() - start if refitted or metrics else 0.0
+        return {**metrics, **self._buffer_sizes(state, batch)}
+
+    def _next_state(
+        self, old: EstimatorState, batch: PreparedBatch, result: AdvantageResult | None, prefix: PrefixBatch | None
+    ) -> tuple[EstimatorState, dict[str, Any]]:
+        """The state after learning from `batch` (nothing of `old` is changed), and the layer choice's metrics with
+        "refitted" (whether any head was refitted)."""
         targets, scorable = batch.targets, batch.scorable
         examples = batch.usable & scorable & torch.isfinite(targets)
         group_ids = batch.prompt_ids
         if group_ids is None:  # every group of G consecutive rows is its own prompt, distinct across steps
             rows = torch.arange(targets.numel(), device=targets.device)
-            group_ids = (self.steps << 32) + rows // batch.num_generations
+            group_ids = (old.steps << 32) + rows // batch.num_generations
+        probes, pairs = dict(old.probes), dict(old.bootstrap_pairs)
         for name, rows in batch.domain_rows.items():
-            if name not in self.probes:
-                self.probes[name] = self.new_probe(name)
-            self.probes[name].add(batch.features, targets, group_ids.to(targets.device), keep=rows & examples)
+            online = probes[name] if name in probes else self.new_probe(name)
+            probes[name] = online.added(batch.features, targets, group_ids.to(targets.device), keep=rows & examples)
             if BOOTSTRAPS[self.spec.bootstrap] is not None:
-                pairs = self.bootstrap_pairs.setdefault(name, ProbeBuffer(self.capacity(name)))
-                pairs.add(targets.unsqueeze(1), batch.rewards, keep=rows & scorable & torch.isfinite(targets))
-        prefix = result.prefix if prefix is None and result is not None else prefix
-        self.token_baseline.observe(prefix, batch.rewards, scorable & batch.has_completion)
-        self.reward_std.update(batch.rewards)
-        if self.prompt_history is not None:  # after this step's baselines: its rewards serve later steps only
-            self.prompt_history.update(batch.prompt_ids, batch.rewards)
-        self.steps += 1
-        # The step's one device->host transfer: the buffers' fill levels and the handed result's diagnostics.
-        rings = [online.buffer for online in self.probes.values()] + list(self.bootstrap_pairs.values())
-        rings += [learner.buffer for learner in self.token_baseline.learners]
-        counts = torch.cat([ring.counts().to(targets.device) for ring in rings]).double()
-        pending = result is not None and not result.on_host
-        payload = result.payload() if pending else torch.zeros(0, dtype=torch.float64)
-        host = torch.cat([counts, payload.to(counts.device)]).tolist()
-        for i, ring in enumerate(rings):
-            ring.set_counts(host[2 * i], host[2 * i + 1])
-        if pending:
-            result.receive_host(host[2 * len(rings) :])
-        metrics: dict[str, float] = {}
-        layers = self.spec.layers
-        if layers.select_every and self.steps % layers.select_every == 0:
-            learners = list(self.probes.values())
-            self.layer_index, chosen = select_layer(
-                learners,
+                ring = pairs[name] if name in pairs else ProbeBuffer(self.spec.buffer.capacity(name))
+                pairs[name] = ring.added(
+                    targets.unsqueeze(1), batch.rewards, keep=rows & scorable & targets.isfinite()
+                )
+        tokens = old.token_baseline.observed(prefix, batch.rewards, scorable & batch.has_completion)
+        history = old.prompt_history  # after this step's baselines: its rewards serve later steps only
+        if history is not None:
+            history = history.updated(batch.prompt_ids, batch.rewards)
+        steps = old.steps + 1
+        self._transfer(probes, pairs, tokens, result, targets.device)
+        metrics: dict[str, Any] = {"refitted": False}
+        layers, layer_index = self.spec.layers, old.layer_index
+        if layers.select_every and steps % layers.select_every == 0:
+            layer_index, chosen = select_layer(
+                list(probes.values()),
                 layers.ids,
-                self.layer_index,
+                layer_index,
                 layers.switch_margin,
                 layers.folds,
                 targets.device,
                 self.broadcast,
             )
             metrics.update(chosen)
-        refitted = False
-        for name, online in self.probes.items():
-            if online.can_fit and (name in batch.domain_rows or online.layer_index != self.layer_index):
-                online.fit(self.layer_index, targets.device)
-                refitted = True
-                self._agree(online)
-        if self.token_baseline.fit(prefix, targets.device):
-            refitted = True
-            for learner in self.token_baseline.learners:
-                self._agree(learner)
-        self.bootstrap_lines = self.fit_bootstrap_lines()
-        metrics["probe_fit_seconds"] = time.perf_counter() - start if refitted or metrics else 0.0
-        return {**metrics, **self._buffer_sizes(batch)}
+        for name, online in list(probes.items()):
+            if online.can_fit and (name in batch.domain_rows or online.layer_index != layer_index):
+                probes[name] = online.fitted(layer_index, targets.device, self.broadcast)
+                metrics["refitted"] = True
+        tokens, fitted = tokens.fitted(prefix, targets.device, self.broadcast)
+        metrics["refitted"] |= fitted
+        state = EstimatorState(
+            probes=probes,
+            bootstrap_pairs=pairs,
+            bootstrap_lines=bootstrap_lines(self.spec.bootstrap, pairs),
+            reward_std=old.reward_std.updated(batch.rewards),
+            steps=steps,
+            layer_index=layer_index,
+            prompt_history=history,
+            token_baseline=tokens,
+        )
+        return state, metrics
 
-    def _agree(self, learner: OnlineLearner) -> None:
-        """Every process fitted on identical inputs; a broadcast from rank 0 makes them agree to the bit."""
-        if self.broadcast is not None:
-            learner.probe.map_state(self.broadcast)
-
-    def fit_bootstrap_lines(self) -> dict[str, torch.Tensor]:
-        """Each domain's bootstrap line [a, w], fitted on its buffered (partner mean, reward) pairs."""
-        fit = BOOTSTRAPS[self.spec.bootstrap]
-        if fit is None:
-            return {}
-        return {
-            name: fit(pairs.features[:, 0], pairs.targets)
-            for name, pairs in self.bootstrap_pairs.items()
-            if len(pairs)
-        }
+    @staticmethod
+    def _transfer(
+        probes: dict[str, OnlineLearner],
+        pairs: dict[str, ProbeBuffer],
+        tokens: Any,
+        result: AdvantageResult | None,
+        device: torch.device,
+    ) -> None:
+        """The step's one device->host transfer: the fill levels of the buffers this step added to (which the host
+        does not know yet) and the handed result's diagnostics."""
+        rings = [online.buffer for online in probes.values()] + list(pairs.values())
+        rings = [ring for ring in rings + [learner.buffer for learner in tokens.learners] if not ring.counts_known]
+        counts = [ring.counts().to(device).double() for ring in rings]
+        pending = result is not None and not result.on_host
+        payload = [result.payload().to(device)] if pending else []
+        host = torch.cat([torch.zeros(0, dtype=torch.float64, device=device), *counts, *payload]).tolist()
+        for i, ring in enumerate(rings):  # new buffers, built this step: the held state is not touched
+            ring.set_counts(host[2 * i], host[2 * i + 1])
+        if pending:
+            result.receive_host(host[2 * len(rings) :])
 
     # ------------------------------------------------------------------------------------------- prompt values
-    @property
-    def trusted(self) -> bool:
-        """Whether any domain's probe is trusted (past its bootstrap, or warm-started)."""
-        return any(online.trusted for online in self.probes.values())
-
     def prompt_values(
         self, prompt_features: torch.Tensor, prompt_ids: torch.Tensor | None = None
     ) -> torch.Tensor | None:
@@ -462,15 +530,15 @@ class POISEEstimator(EstimatorFile):
         layer) and, with `history`, its prompt's history (by its (M,) `prompt_ids`; only steps already observed, so
         before this step's generation), by a prompt-only probe on the buffers (prompt_value.py); None until a probe
         is trusted and at least two groups are buffered. What to draw from these values is `sampling.py`'s business."""
-        prompt = self.spec.prompt
-        if prompt is None or not self.trusted:
+        prompt, state = self.spec.prompt, self.state_
+        if prompt is None or not any(online.trusted for online in state.probes.values()):
             return None
         head = self.spec.head.build(self.row.prompt_pca_dims(prompt.columns, prompt.pca_dims), observed_clip=True)
-        history = self.history_columns(prompt_ids, prompt_features.size(0), prompt_features.device)
+        history = self._history_columns(state, prompt_ids, prompt_features.size(0), prompt_features.device)
         return fit_prompt_values(
-            list(self.probes.values()),
+            list(state.probes.values()),
             prompt.columns,
-            self.layer_index,
+            state.layer_index,
             head,
             2 * self.num_generations,
             self.row.assemble_prompt(prompt_features, history),
@@ -480,4 +548,41 @@ class POISEEstimator(EstimatorFile):
     def target_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(lowest, highest) buffered target over every domain: the observed reward range that `prompt_values` are
         read on (0-d tensors, left on the buffers' device)."""
-        return target_range(list(self.probes.values()))
+        return target_range(list(self.state_.probes.values()))
+
+    # ---------------------------------------------------------------------------------------------- persistence
+    def state_dict(self, include_buffer: bool = True) -> dict[str, Any]:
+        """{"tensors": CPU tensors, "info": JSON-able dict}: everything `load_state_dict` needs, no pickle
+        (`files.state_to_dict`)."""
+        return state_to_dict(self.state_, self.num_generations, self.spec, self.feature_config, include_buffer)
+
+    def load_state_dict(
+        self,
+        state: dict[str, Any],
+        warm_start: bool = False,
+        source: str = "the state",
+        device: torch.device | str | None = None,
+    ) -> None:
+        """Restore `state_dict()` exactly, in one assignment (a stop inside leaves the state as it was); with
+        `warm_start`, only the probes, trusted at once and with fresh step counters (a new run starting from a saved
+        probe). Buffers go to `device` (where the features will come from). Refuses a state of another feature
+        configuration or prompt history setting, and on resume one whose refit settings, bootstrap or history table
+        differ from this estimator's (`files.state_from_dict`)."""
+        self.state_ = state_from_dict(
+            state, self.spec, self.feature_config, self.state_, warm_start, source, device, self.describe
+        )
+
+    def save(self, path: str | Path, include_buffer: bool = True) -> None:
+        """One safetensors file (the JSON in its header), written atomically."""
+        save_state(path, self.state_dict(include_buffer))
+
+    def load(
+        self,
+        path: str | Path,
+        warm_start: bool = False,
+        bootstrap_path: str | Path | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        """Load a file written by `save`, or poise-trl 0.1's probe file (`path` + '.json' beside it) with, on
+        resume, its `poise_bootstrap.safetensors` as `bootstrap_path`."""
+        self.load_state_dict(read_state(path, bootstrap_path), warm_start, str(path), device)

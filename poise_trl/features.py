@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .columns import DEFAULT_SCALARS, scalar_columns
 from .text_spans import text_span_masks
@@ -232,18 +233,39 @@ class PooledCapture:
         return torch.cat(self.chunks, dim=0)
 
 
+def _remove(handles: Sequence[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+@contextmanager
+def hooked(hooks: Sequence[tuple[nn.Module, Callable]]) -> Iterator[None]:
+    """Each (module, forward hook) of `hooks` registered for the `with` block only, and removed however the block is
+    left: every hook is registered inside the `try` whose `finally` removes it (no stop between the two), and the
+    removal runs again should a stop interrupt it (removing a hook twice is harmless), so no KeyboardInterrupt,
+    wherever it lands in this module, leaves a hook on a module."""
+    handles: list[RemovableHandle] = []
+    try:
+        try:
+            for module, hook in hooks:
+                handles.append(module.register_forward_hook(hook))
+            yield
+        finally:
+            _remove(handles)
+    finally:
+        _remove(handles)  # again: a stop inside the removal above leaves the rest to this one
+
+
 @contextmanager
 def capture_layer(layer: nn.Module, capture: FeatureSpans | Callable) -> Iterator:
-    """Hook `layer` with `capture` for the passes inside the `with` block only; the hook is removed in `finally`.
+    """Hook `layer` with `capture` for the passes inside the `with` block only (`hooked`: removed however the block
+    is left).
 
     `capture` is the hook (a `PooledCapture`, a `prefix.PrefixCapture`, ...) or, for the pooled sequence features,
     the `FeatureSpans` a `PooledCapture` is made from; the block receives the hook."""
     hook = PooledCapture(capture) if isinstance(capture, FeatureSpans) else capture
-    handle = layer.register_forward_hook(hook)
-    try:
+    with hooked([(layer, hook)]):
         yield hook
-    finally:
-        handle.remove()
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""POISE's files: the estimator's one safetensors file (its layout and `save`/`load`: `EstimatorFile`), written
-atomically, and the layouts of poise-trl 0.1.
+"""POISE's files: the estimator's learned state as tensors and JSON and back (`state_to_dict`, `state_from_dict`:
+functions of the `state.EstimatorState` and the estimator's settings), its one safetensors file, written atomically,
+and the layouts of poise-trl 0.1.
 
 Nothing is pickled: safetensors cannot execute code, so a downloaded probe file is safe to read. The 0.1 layouts
 (`save_probe_file`: one probe; `save_probe_set`: named probes, e.g. one per domain; each with a `.json` beside it;
@@ -9,6 +10,8 @@ and a checkpoint's `poise_bootstrap.safetensors`) still load, through `read_stat
 import json
 import os
 import tempfile
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +19,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from .baselines import RunningStd
+from .batch import DEFAULT_DOMAIN
 from .buffer import ProbeBuffer
 from .features import FeatureLayout
-from .heads import head_from_config
-from .probe import ValueProbe
+from .heads import ValueHead, head_from_config
+from .history import PromptHistory
+from .probe import ValueProbe, strip_prefix
+from .specs import EstimatorSpec, HistorySpec
+from .state import EstimatorState, bootstrap_lines, new_learner
 
 FORMAT = "poise-estimator/1"
-DEFAULT_DOMAIN = "default"  # the one probe's name when rows carry no domain
 
 
 def atomic_save(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
@@ -40,11 +47,6 @@ def atomic_save(tensors: dict[str, torch.Tensor], path: str | Path, metadata: di
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
-
-
-def strip_prefix(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    """The tensors whose key starts with `prefix`, keyed without it."""
-    return {key[len(prefix) :]: value for key, value in tensors.items() if key.startswith(prefix)}
 
 
 def with_scalars(features: dict[str, Any]) -> dict[str, Any]:
@@ -101,137 +103,147 @@ def read_state(path: str | os.PathLike, bootstrap_path: str | os.PathLike | None
     return {"tensors": tensors, "info": converted}
 
 
-class EstimatorFile:
-    """The estimator's persistence (a mixin of `POISEEstimator`, which holds the attributes it reads): its state as
-    tensors and JSON, and the one safetensors file. Tensors are keyed `domain.<i>.*` (each domain's learner),
-    `bootstrap.<i>.*` (its shrunk-bootstrap pairs) and `<granularity>.*` (a token baseline's learner); the JSON names
-    them in order, so names may hold any character; `history.*` is the prompt history's table (history.py). The JSON
-    also holds the estimator's spec (specs.py, "spec"), which `POISEEstimator.from_file` builds it from; files
-    written without one still load into an estimator built with their settings."""
+def state_to_dict(
+    state: EstimatorState,
+    num_generations: int,
+    spec: EstimatorSpec,
+    feature_config: dict[str, Any] | None,
+    include_buffer: bool = True,
+) -> dict[str, Any]:
+    """An estimator's learned `state` and its settings as {"tensors": CPU tensors, "info": JSON-able dict}, no
+    pickle. Tensors are keyed `domain.<i>.*` (each domain's learner), `bootstrap.<i>.*` (its shrunk-bootstrap pairs),
+    `<granularity>.*` (a token baseline's learner) and `history.*` (the prompt history's table, history.py); the JSON
+    names them in order, so names may hold any character, and holds the spec (specs.py, "spec"), which
+    `POISEEstimator.from_file` builds the estimator from."""
+    tensors, domains = {}, []
+    for i, (name, online) in enumerate(state.probes.items()):
+        tensors.update({f"domain.{i}.{k}": v for k, v in online.state_dict(include_buffer).items()})
+        domains.append({"name": name, **online.info(include_buffer)})
+    pairs = [name for name, ring in state.bootstrap_pairs.items() if len(ring)]
+    for i, name in enumerate(pairs):
+        tensors.update({f"bootstrap.{i}.{k}": v for k, v in state.bootstrap_pairs[name].state_dict().items()})
+    info = {
+        "format": FORMAT,
+        "num_generations": num_generations,
+        "feature_config": dict(feature_config or {}),
+        "bootstrap": spec.bootstrap,
+        "domains": domains,
+        "bootstrap_domains": pairs,
+        "probe_steps": state.steps,
+        "layer": spec.layers.ids[state.layer_index],
+        "reward_std": state.reward_std.state_dict(),
+        "spec": spec.to_dict(),
+    }
+    tokens = state.token_baseline
+    if tokens.info() is not None:
+        tensors.update({f"{tokens.name}.{k}": v for k, v in tokens.state_dict(include_buffer).items()})
+        info[tokens.name] = tokens.info()
+    if state.prompt_history is not None:
+        tensors.update({f"history.{k}": v for k, v in state.prompt_history.state_dict().items()})
+        info["history"] = state.prompt_history.info()
+    return {"tensors": tensors, "info": info}
 
-    def state_dict(self, include_buffer: bool = True) -> dict[str, Any]:
-        """{"tensors": CPU tensors, "info": JSON-able dict}: everything `load_state_dict` needs, no pickle."""
-        tensors, domains = {}, []
-        for i, (name, online) in enumerate(self.probes.items()):
-            tensors.update({f"domain.{i}.{k}": v for k, v in online.state_dict(include_buffer).items()})
-            domains.append({"name": name, **online.info(include_buffer)})
-        pairs = [name for name, ring in self.bootstrap_pairs.items() if len(ring)]
-        for i, name in enumerate(pairs):
-            tensors.update({f"bootstrap.{i}.{k}": v for k, v in self.bootstrap_pairs[name].state_dict().items()})
-        info = {
-            "format": FORMAT,
-            "num_generations": self.num_generations,
-            "feature_config": dict(self.feature_config or {}),
-            "bootstrap": self.spec.bootstrap,
-            "domains": domains,
-            "bootstrap_domains": pairs,
-            "probe_steps": self.steps,
-            "layer": self.layer,
-            "reward_std": self.reward_std.state_dict(),
-            "spec": self.spec.to_dict(),
-        }
-        tokens = self.token_baseline
-        if tokens.info() is not None:
-            tensors.update({f"{tokens.name}.{k}": v for k, v in tokens.state_dict(include_buffer).items()})
-            info[tokens.name] = tokens.info()
-        if self.prompt_history is not None:
-            tensors.update({f"history.{k}": v for k, v in self.prompt_history.state_dict().items()})
-            info["history"] = self.prompt_history.info()
-        return {"tensors": tensors, "info": info}
 
-    def load_state_dict(
-        self,
-        state: dict[str, Any],
-        warm_start: bool = False,
-        source: str = "the state",
-        device: torch.device | str | None = None,
-    ) -> None:
-        """Restore `state_dict()` exactly; with `warm_start`, only the probes, trusted at once and with fresh step
-        counters (a new run starting from a saved probe; the prompt history starts afresh too). Buffers go to
-        `device` (where the features will come from). Refuses a state of another feature configuration or prompt
-        history setting, and on resume one whose refit settings, bootstrap or history table differ from this
-        estimator's."""
-        tensors, info = state["tensors"], state["info"]
-        check_feature_config(info.get("feature_config") or {}, self.feature_config or {}, source)
-        if not warm_start and info.get("bootstrap") not in (None, self.spec.bootstrap):
+def describe_head(head: ValueHead) -> str:
+    """A head's refit settings, as error messages name them when the caller gives no words of its own."""
+    return f"head {head.name!r} {json.dumps(head.config())}"
+
+
+def state_from_dict(
+    saved: dict[str, Any],
+    spec: EstimatorSpec,
+    feature_config: dict[str, Any] | None,
+    current: EstimatorState,
+    warm_start: bool = False,
+    source: str = "the state",
+    device: torch.device | str | None = None,
+    describe: Callable[[ValueHead], str] | None = None,
+) -> EstimatorState:
+    """The learned state `state_to_dict` wrote, for an estimator of `spec` and `feature_config` whose state is now
+    `current`: exactly, or with `warm_start` only the probes (trusted at once, fresh step counters; the rest stays
+    `current`'s: a new run starting from a saved probe). Buffers go to `device` (where the features will come from);
+    each learner takes `spec`'s head settings and capacity (the newest rows survive). Refuses a state of another
+    feature configuration or prompt history setting, and on resume one whose refit settings, bootstrap or history
+    table differ, naming a head's settings with `describe` (default: `describe_head`)."""
+    describe = describe or describe_head
+    tensors, info = saved["tensors"], saved["info"]
+    check_feature_config(info.get("feature_config") or {}, feature_config or {}, source)
+    if not warm_start and info.get("bootstrap") not in (None, spec.bootstrap):
+        raise ValueError(
+            f"{source} was written by a run with probe_bootstrap={info['bootstrap']!r}, but this run sets "
+            f"probe_bootstrap={spec.bootstrap!r}. Resume with the setting the run was started with."
+        )
+    check_history(info.get("history"), spec.history, warm_start, source)
+    probes = {}
+    for i, domain in enumerate(info["domains"]):
+        name = domain["name"]
+        online = new_learner(spec, name)  # this run's settings and capacity (the newest rows survive)
+        saved_head = head_from_config(domain["probe"], domain.get("head", ValueProbe.name))
+        if warm_start and saved_head.name != online.probe.name:  # the learner refits the head it predicts with
             raise ValueError(
-                f"{source} was written by a run with probe_bootstrap={info['bootstrap']!r}, but this run sets "
-                f"probe_bootstrap={self.spec.bootstrap!r}. Resume with the setting the run was started with."
+                f"The probe in {source} (domain {name!r}) is a {saved_head.name!r} head, but this run's head is "
+                f"{online.probe.name!r}: a warm start predicts with the loaded fit until its first refit, which "
+                f"uses the same head. Warm-start with the head the file was saved with, or start without it."
             )
-        self.check_history(info.get("history"), warm_start, source)
-        probes = {}
-        for i, domain in enumerate(info["domains"]):
-            name = domain["name"]
-            online = self.new_probe(name)  # this run's settings and capacity (the newest rows survive)
-            saved = head_from_config(domain["probe"], domain.get("head", ValueProbe.name))
-            if warm_start and saved.name != online.probe.name:  # the learner refits the head it predicts with
-                raise ValueError(
-                    f"The probe in {source} (domain {name!r}) is a {saved.name!r} head, but this run's head is "
-                    f"{online.probe.name!r}: a warm start predicts with the loaded fit until its first refit, which "
-                    f"uses the same head. Warm-start with the head the file was saved with, or start without it."
-                )
-            if not warm_start and (saved.name, saved.config()) != (online.probe.name, online.probe.config()):
-                raise ValueError(
-                    f"The probe in {source} (domain {name!r}) refits with {self.describe_probe(saved)}, but this run "
-                    f"sets {self.describe_probe(online.probe)}. Resume with the settings (or probe_preset) the run "
-                    "was started with; to change them, start a new run with probe_init_path pointing at this file."
-                )
-            online.load_state(strip_prefix(tensors, f"domain.{i}."), domain, device, warm_start)
-            probes[name] = online
-        self.probes = probes
-        tokens = self.token_baseline  # a sequence-level run's file has none: a token baseline starts afresh
-        tokens.load_state(strip_prefix(tensors, f"{tokens.name}."), info.get(tokens.name, {}), warm_start, device)
-        self.layer_index = self.layers.index(int(info["layer"]))
-        self.steps = 0 if warm_start else int(info.get("probe_steps", 0))
-        if warm_start:
-            return
-        if "reward_std" in info:
-            self.reward_std.load_state_dict(info["reward_std"])
-        self.bootstrap_pairs = {}
-        for i, name in enumerate(info.get("bootstrap_domains", [])):
-            ring = ProbeBuffer(self.capacity(name))
-            ring.load_state_dict(strip_prefix(tensors, f"bootstrap.{i}."), device)
-            self.bootstrap_pairs[name] = ring
-        self.bootstrap_lines = self.fit_bootstrap_lines()
-        if self.prompt_history is not None:
-            self.prompt_history.load_state_dict(strip_prefix(tensors, "history."), info["history"], device)
-
-    def check_history(self, saved: dict[str, Any] | None, warm_start: bool, source: str) -> None:
-        """Refuse a state whose probes read other inputs (history on in one, off in the other: files written before
-        the history have none), and on resume a table of another size or decay."""
-        history = self.prompt_history is not None
-        if (saved is not None) != history:
+        if not warm_start and (saved_head.name, saved_head.config()) != (online.probe.name, online.probe.config()):
             raise ValueError(
-                f"{source} was written by a run with probe_history={saved is not None}, but this run sets "
-                f"probe_history={history}: {'this run' if history else 'the file'}'s probes read the "
-                "history columns and the other's do not. Resume or warm-start with the setting the file was written "
-                "with."
+                f"The probe in {source} (domain {name!r}) refits with {describe(saved_head)}, but this run "
+                f"sets {describe(online.probe)}. Resume with the settings (or probe_preset) the run "
+                "was started with; to change them, start a new run with probe_init_path pointing at this file."
             )
-        if saved is None or warm_start:
-            return
-        current = self.prompt_history.info()
-        if (saved["size"], saved["decay"]) != (current["size"], current["decay"]):
-            raise ValueError(
-                f"{source} holds a prompt history of probe_history_size={saved['size']}, probe_history_decay="
-                f"{saved['decay']}, but this run sets {current['size']} and {current['decay']}. Resume with the "
-                "settings the run was started with."
-            )
+        probes[name] = online.loaded(strip_prefix(tensors, f"domain.{i}."), domain, device, warm_start)
+    tokens = current.token_baseline  # a sequence-level run's file has none: a token baseline starts afresh
+    tokens = tokens.loaded(strip_prefix(tensors, f"{tokens.name}."), info.get(tokens.name, {}), warm_start, device)
+    layer_index = spec.layers.ids.index(int(info["layer"]))
+    if warm_start:
+        return replace(current, probes=probes, token_baseline=tokens, layer_index=layer_index, steps=0)
+    reward_std = current.reward_std
+    if "reward_std" in info:
+        reward_std = RunningStd()
+        reward_std.load_state_dict(info["reward_std"])
+    pairs = {}
+    for i, name in enumerate(info.get("bootstrap_domains", [])):
+        pairs[name] = ProbeBuffer(spec.buffer.capacity(name))
+        pairs[name].load_state_dict(strip_prefix(tensors, f"bootstrap.{i}."), device)
+    history = None
+    if spec.history is not None:
+        history = PromptHistory(spec.history.size, spec.history.decay)
+        history.load_state_dict(strip_prefix(tensors, "history."), info["history"], device)
+    return EstimatorState(
+        probes=probes,
+        bootstrap_pairs=pairs,
+        bootstrap_lines=bootstrap_lines(spec.bootstrap, pairs),
+        reward_std=reward_std,
+        steps=int(info.get("probe_steps", 0)),
+        layer_index=layer_index,
+        prompt_history=history,
+        token_baseline=tokens,
+    )
 
-    def save(self, path: str | os.PathLike, include_buffer: bool = True) -> None:
-        """One safetensors file (the JSON in its header), written atomically."""
-        state = self.state_dict(include_buffer)
-        atomic_save(state["tensors"], path, metadata={"poise": json.dumps(state["info"], sort_keys=True)})
 
-    def load(
-        self,
-        path: str | os.PathLike,
-        warm_start: bool = False,
-        bootstrap_path: str | os.PathLike | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        """Load a file written by `save`, or poise-trl 0.1's probe file (`path` + '.json' beside it) with, on
-        resume, its `poise_bootstrap.safetensors` as `bootstrap_path`."""
-        self.load_state_dict(read_state(path, bootstrap_path), warm_start, str(path), device)
+def check_history(saved: dict[str, Any] | None, history: HistorySpec | None, warm_start: bool, source: str) -> None:
+    """Refuse a state whose probes read other inputs than `history`'s (history on in one, off in the other: files
+    written before the history have none), and on resume a table of another size or decay."""
+    if (saved is not None) != (history is not None):
+        raise ValueError(
+            f"{source} was written by a run with probe_history={saved is not None}, but this run sets "
+            f"probe_history={history is not None}: {'this run' if history else 'the file'}'s probes read the "
+            "history columns and the other's do not. Resume or warm-start with the setting the file was written "
+            "with."
+        )
+    if saved is None or warm_start:
+        return
+    if (saved["size"], saved["decay"]) != (history.size, float(history.decay)):
+        raise ValueError(
+            f"{source} holds a prompt history of probe_history_size={saved['size']}, probe_history_decay="
+            f"{saved['decay']}, but this run sets {history.size} and {float(history.decay)}. Resume with the "
+            "settings the run was started with."
+        )
+
+
+def save_state(path: str | os.PathLike, saved: dict[str, Any]) -> None:
+    """One safetensors file of a `state_to_dict` (the JSON in its header), written atomically."""
+    atomic_save(saved["tensors"], path, metadata={"poise": json.dumps(saved["info"], sort_keys=True)})
 
 
 def save_probe_file(
@@ -265,7 +277,7 @@ def load_probe_file(path: str | Path) -> tuple[ValueProbe, ProbeBuffer | None, d
 def load_probe_set(
     path: str | Path, single_name: str = "default"
 ) -> tuple[dict[str, tuple[dict[str, torch.Tensor], dict[str, Any]]], dict]:
-    """Inverse of `save_probe_set`: {name: (tensors, per-probe info)} for `OnlineLearner.load_state`, and the JSON.
+    """Inverse of `save_probe_set`: {name: (tensors, per-probe info)} for `OnlineLearner.loaded`, and the JSON.
 
     A single probe written by `save_probe_file` reads as one set member named `single_name`, with its buffer's
     (N, D) features as the one slice of (N, 1, D).

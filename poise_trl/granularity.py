@@ -6,12 +6,14 @@ rollout and, once a head is fitted, every token's value from that head folded in
 (prefix.py). Its head is an `OnlineLearner` like the sequence value's (target: the rollout's own reward), so trust,
 warm start and persistence are the learner's. Until it is trusted the caller keeps the sequence-level advantages.
 
-Both entries answer the same calls, so the estimator and the trainer never ask which granularity runs. Each says
+Both entries answer the same calls, so the estimator and the trainer never ask which granularity runs; a token
+baseline is a value, as its learner is (`observed`, `fitted` and `loaded` return a new one). Each says
 what it can work with, which the estimator's spec checks (specs.py) instead of names: whether its value reads the
 prompt history's columns (`takes_history`), whether it needs one fixed layer (`one_layer`), and which methods its
 head must have (`head_methods`: the per-prefix value folds its head into an affine map applied inside the hook).
 """
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,11 +66,11 @@ class SequenceBaseline:
     def host_metrics(self) -> dict[str, float]:
         return {}
 
-    def observe(self, batch: PrefixBatch | None, *args: Any) -> None:
-        return None
+    def observed(self, batch: PrefixBatch | None, *args: Any) -> "SequenceBaseline":
+        return self
 
-    def fit(self, batch: PrefixBatch | None, device: torch.device | str | None = None) -> bool:
-        return False
+    def fitted(self, batch: PrefixBatch | None, *args: Any) -> tuple["SequenceBaseline", bool]:
+        return self, False
 
     def state_dict(self, include_buffer: bool = True) -> dict[str, torch.Tensor]:
         return {}
@@ -76,8 +78,8 @@ class SequenceBaseline:
     def info(self) -> dict[str, Any] | None:
         return None
 
-    def load_state(self, state: dict[str, torch.Tensor], info: dict[str, Any], warm_start: bool, device=None) -> None:
-        return None
+    def loaded(self, *args: Any, **kwargs: Any) -> "SequenceBaseline":
+        return self
 
 
 class PrefixBaseline:
@@ -208,25 +210,36 @@ class PrefixBaseline:
         return {"prefix/trusted": float(self.trusted)}
 
     # --------------------------------------------------------------------------------------------------- learn
-    def observe(self, batch: PrefixBatch | None, rewards: torch.Tensor, keep: torch.Tensor) -> None:
-        """Buffer the sampled rows of the rollouts `keep` (N,) marks (scorable, with a completion), target: the
-        rollout's own reward (a value, not a partner's); count the step."""
+    def _with(self, learner: OnlineLearner) -> "PrefixBaseline":
+        """This baseline with another learner (and the map folded from its head, when asked); this one is left."""
+        baseline = copy.copy(self)
+        baseline.learner, baseline._map = learner, None
+        return baseline
+
+    def observed(self, batch: PrefixBatch | None, rewards: torch.Tensor, keep: torch.Tensor) -> "PrefixBaseline":
+        """This baseline with the sampled rows of the rollouts `keep` (N,) marks (scorable, with a completion)
+        buffered, target: the rollout's own reward (a value, not a partner's); the step counted."""
         if batch is None:
-            return
+            return self
+        learner = self.learner
         if not self.probe.is_fitted:  # the rows tell the model's width, which the head's PCA blocks need
-            self.learner.probe = self._head(batch.rows.size(-1))
+            learner = learner.replace(probe=self._head(batch.rows.size(-1)))
         k = batch.rows.size(1)
         rows = keep.unsqueeze(1) & batch.sampled & torch.isfinite(batch.rows).all(-1)
         targets = rewards.unsqueeze(1).expand(-1, k)
-        self.learner.add(batch.rows.flatten(0, 1).unsqueeze(1), targets.flatten(), keep=rows.flatten())
+        return self._with(learner.added(batch.rows.flatten(0, 1).unsqueeze(1), targets.flatten(), keep=rows.flatten()))
 
-    def fit(self, batch: PrefixBatch | None, device: torch.device | str | None = None) -> bool:
-        """Refit on the whole buffer after a step that brought a capture; whether it refitted."""
+    def fitted(
+        self,
+        batch: PrefixBatch | None,
+        device: torch.device | str | None = None,
+        agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> tuple["PrefixBaseline", bool]:
+        """(this baseline refitted on the whole buffer after a step that brought a capture, whether it refitted);
+        `agree` as `OnlineLearner.fitted`'s."""
         if batch is None or not self.learner.can_fit:
-            return False
-        self.learner.fit(0, device)
-        self._map = None
-        return True
+            return self, False
+        return self._with(self.learner.fitted(0, device, agree)), True
 
     # ---------------------------------------------------------------------------------------------- persistence
     def state_dict(self, include_buffer: bool = True) -> dict[str, torch.Tensor]:
@@ -235,18 +248,17 @@ class PrefixBaseline:
     def info(self) -> dict[str, Any]:
         return {**self.learner.info(), "fitted": self.probe.is_fitted}
 
-    def load_state(
+    def loaded(
         self,
         state: dict[str, torch.Tensor],
         info: dict[str, Any],
         warm_start: bool = False,
         device: torch.device | str | None = None,
-    ) -> None:
-        """Restore `state_dict`/`info` (empty: start afresh), keeping this object's settings and capacity."""
+    ) -> "PrefixBaseline":
+        """This baseline with `state_dict`/`info` restored (empty: afresh), its settings and capacity kept."""
         width = state.get("probe.mean", state.get("buffer.features"))
-        self.learner.probe = self._head(None if width is None else width.size(-1))
-        self.learner.load_state(state, info, device, warm_start)
-        self._map = None
+        head = self._head(None if width is None else width.size(-1))
+        return self._with(self.learner.replace(probe=head).loaded(state, info, device, warm_start))
 
 
 GRANULARITIES: dict[str, type] = {SequenceBaseline.name: SequenceBaseline, PrefixBaseline.name: PrefixBaseline}

@@ -15,6 +15,9 @@ of additions (a sort, a segmented scan, gathers), so it never waits for the devi
 with the same gathered batch holds the same table, bit for bit, with no broadcast.
 """
 
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -42,13 +45,24 @@ def segmented_sums(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+@dataclass(frozen=True)
+class Learned:
+    """What a history table learned: the observed steps so far (the step number a slot's `last` refers to) and the
+    slots, sorted by key with the empty ones (key EMPTY, count 0) at the end, on the device of the first update
+    (None before it). Replaced whole by every update, never written in place."""
+
+    steps: int = 0
+    slots: Mapping[str, torch.Tensor] | None = None
+
+
 class PromptHistory:
     """A bounded table prompt id -> (count, mean reward) of the rewards observed at earlier steps.
 
     The mean is exponentially decayed per observed step: a prompt's rewards from k steps back weigh `decay`^k, so
     with decay 1 (the default) it is the plain mean of every earlier reward, and below 1 it follows a policy that
     changes. The count is the plain number of rewards seen, whatever the decay. Rows whose reward is not finite are
-    skipped.
+    skipped. What it learned is one `Learned` record, which `update` replaces in one assignment (`updated` returns a
+    new table and leaves this one as it is).
 
     Args:
         size: slots; at most this many prompts are remembered (about 40 bytes each on the rewards' device).
@@ -63,15 +77,18 @@ class PromptHistory:
             raise Refused("decay", decay, rule)
         self.size = size
         self.decay = float(decay)
-        self.steps = 0  # updates so far: the step number a slot's `last` refers to
-        # Sorted by key (empty slots, key EMPTY and count 0, at the end), on the device of the first update.
-        self._table: dict[str, torch.Tensor] | None = None
+        self._learned = Learned()
+
+    @property
+    def steps(self) -> int:
+        """Updates so far."""
+        return self._learned.steps
 
     # ------------------------------------------------------------------------------------------------------ read
     def lookup(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(seen bool, count int64, mean float64) of each (N,) prompt id; 0 counts and means where unseen."""
         keys = keys.long()
-        if self._table is None:
+        if self._learned.slots is None:
             zeros = torch.zeros_like(keys)
             return zeros.bool(), zeros, zeros.double()
         table = self._on(keys.device)
@@ -90,14 +107,14 @@ class PromptHistory:
     # ----------------------------------------------------------------------------------------------------- learn
     def update(self, keys: torch.Tensor, rewards: torch.Tensor) -> None:
         """Add one step's (N,) rewards of (N,) prompt ids (a prompt may have several rows, in any order) and count
-        the step. Call it only after the step's baselines were taken."""
+        the step, in one assignment. Call it only after the step's baselines were taken."""
         if keys.shape != rewards.shape:
             raise ValueError(f"Got {keys.numel()} prompt ids for {rewards.numel()} rewards.")
         device, step = rewards.device, self.steps
-        self.steps += 1
         if keys.numel() == 0:
+            self._learned = replace(self._learned, steps=step + 1)
             return
-        table = self._allocate(device) if self._table is None else self._on(device)
+        table = self._empty(self.size, device) if self._learned.slots is None else self._on(device)
         keys, order = torch.sort(keys.to(device).long(), stable=True)
         scorable = torch.isfinite(rewards)[order]
         count = segmented_sums(keys, scorable.long())
@@ -115,8 +132,10 @@ class PromptHistory:
             "last": torch.full_like(keys, step),
         }
         slot = torch.where(hit, index, self.size)  # every other row writes a spare slot, dropped below
-        for name, column in merged.items():
-            table[name] = torch.cat([table[name], table[name][:1]]).index_copy_(0, slot, column)[:-1]
+        table = {  # new columns: the table held stays as it is
+            name: torch.cat([table[name], table[name][:1]]).index_copy_(0, slot, column)[:-1]
+            for name, column in merged.items()
+        }
         # A new prompt competes for a slot; rows that are neither new nor scorable enter as empty ones.
         new = fresh & ~hit
         rows = {
@@ -126,7 +145,14 @@ class PromptHistory:
             "total": torch.where(new, total, 0.0),
             "last": merged["last"],
         }
-        self._table = self._keep({name: torch.cat([table[name], rows[name]]) for name in SLOT_FIELDS})
+        slots = self._keep({name: torch.cat([table[name], rows[name]]) for name in SLOT_FIELDS})
+        self._learned = Learned(step + 1, slots)
+
+    def updated(self, keys: torch.Tensor, rewards: torch.Tensor) -> "PromptHistory":
+        """A new table that has also seen this step (as `update`); this one is left as it is."""
+        history = copy.copy(self)  # shares the record, which `update` replaces rather than writes
+        history.update(keys, rewards)
+        return history
 
     def _keep(self, candidates: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The `size` entries to keep of `candidates` (the most recently seen; ties: the smaller key), sorted by key
@@ -147,22 +173,21 @@ class PromptHistory:
         double = torch.zeros(size, dtype=torch.float64, device=device)
         return {"keys": long + EMPTY, "count": long, "weight": double, "total": double.clone(), "last": long.clone()}
 
-    def _allocate(self, device: torch.device | str) -> dict[str, torch.Tensor]:
-        self._table = self._empty(self.size, device)
-        return self._table
-
-    def _on(self, device: torch.device | str) -> dict[str, torch.Tensor]:
-        """The table on `device` (moved there once, e.g. after a load onto the CPU)."""
-        if self._table["keys"].device != torch.device(device):
-            self._table = {name: column.to(device) for name, column in self._table.items()}
-        return self._table
+    def _on(self, device: torch.device | str) -> Mapping[str, torch.Tensor]:
+        """The slots on `device`: moved there once (e.g. after a load onto the CPU), a placement that leaves what
+        was learned as it is."""
+        slots = self._learned.slots
+        if slots["keys"].device != torch.device(device):
+            slots = {name: column.to(device) for name, column in slots.items()}
+            self._learned = replace(self._learned, slots=slots)
+        return slots
 
     # ---------------------------------------------------------------------------------------------- persistence
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The remembered prompts' slots, sorted by key, on the CPU (empty slots are not written)."""
-        if self._table is None:
+        if self._learned.slots is None:
             return {}
-        table = {name: column.cpu() for name, column in self._table.items()}
+        table = {name: column.cpu() for name, column in self._learned.slots.items()}
         used = table["count"] > 0
         return {name: column[used].contiguous() for name, column in table.items()}
 
@@ -172,9 +197,9 @@ class PromptHistory:
     def load_state_dict(
         self, state: dict[str, torch.Tensor], info: dict[str, Any], device: torch.device | str | None = None
     ) -> None:
-        """Restore `state_dict`/`info` exactly (this object's size is kept: a smaller one keeps the most recently
-        seen prompts)."""
-        self.steps = int(info.get("steps", 0))
-        self._table = None
+        """Restore `state_dict`/`info` exactly, in one assignment (this object's size is kept: a smaller one keeps
+        the most recently seen prompts)."""
+        slots = None
         if state.get("keys") is not None and state["keys"].numel():
-            self._table = self._keep({name: state[name].to(device or "cpu") for name in SLOT_FIELDS})
+            slots = self._keep({name: state[name].to(device or "cpu") for name in SLOT_FIELDS})
+        self._learned = Learned(int(info.get("steps", 0)), slots)

@@ -21,6 +21,8 @@ takes the best of a few step lengths (1, 1/2, 1/4, 1/8, 0) by the objective, cho
 on the host, and the objective never rises.
 """
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 
@@ -49,16 +51,16 @@ class LogisticProbe(ScaledHead):
 
     name = "logistic"
 
-    def _link(self, y64: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _link(y64: torch.Tensor, clip: torch.Tensor) -> torch.Tensor:
         """[low, width] of the range the link spans: the clip range where finite, else the observed targets'."""
         observed = torch.stack([y64.min(), y64.max()])
-        bounds = torch.where(self._state["clip"].isfinite(), self._state["clip"], observed)
+        bounds = torch.where(clip.isfinite(), clip, observed)
         width = bounds[1] - bounds[0]
         return torch.stack([bounds[0], torch.where(width > 0, width, torch.ones_like(width))])
 
-    def _solve(self, design: torch.Tensor, y64: torch.Tensor) -> None:
-        link = self._link(y64)
-        self._state["link"] = link
+    def _solve(self, design: torch.Tensor, y64: torch.Tensor, clip: torch.Tensor) -> dict[str, torch.Tensor]:
+        link = self._link(y64, clip)
         t = ((y64 - link[0]) / link[1]).clamp(EPS, 1 - EPS)
         n, p = design.shape
         b = torch.logit(t.mean()).reshape(1)
@@ -66,8 +68,7 @@ class LogisticProbe(ScaledHead):
             coef, b = self._primal(design, t, b)
         else:
             coef, b = self._dual(design, t, b)
-        self._state["coef"] = coef
-        self._state["intercept"] = b
+        return {"link": link, "coef": coef, "intercept": b}
 
     def _primal(self, design: torch.Tensor, t: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Newton on theta = [w, b] with the (P + 1)-square Hessian F~'WF~ + diag(alpha, ..., alpha, 0)."""
@@ -106,6 +107,6 @@ class LogisticProbe(ScaledHead):
             a, b, logits = a + length * da, b + length * db, logits + length * (k_da + db)
         return design.T @ a, b.reshape(1)
 
-    def _raw(self, design: torch.Tensor) -> torch.Tensor:
-        link = self._state["link"]
-        return link[0] + link[1] * torch.sigmoid(design @ self._state["coef"] + self._state["intercept"])
+    def _raw(self, design: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        link = tensors["link"]
+        return link[0] + link[1] * torch.sigmoid(design @ tensors["coef"] + tensors["intercept"])

@@ -14,7 +14,7 @@ fit for the same rows. Gradients are written out (one hidden layer needs no auto
 """
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -76,7 +76,7 @@ class MLPProbe(ScaledHead):
         params[2] = params[2].squeeze(1)
         return params
 
-    def _solve(self, design: torch.Tensor, y64: torch.Tensor) -> None:
+    def _solve(self, design: torch.Tensor, y64: torch.Tensor, clip: torch.Tensor) -> dict[str, torch.Tensor]:
         n = design.size(0)
         params = self._initial(design.size(1), design.device)
         first = [torch.zeros_like(p) for p in params]
@@ -98,9 +98,8 @@ class MLPProbe(ScaledHead):
                 m.mul_(BETA1).add_(g, alpha=1 - BETA1)
                 v.mul_(BETA2).addcmul_(g, g, value=1 - BETA2)
                 p.sub_(rate * m / (v.sqrt() + ADAM_EPS))
-        for key, value in zip(("hidden_weight", "hidden_bias", "coef", "intercept"), params, strict=True):
-            self._state[key] = value
+        return dict(zip(("hidden_weight", "hidden_bias", "coef", "intercept"), params, strict=True))
 
-    def _raw(self, design: torch.Tensor) -> torch.Tensor:
-        s = self._state
-        return (design @ s["hidden_weight"] + s["hidden_bias"]).clamp(min=0) @ s["coef"] + s["intercept"]
+    def _raw(self, design: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        hidden = (design @ tensors["hidden_weight"] + tensors["hidden_bias"]).clamp(min=0)
+        return hidden @ tensors["coef"] + tensors["intercept"]

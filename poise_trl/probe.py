@@ -6,7 +6,8 @@ It runs on whatever device its inputs live on (the GPU in real use) and solves i
 float32 primal solve with alpha=0.01 to be numerically wrong when there are more features than examples.
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -79,16 +80,36 @@ def clip_range(clip: tuple[float, float] | str | None, y64: torch.Tensor) -> tor
     return torch.tensor([float(low), float(high)], dtype=torch.float64, device=y64.device)
 
 
+def strip_prefix(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors whose key starts with `prefix`, keyed without it: one nested part's state dict (an ensemble's
+    child, a learner's head or buffer, an estimator's domain)."""
+    return {key[len(prefix) :]: value for key, value in tensors.items() if key.startswith(prefix)}
+
+
 def clipped_output(raw: torch.Tensor, clip: torch.Tensor, return_unclipped: bool) -> Any:
     """What a head's `predict` returns: the float32 values clipped to `clip`, and with `return_unclipped` the raw."""
     clipped = raw.clamp(min=clip[0], max=clip[1]).float()
     return (clipped, raw.float()) if return_unclipped else clipped
 
 
+@dataclass(frozen=True)
+class HeadFit:
+    """What a head learned in one `fit`: its float64 tensors (front end and head's own, on the device they were
+    fitted on) and its PCA blocks' columns, kept on the host so that reading them never waits for the device. A fit
+    is replaced whole, never changed in place: a stop inside `fit` leaves the previous one."""
+
+    tensors: Mapping[str, torch.Tensor]
+    blocks: tuple[tuple[int, int], ...] = ()
+
+    def to(self, device: torch.device | str) -> "HeadFit":
+        return HeadFit({key: value.to(device) for key, value in self.tensors.items()}, self.blocks)
+
+
 class ScaledHead:
     """The front end every value head shares: StandardScaler -> optional per-block PCA, fitted in float64 on the
-    inputs' device, then the clip to the reward range. A head subclasses it with its own `_solve` (fit on the design
-    matrix) and `_raw` (unclipped values of a design matrix), so the heads differ only in what they fit.
+    inputs' device, then the clip to the reward range. A head subclasses it with its own `_solve` (its tensors,
+    fitted on the design matrix) and `_raw` (unclipped values of a design matrix), so the heads differ only in what
+    they fit. `fit` builds the whole `HeadFit` and assigns it in one statement.
 
     Args:
         alpha: L2 penalty (> 0), the weight of (alpha / 2) ||w||^2 beside the negative log-likelihood of the head's
@@ -114,48 +135,51 @@ class ScaledHead:
         self.alpha = float(alpha)
         self.pca_dims = pca_dims
         self.clip = clip
-        self._state: dict[str, torch.Tensor] = {}
-        self._pca_blocks: list[tuple[int, int]] = []  # the fitted PCA blocks' columns, on the host: no device sync
+        self._fit: HeadFit | None = None  # what `fit` (or `load_state_dict`) learned, replaced whole
 
     @property
     def is_fitted(self) -> bool:
-        return "coef" in self._state
+        return self._fit is not None
 
     def _blocks(self, n_features: int) -> list[PCABlock]:
         return pca_blocks(self.pca_dims, n_features)
 
-    def _design(self, x: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _design(x: torch.Tensor, fit: HeadFit) -> torch.Tensor:
         """Standardize, then project each PCA block onto its components; other columns pass through."""
-        return self._project((x.to(torch.float64) - self._state["mean"]) / self._state["scale"])
+        return ScaledHead._project((x.to(torch.float64) - fit.tensors["mean"]) / fit.tensors["scale"], fit)
 
-    def _project(self, z: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _project(z: torch.Tensor, fit: HeadFit) -> torch.Tensor:
         """The design of standardized rows `z`: each PCA block onto its components, other columns as they are."""
-        s = self._state
         parts, cursor = [], 0
-        for i, (start, stop) in enumerate(self._pca_blocks):
-            parts += [z[:, cursor:start], z[:, start:stop] @ s[f"pca_components_{i}"].T]
+        for i, (start, stop) in enumerate(fit.blocks):
+            parts += [z[:, cursor:start], z[:, start:stop] @ fit.tensors[f"pca_components_{i}"].T]
             cursor = stop
         parts.append(z[:, cursor:])
         return torch.cat(parts, dim=1)
 
-    def _fit_design(self, x64: torch.Tensor) -> torch.Tensor:
-        """Fit the scaler and the PCA blocks on (N, D) float64 rows (resetting the state); the rows' design."""
+    def _fit_front(self, x64: torch.Tensor) -> tuple[HeadFit, torch.Tensor]:
+        """The scaler and the PCA blocks fitted on (N, D) float64 rows, and the rows' design."""
         n, d = x64.shape
         mean = x64.mean(0)
         scale = x64.std(0, unbiased=False)
         # sklearn's StandardScaler leaves constant columns unscaled instead of dividing by zero.
         scale = torch.where(scale > 1e-12 * mean.abs().clamp(min=1.0), scale, torch.ones_like(scale))
-        self._state = {"mean": mean, "scale": scale}
         blocks = self._blocks(d)
-        self._state["pca_start"] = torch.tensor([b[0] for b in blocks], dtype=torch.long)
-        self._state["pca_stop"] = torch.tensor([b[1] for b in blocks], dtype=torch.long)
-        self._pca_blocks = [(start, stop) for start, stop, _ in blocks]
+        tensors = {
+            "mean": mean,
+            "scale": scale,
+            "pca_start": torch.tensor([b[0] for b in blocks], dtype=torch.long),
+            "pca_stop": torch.tensor([b[1] for b in blocks], dtype=torch.long),
+        }
         z = (x64 - mean) / scale
         for i, (start, stop, k) in enumerate(blocks):
             block = z[:, start:stop]
             block = block - block.mean(0)
-            self._state[f"pca_components_{i}"] = _principal_axes(block, min(k, n, stop - start))
-        return self._project(z)  # the rows' design, from the standardized rows already at hand
+            tensors[f"pca_components_{i}"] = _principal_axes(block, min(k, n, stop - start))
+        front = HeadFit(tensors, tuple((start, stop) for start, stop, _ in blocks))
+        return front, self._project(z, front)  # the rows' design, from the standardized rows already at hand
 
     def fit(self, x: torch.Tensor, y: torch.Tensor, check_finite: bool = True) -> "ScaledHead":
         """Fit on (N, D) features and (N,) targets; rows must be finite. `check_finite=False` skips the check, which
@@ -167,29 +191,40 @@ class ScaledHead:
         if check_finite and not (torch.isfinite(x).all() and torch.isfinite(y).all()):
             raise ValueError("fit got non-finite features or targets; drop those rows first.")
         y64 = y.to(torch.float64)
-        design = self._fit_design(x.to(torch.float64))
-        self._state["clip"] = clip_range(self.clip, y64)
-        self._solve(design, y64)
+        front, design = self._fit_front(x.to(torch.float64))
+        clip = clip_range(self.clip, y64)
+        own = self._solve(design, y64, clip)
+        self._fit = HeadFit({**front.tensors, "clip": clip, **own}, front.blocks)
         return self
 
-    def _solve(self, design: torch.Tensor, y64: torch.Tensor) -> None:
-        """Fit the head's own parameters on the (N, P) float64 design matrix (the clip range is set already)."""
+    def _solve(self, design: torch.Tensor, y64: torch.Tensor, clip: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The head's own tensors, fitted on the (N, P) float64 design matrix; `clip` is the fit's [low, high]."""
         raise NotImplementedError
 
-    def _raw(self, design: torch.Tensor) -> torch.Tensor:
-        """(N,) float64 unclipped values of a design matrix."""
+    def _raw(self, design: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """(N,) float64 unclipped values of a design matrix under the fitted `tensors`."""
         raise NotImplementedError
+
+    def _placed(self, device: torch.device) -> HeadFit:
+        """The fit on `device`: moved there once (a fit loaded onto the CPU, rows on the accelerator), a placement
+        that leaves what was learned as it is."""
+        fit = self._fit
+        if fit.tensors["mean"].device != device:
+            fit = self._fit = fit.to(device)
+        return fit
 
     def predict(self, x: torch.Tensor, return_unclipped: bool = False) -> Any:
         """(N,) float32 predictions, clipped to the reward range; `return_unclipped` also returns the raw values."""
         if not self.is_fitted:
             raise RuntimeError(f"{type(self).__name__}.predict called before fit.")
-        self._state = {k: v.to(x.device) for k, v in self._state.items()}
-        return clipped_output(self._raw(self._design(x)), self._state["clip"], return_unclipped)
+        fit = self._placed(x.device)
+        return clipped_output(self._raw(self._design(x, fit), fit.tensors), fit.tensors["clip"], return_unclipped)
 
     @property
     def fitted_pca_dims(self) -> list[int]:
-        return [int(self._state[f"pca_components_{i}"].size(0)) for i in range(len(self._state.get("pca_start", [])))]
+        if self._fit is None:
+            return []
+        return [int(self._fit.tensors[f"pca_components_{i}"].size(0)) for i in range(len(self._fit.blocks))]
 
     def config(self) -> dict[str, Any]:
         pca = (
@@ -215,17 +250,25 @@ class ScaledHead:
         return type(self).from_config(self.config())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().contiguous() for k, v in self._state.items()}
+        if self._fit is None:
+            return {}
+        return {k: v.detach().cpu().contiguous() for k, v in self._fit.tensors.items()}
 
     def map_state(self, function) -> None:
         """Replace every fitted tensor by `function(tensor)` where it lives (e.g. a broadcast from rank 0), without
-        the round trip through the host that `state_dict` makes."""
-        self._state = {key: function(self._state[key]) for key in sorted(self._state)}
+        the round trip through the host that `state_dict` makes; in sorted key order, the same on every rank."""
+        fit = self._fit
+        if fit is not None:
+            self._fit = HeadFit({key: function(fit.tensors[key]) for key in sorted(fit.tensors)}, fit.blocks)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self._state = {k: v.to(torch.float64) if v.is_floating_point() else v for k, v in state.items()}
+        """Restore `state_dict()` (empty: unfitted), in one assignment."""
+        if not state:
+            self._fit = None
+            return
+        tensors = {k: v.to(torch.float64) if v.is_floating_point() else v for k, v in state.items()}
         starts, stops = state.get("pca_start", torch.zeros(0)).tolist(), state.get("pca_stop", torch.zeros(0)).tolist()
-        self._pca_blocks = [(int(a), int(b)) for a, b in zip(starts, stops, strict=True)]
+        self._fit = HeadFit(tensors, tuple((int(a), int(b)) for a, b in zip(starts, stops, strict=True)))
 
 
 class ValueProbe(ScaledHead):
@@ -235,7 +278,7 @@ class ValueProbe(ScaledHead):
 
     name = "ridge"  # its key in heads.HEADS
 
-    def _solve(self, design: torch.Tensor, y64: torch.Tensor) -> None:
+    def _solve(self, design: torch.Tensor, y64: torch.Tensor, clip: torch.Tensor) -> dict[str, torch.Tensor]:
         n = design.size(0)
         design_mean = design.mean(0)
         centered = design - design_mean
@@ -245,20 +288,19 @@ class ValueProbe(ScaledHead):
             coef = _solve_spd(centered.T @ centered, self.alpha, centered.T @ yc)
         else:  # dual: w = F'(FF' + aI)^-1 y, the cheaper solve when D > N
             coef = centered.T @ _solve_spd(centered @ centered.T, self.alpha, yc)
-        self._state["coef"] = coef
-        self._state["intercept"] = (target_mean - design_mean @ coef).reshape(1)
+        return {"coef": coef, "intercept": (target_mean - design_mean @ coef).reshape(1)}
 
-    def _raw(self, design: torch.Tensor) -> torch.Tensor:
-        return design @ self._state["coef"] + self._state["intercept"]
+    def _raw(self, design: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return design @ tensors["coef"] + tensors["intercept"]
 
     def affine(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(weight (D,), bias 0-d), float64: scaler, PCA and ridge folded into one map, predict(x) = clip(x @ weight +
         bias). Linear in x, so the value of a mean of states is the mean of their projections (prefix.py)."""
         if not self.is_fitted:
             raise RuntimeError("ValueProbe.affine called before fit.")
-        s = self._state
+        s, blocks = self._fit.tensors, self._fit.blocks
         weight, j, cursor = torch.empty_like(s["mean"]), 0, 0
-        for i, (start, stop) in enumerate(self._pca_blocks):
+        for i, (start, stop) in enumerate(blocks):
             components = s[f"pca_components_{i}"]  # (k, stop - start): design column j + m is z_block @ row m
             weight[cursor:start] = s["coef"][j : j + start - cursor]
             j += start - cursor

@@ -170,7 +170,7 @@ class CaptureRoutes:
             generated,
             self._tokenizer,
         )
-        step.tokens = self.estimator.token_baseline.capturer(
+        step.tokens = self.estimator.token_baseline_.capturer(
             prompt_mask,
             completion_mask,
             step.spans.completion_mask,

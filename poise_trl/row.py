@@ -11,9 +11,22 @@ from dataclasses import dataclass
 
 import torch
 
-from .baselines import append_reward_column
 from .history import HISTORY_COLUMNS
 from .probe import PCABlock
+
+
+def append_reward_column(features: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+    """[φ_j, r_j]: the partner-aware probe's input, the rollout's own reward as one more (last) column.
+
+    `features` is (N, D) or (N, C, D) (one vector per candidate layer); every slice gets the same reward column. The
+    probe h(φ_j, r_j) only ever serves as the baseline of j's partners, so using r_j keeps their gradient unbiased.
+    """
+    if rewards.shape != features.shape[:1]:
+        raise ValueError(f"Got {rewards.shape[0]} rewards for {features.shape[0]} feature rows.")
+    # At least fp32: in bf16 a reward of 0.3 reads 0.30078125, and in fp16 a reward of 70,000 overflows to inf.
+    dtype = torch.promote_types(features.dtype, torch.float32)
+    column = rewards.to(dtype).view(-1, *([1] * (features.ndim - 1)))
+    return torch.cat([features.to(dtype), column.expand(*features.shape[:-1], 1)], dim=-1)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ class ValueGuidedSelection:
         ids = pad(rows, padding_value=self._tokenizer.pad_token_id, padding_side="left")
         mask = pad([torch.ones_like(row) for row in rows], padding_value=0, padding_side="left")
         spans = feature_spans(mask, ids[:, :0], mask[:, :0], self.args.probe_pool_tokens, None)
-        layer = find_decoder_layers(self.accelerator.unwrap_model(self.model))[self.estimator.layer]
+        layer = find_decoder_layers(self.accelerator.unwrap_model(self.model))[self.estimator.layer_]
         with (
             torch.no_grad(),
             disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
@@ -90,7 +90,7 @@ class ValueGuidedSelection:
                 "identical prompts: the sampler no longer yields TRL's layout."
             )
         values, reward_range, tokens = None, None, 0
-        if self.estimator.trusted:
+        if self.estimator.trusted_:
             prompts = [group[0]["prompt"] for group in groups]
             states, tokens = self._prefill_prompts(prompts)
             # the candidates' history holds the steps observed so far: none of this step's rollouts
@@ -104,7 +104,7 @@ class ValueGuidedSelection:
             reward_range,
             seed=self.args.seed,
             rank=self.accelerator.process_index,
-            step=self.estimator.steps,
+            step=self.estimator.steps_,
         )
         weights = drawn.weights or [1.0] * len(drawn.indices)
         step.weights = torch.tensor(weights, dtype=torch.float64).repeat_interleave(size)

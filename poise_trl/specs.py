@@ -24,6 +24,7 @@ from .granularity import GRANULARITIES
 from .heads import HEADS, make_head, own_settings
 from .history import PromptHistory
 from .probe import PCABlock, ScaledHead
+from .row import FeatureRow
 from .settings import Refused
 
 Name = Callable[[type, str], str]
@@ -76,15 +77,6 @@ def _tuples(value: Any) -> Any:
 def _normalise(spec: Any, **values: Any) -> None:
     for key, value in values.items():
         object.__setattr__(spec, key, value)
-
-
-def check_num_generations(num_generations: Any) -> None:
-    """G, the rollouts per prompt: the cross-rollout baseline needs a partner."""
-    if not _is_int(num_generations) or num_generations < 2:
-        raise ValueError(
-            f"num_generations={num_generations!r} is too small: POISE's cross-rollout baseline needs at least 2 "
-            "rollouts per prompt. Set num_generations=2 (the paper's value) or more."
-        )
 
 
 @dataclass(frozen=True)
@@ -273,6 +265,11 @@ class EstimatorSpec:
             )
             raise _bad(EstimatorSpec, "scale_rewards", self.scale_rewards, rule)
         self._check_granularity()
+
+    @property
+    def row(self) -> FeatureRow:
+        """The probe's input row this spec lays out, [φ | partner reward | history]."""
+        return FeatureRow(self.partner_reward, self.history is not None)
 
     def _check_granularity(self) -> None:
         """What the granularity can work with: the head's methods, the history's columns, several layers."""

@@ -26,7 +26,6 @@ from .config import POISEConfig
 from .contract import TESTED_TRL
 from .estimator import POISEEstimator, Rollouts
 from .features import find_decoder_layers
-from .files import DEFAULT_DOMAIN
 from .prefix import PrefixBatch
 from .resume import (
     ESTIMATOR_FILE,
@@ -156,8 +155,6 @@ class POISETrainer(CaptureRoutes, ValueGuidedSelection, GRPOTrainer):
             self.hidden_size,
             broadcast=(lambda t: broadcast(t, from_process=0)) if self.accelerator.num_processes > 1 else None,
         )
-        if args.probe_domain_column is None:  # the one probe, `estimator.probes["default"]`, exists from the start
-            self.estimator.probes[DEFAULT_DOMAIN] = self.estimator.new_probe(DEFAULT_DOMAIN)
         if args.probe_init_path is not None:
             self.estimator.load(estimator_file(args.probe_init_path), warm_start=True, device=self.accelerator.device)
         self.feature_passes = 0  # teacher-forced passes POISE ran itself (0 when TRL's pass or the loss's serves)
@@ -430,7 +427,7 @@ class POISETrainer(CaptureRoutes, ValueGuidedSelection, GRPOTrainer):
         card = ModelCard.load(path)
         section = card_section(
             self.args,
-            self.estimator.layer,
+            self.estimator.layer_,
             list(self.estimator.layers),
             self.state.log_history,
             self.state.global_step,

@@ -47,9 +47,9 @@ def test_bootstrap_counts_the_rows_that_really_got_the_fallback():
     metrics = result.metrics()
     assert metrics["bootstrap"] == pytest.approx(1 / 16)
     assert metrics["feature_rows_dropped"] == 1.0 and metrics["unscorable_rows"] == 0.0
-    intercept, weight = estimator.bootstrap_lines["default"]  # row 4's only partner, row 5, has no usable features
+    intercept, weight = estimator.bootstrap_lines_["default"]  # row 4's only partner, row 5, has no usable features
     torch.testing.assert_close(result.baselines[4].double(), intercept + weight * r[5].double())
-    values = estimator.probes["default"].predict(torch.cat([x, r[:, None]], 1)[:, None])
+    values = estimator.probes_["default"].predict(torch.cat([x, r[:, None]], 1)[:, None])
     assert result.baselines[5] == values[4]  # row 5's own baseline still comes from its partner's probe value
 
 
@@ -64,8 +64,8 @@ def test_unscorable_rows_are_counted_apart_from_dropped_features():
 def test_the_partner_reward_column_stays_outside_an_integer_pca():
     """pca_dims=4 is the PCA of the 6 feature columns; the reward (column 7) passes through it untouched."""
     estimator = _trained(steps=2, settings=spec(head={"pca_dims": 4}))
-    probe = estimator.probes["default"].probe
-    assert probe._pca_blocks == [(0, 6)] and probe.fitted_pca_dims == [4]
+    probe = estimator.probes_["default"].probe
+    assert probe._fit.blocks == ((0, 6),) and probe.fitted_pca_dims == [4]
     with pytest.raises(ValueError, match=r"covers column 6, the partner-reward column"):
         _trained(steps=1, settings=spec(head={"pca_dims": [(0, 7, 4)]}))
 
@@ -77,7 +77,7 @@ def test_the_reward_column_keeps_fp32_whatever_the_features_dtype(dtype):
     estimator = POISEEstimator(G, SPEC)
     result = estimator.advantages(x.to(dtype), Rollouts(r))
     estimator.observe(features=x.to(dtype), rollouts=Rollouts(r, prompt_ids=groups))
-    buffered = estimator.probes["default"].buffer.features[:, 0, -1]
+    buffered = estimator.probes_["default"].buffer.features[:, 0, -1]
     assert buffered.dtype == torch.float32 and set(buffered.tolist()) == set(r.float().tolist())
     assert result.metrics()["feature_rows_dropped"] == 0.0
 
@@ -90,4 +90,4 @@ def test_rows_whose_reward_overflows_the_column_are_dropped_and_counted():
     metrics = estimator.advantages(x, Rollouts(r)).metrics()
     estimator.observe(features=x, rollouts=Rollouts(r, prompt_ids=groups))
     assert metrics["feature_rows_dropped"] == 1.0
-    assert torch.isfinite(estimator.probes["default"].buffer.features).all()
+    assert torch.isfinite(estimator.probes_["default"].buffer.features).all()

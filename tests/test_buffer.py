@@ -49,3 +49,14 @@ def test_state_round_trips_oldest_first_and_a_loaded_buffer_keeps_growing():
     assert loaded.targets.tolist() == [3, 4, 5, 6]
     with pytest.raises(ValueError, match="group ids"):
         loaded.add(torch.tensor([[7.0]]), torch.tensor([7.0]))
+
+
+@pytest.mark.parametrize("keep", [None, torch.tensor([True, False])])
+def test_added_returns_a_new_buffer_and_leaves_this_one_as_it_was_even_when_full(keep):
+    """`added` writes into a copy of the ring (the estimator builds its next state from the old one), also once the
+    ring is full and the new rows overwrite the oldest."""
+    buffer = ProbeBuffer(capacity=3)
+    buffer.add(torch.arange(3.0).view(3, 1), torch.arange(3.0))
+    new = buffer.added(torch.tensor([[7.0], [8.0]]), torch.tensor([7.0, 8.0]), keep=keep)
+    assert buffer.targets.tolist() == [0, 1, 2] and buffer.features[:, 0].tolist() == [0, 1, 2]
+    assert new.targets.tolist() == ([2, 7, 8] if keep is None else [1, 2, 7])

@@ -85,7 +85,7 @@ def test_predict_and_advantages_change_nothing_and_observe_reuses_the_handed_bat
     handed.observe(handed.advantages(x, Rollouts(r, prompt_ids=groups)))
     fresh.observe(features=x, rollouts=Rollouts(r, prompt_ids=groups))  # the same learning, the batch prepared again
     assert torch.equal(
-        handed.probes["default"].probe.state_dict()["coef"], fresh.probes["default"].probe.state_dict()["coef"]
+        handed.probes_["default"].probe.state_dict()["coef"], fresh.probes_["default"].probe.state_dict()["coef"]
     )
     with pytest.raises(ValueError, match="not both"):
         handed.observe(result, features=x, rollouts=Rollouts(r))
@@ -97,8 +97,8 @@ def test_the_random_selection_stream_resumes_where_the_checkpoint_left_it(tmp_pa
     """Random draws are seeded by (seed, rank, observed steps), and the step count travels in the estimator's file."""
 
     def choice(estimator: POISEEstimator) -> list[int]:
-        drawn = sampling.draw(sampling.HighestVariance(), 10, 4, seed=7, rank=0, step=estimator.steps).indices
-        _observe(estimator, estimator.steps)
+        drawn = sampling.draw(sampling.HighestVariance(), 10, 4, seed=7, rank=0, step=estimator.steps_).indices
+        _observe(estimator, estimator.steps_)
         return drawn
 
     never_trusted = spec(EstimatorSpec(), buffer={"warmup_steps": 100})
@@ -122,8 +122,8 @@ def test_a_resumed_estimator_draws_the_importance_samplers_prompts_and_weights_e
         values = estimator.prompt_values(candidates)
         reward_range = None if values is None else estimator.target_range()
         rule = sampling.Importance()
-        drawn = sampling.draw(rule, 10, 4, values, reward_range, seed=7, rank=0, step=estimator.steps)
-        _observe(estimator, estimator.steps)
+        drawn = sampling.draw(rule, 10, 4, values, reward_range, seed=7, rank=0, step=estimator.steps_)
+        _observe(estimator, estimator.steps_)
         return drawn
 
     def estimator() -> POISEEstimator:
@@ -156,11 +156,11 @@ def test_selection_waits_for_a_trusted_probe_and_a_warm_start_is_trusted(tmp_pat
     slow = spec(buffer={"warmup_steps": 5}, prompt=PromptSpec((0, 6)))
     cold = POISEEstimator(G, slow)
     _observe(cold, 0)
-    assert not cold.trusted and cold.prompt_values(torch.zeros(3, 6)) is None
+    assert not cold.trusted_ and cold.prompt_values(torch.zeros(3, 6)) is None
     _trained(3, spec(prompt=PromptSpec((0, 6)))).save(tmp_path / "e.safetensors")
     warm = POISEEstimator(G, slow)
     warm.load(tmp_path / "e.safetensors", warm_start=True)
-    assert warm.trusted and warm.prompt_values(torch.zeros(3, 6)).shape == (3,)
+    assert warm.trusted_ and warm.prompt_values(torch.zeros(3, 6)).shape == (3,)
 
 
 def test_one_host_transfer_per_step():
@@ -201,8 +201,8 @@ def test_the_trainer_resumes_a_0_1_checkpoint_and_warns_without_one(tmp_path):
     shutil.copytree(LEGACY / "checkpoint", checkpoint)
     trainer._load_optimizer_and_scheduler(str(checkpoint))
     expected = load_file(str(LEGACY / "expected.safetensors"))
-    assert torch.equal(trainer.estimator.probes["default"].predict(expected["inputs"]), expected["predictions"])
-    assert trainer.estimator.steps == 3 and len(trainer.estimator.bootstrap_pairs["default"]) == 12
+    assert torch.equal(trainer.estimator.probes_["default"].predict(expected["inputs"]), expected["predictions"])
+    assert trainer.estimator.steps_ == 3 and len(trainer.estimator.bootstrap_pairs_["default"]) == 12
 
     empty = tmp_path / "checkpoint-9"
     empty.mkdir()

@@ -40,16 +40,16 @@ def test_state_round_trips_bit_for_bit_through_one_atomic_file(tmp_path):
     assert saved["tensors"].keys() == restored["tensors"].keys()
     for key, tensor in saved["tensors"].items():
         assert torch.equal(tensor, restored["tensors"][key]), key
-    assert len(loaded.probes["code"].buffer) == 8
+    assert len(loaded.probes_["code"].buffer) == 8
     for step in range(6, 9):  # the two continue identically
         x, r, groups, names = _batch(step, domains=True)
         a, b = estimator.advantages(x, Rollouts(r, domains=names)), loaded.advantages(x, Rollouts(r, domains=names))
         assert torch.equal(a.advantages, b.advantages) and a.metrics() == pytest.approx(b.metrics(), nan_ok=True)
         for learner in (estimator, loaded):
             learner.observe(features=x, rollouts=Rollouts(r, domains=names, prompt_ids=groups))
-    for name, online in estimator.probes.items():
+    for name, online in estimator.probes_.items():
         for key, tensor in online.probe.state_dict().items():
-            assert torch.equal(loaded.probes[name].probe.state_dict()[key], tensor), (name, key)
+            assert torch.equal(loaded.probes_[name].probe.state_dict()[key], tensor), (name, key)
 
 
 def test_an_interrupted_write_keeps_the_previous_file(tmp_path, monkeypatch):
@@ -74,7 +74,7 @@ def test_resume_refuses_another_bootstrap_and_warm_start_accepts_it(tmp_path):
         POISEEstimator(G, spec(bootstrap="rloo")).load(tmp_path / "e.safetensors")
     warm = POISEEstimator(G, spec(bootstrap="rloo"))
     warm.load(tmp_path / "e.safetensors", warm_start=True)
-    assert warm.trusted and warm.steps == 0
+    assert warm.trusted_ and warm.steps_ == 0
 
 
 def test_a_0_1_checkpoint_resumes_exactly():
@@ -82,9 +82,9 @@ def test_a_0_1_checkpoint_resumes_exactly():
     estimator = _legacy_estimator()
     checkpoint = LEGACY / "checkpoint"
     estimator.load(checkpoint / "poise_probe.safetensors", bootstrap_path=checkpoint / "poise_bootstrap.safetensors")
-    online = estimator.probes["default"]
+    online = estimator.probes_["default"]
     assert torch.equal(online.predict(expected["inputs"]), expected["predictions"])
-    assert (estimator.steps, online.steps, len(online.buffer), len(estimator.bootstrap_pairs["default"])) == (
+    assert (estimator.steps_, online.steps, len(online.buffer), len(estimator.bootstrap_pairs_["default"])) == (
         3,
         3,
         12,
@@ -93,19 +93,19 @@ def test_a_0_1_checkpoint_resumes_exactly():
     # The pairs come back bit for bit, and the line is refit on them by today's rule: 0.1 saved its unclamped fit
     # (`expected["bootstrap_line"]`, w = -0.316), which issue 58 replaced by a weight held in [0, 1]
     pairs = load_file(str(checkpoint / "poise_bootstrap.safetensors"))
-    restored = estimator.bootstrap_pairs["default"]
+    restored = estimator.bootstrap_pairs_["default"]
     assert torch.equal(restored.features, pairs["0.features"]) and torch.equal(restored.targets, pairs["0.targets"])
     line = shrunk_rloo_line(pairs["0.features"][:, 0], pairs["0.targets"])
-    assert torch.equal(estimator.bootstrap_lines["default"], line) and 0 <= line[1] <= 1
-    assert estimator.reward_std.state.tolist() == expected["reward_std"].tolist()
+    assert torch.equal(estimator.bootstrap_lines_["default"], line) and 0 <= line[1] <= 1
+    assert estimator.reward_std_.state.tolist() == expected["reward_std"].tolist()
 
 
 def test_a_0_1_probe_file_warm_starts():
     expected = load_file(str(LEGACY / "expected.safetensors"))
     estimator = _legacy_estimator()
     estimator.load(LEGACY / "probe.safetensors", warm_start=True)
-    online = estimator.probes["default"]
-    assert online.warm_started and online.trusted and estimator.steps == 0 and len(online.buffer) == 12
+    online = estimator.probes_["default"]
+    assert online.warm_started and online.trusted and estimator.steps_ == 0 and len(online.buffer) == 12
     assert torch.equal(online.predict(expected["inputs"]), expected["predictions"])
     state = read_state(LEGACY / "probe.safetensors")
     assert state["info"]["feature_config"]["probe_domain_column"] is None
@@ -132,7 +132,7 @@ def test_every_head_resumes_exactly_from_the_file(tmp_path, head):
     loaded = POISEEstimator(G, settings)
     loaded.load(tmp_path / "e.safetensors")
     assert loaded.state_dict()["info"]["domains"][0]["head"] == head
-    assert type(loaded.probes["default"].probe) is HEADS[head]
+    assert type(loaded.probes_["default"].probe) is HEADS[head]
     for step in range(3, 5):
         x, r, groups, _ = _batch(step)
         a, b = estimator.advantages(x, Rollouts(r)), loaded.advantages(x, Rollouts(r))
@@ -148,7 +148,7 @@ def test_a_file_without_head_names_holds_ridge_and_another_head_is_refused(tmp_p
         del domain["head"]  # as written before heads had names
     old = POISEEstimator(G, spec())
     old.load_state_dict(state)
-    assert type(old.probes["default"].probe) is ValueProbe and old.probes["default"].trusted
+    assert type(old.probes_["default"].probe) is ValueProbe and old.probes_["default"].trusted
     with pytest.raises(ValueError, match="refits with head 'ridge' .*, but this run sets head 'logistic'"):
         POISEEstimator(G, spec(head={"name": "logistic"})).load_state_dict(state)
     with pytest.raises(ValueError, match="is a 'ridge' head, but this run's head is 'mlp'"):

@@ -28,9 +28,9 @@ def test_every_entry_has_its_name_and_the_same_calls_and_adds_nothing_without_a_
     """Every granularity answers the calls the estimator and the trainer make, whichever it is: built with an
     estimator's settings, with no token capture it changes no advantage, learns nothing and round-trips its state."""
     entry = GRANULARITIES[name]
-    calls = ("capturer", "advantages", "diagnostics", "host_metrics", "observe", "fit", "state_dict", "info")
+    calls = ("capturer", "advantages", "diagnostics", "host_metrics", "observed", "fitted", "state_dict", "info")
     assert entry.name == name
-    for call in (*calls, "load_state"):
+    for call in (*calls, "loaded"):
         assert callable(getattr(entry, call)), (name, call)
     assert isinstance(entry.takes_history, bool) and isinstance(entry.one_layer, bool)
     assert all(isinstance(method, str) for method in entry.head_methods)
@@ -38,11 +38,11 @@ def test_every_entry_has_its_name_and_the_same_calls_and_adds_nothing_without_a_
     rewards, receives = torch.rand(4), torch.ones(4, dtype=torch.bool)
     assert built.advantages(None, rewards, receives, rewards) is None
     assert built.diagnostics(None, rewards, receives, None) == {}
-    built.observe(None, rewards, receives)
-    assert not built.fit(None)  # without a capture there is nothing to refit
+    assert built.observed(None, rewards, receives) is built  # without a capture it learns nothing
+    assert built.fitted(None) == (built, False)  # and has nothing to refit
     state, info = built.state_dict(), built.info()
     again = entry(head=RIDGE, pca_dims=(0, 0), buffer_size=64, warmup_steps=1)
-    again.load_state(state, info or {}, warm_start=False)
+    again = again.loaded(state, info or {}, warm_start=False)
     assert again.state_dict().keys() == state.keys() and isinstance(built.host_metrics(), dict)
 
 
@@ -51,18 +51,21 @@ def test_the_sequence_granularity_adds_nothing_per_token():
     rewards, receives = torch.rand(4), torch.ones(4, dtype=torch.bool)
     assert sequence.capturer(torch.ones(4, 3), torch.ones(4, 5), None, 2, torch.Generator()) is None
     assert sequence.advantages(None, rewards, receives, rewards) is None and sequence.diagnostics(None) == {}
-    assert not sequence.fit(None) and sequence.learners == () and sequence.info() is None
+    assert not sequence.fitted(None)[1] and sequence.learners == () and sequence.info() is None
 
 
 def test_the_prefix_head_is_sized_by_the_first_rows_and_refits_only_after_a_capture():
     prefix = PrefixBaseline(RIDGE, pca_dims=(2, 3), warmup_steps=1)
     assert prefix.probe.pca_dims is None and not prefix.trusted and prefix.map() is None
     rewards, keep = torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([True, True, True, False])
-    prefix.observe(_batch(), rewards, keep)
+    observed = prefix.observed(_batch(), rewards, keep)
+    assert prefix.probe.pca_dims is None and len(prefix.buffer) == 0  # a value: observing built a new baseline
+    prefix = observed
     assert prefix.probe.pca_dims == [(0, D, 2), (D, 2 * D, 3)]
     assert len(prefix.buffer) == 12 and prefix.buffer.features.shape[1:] == (1, feature_width(D))
-    assert not prefix.fit(None) and prefix.fit(_batch())
-    assert prefix.trusted and prefix.map().stats.shape == (len(STATS),)
+    assert prefix.fitted(None) == (prefix, False)
+    prefix, refitted = prefix.fitted(_batch())
+    assert refitted and prefix.trusted and prefix.map().stats.shape == (len(STATS),)
     tokens = prefix.advantages(_batch(values=True), rewards, keep, torch.zeros(4))
     assert tokens.advantages.shape == (4, 5) and tokens.used.tolist() == [True, True, True, False]
     assert prefix.advantages(None, rewards, keep, torch.zeros(4)) is None
@@ -70,13 +73,10 @@ def test_the_prefix_head_is_sized_by_the_first_rows_and_refits_only_after_a_capt
 
 def test_the_prefix_state_round_trips_and_sizes_the_head_from_the_file():
     prefix = PrefixBaseline(RIDGE, pca_dims=(2, 3), warmup_steps=1)
-    prefix.observe(_batch(), torch.rand(4), torch.ones(4, dtype=torch.bool))
-    prefix.fit(_batch())
-    resumed = PrefixBaseline(RIDGE, pca_dims=(2, 3), warmup_steps=1)
-    resumed.load_state(prefix.state_dict(), prefix.info())
+    prefix, _ = prefix.observed(_batch(), torch.rand(4), torch.ones(4, dtype=torch.bool)).fitted(_batch())
+    resumed = PrefixBaseline(RIDGE, pca_dims=(2, 3), warmup_steps=1).loaded(prefix.state_dict(), prefix.info())
     assert resumed.probe.pca_dims == prefix.probe.pca_dims and resumed.trusted
     rows = _batch(seed=3).rows.flatten(0, 1)
     assert torch.equal(resumed.probe.predict(rows), prefix.probe.predict(rows))
-    fresh = PrefixBaseline(RIDGE, pca_dims=(2, 3))
-    fresh.load_state({}, {})  # a sequence-level run's file: the per-prefix head starts afresh
+    fresh = PrefixBaseline(RIDGE, pca_dims=(2, 3)).loaded({}, {})  # a sequence-level run's file: it starts afresh
     assert not fresh.probe.is_fitted and len(fresh.buffer) == 0

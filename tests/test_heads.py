@@ -83,17 +83,15 @@ def test_a_learner_persists_its_head_exactly(name):
     learner = OnlineLearner(HEADS[name](**SETTINGS), capacity=64, warmup_steps=1)
     for seed in range(2):
         x, y = _rows(16, seed)
-        learner.add(x.unsqueeze(1), y)
-    learner.fit()
+        learner = learner.added(x.unsqueeze(1), y)
+    learner = learner.fitted()
     state, info = learner.state_dict(), learner.info()
     assert info["head"] == name
     resumed = OnlineLearner(head_from_config(info["probe"], info["head"]), capacity=64, warmup_steps=1)
-    resumed.load_state(state, info)
+    resumed = resumed.loaded(state, info)
     x, y = _rows(16, 5)
     assert resumed.trusted and torch.equal(resumed.predict(x.unsqueeze(1)), learner.predict(x.unsqueeze(1)))
-    for online in (learner, resumed):
-        online.add(x.unsqueeze(1), y)
-        online.fit()
+    learner, resumed = (online.added(x.unsqueeze(1), y).fitted() for online in (learner, resumed))
     assert torch.equal(resumed.predict(x.unsqueeze(1)), learner.predict(x.unsqueeze(1)))
 
 

@@ -177,8 +177,8 @@ def test_without_prompt_ids_the_history_refuses_and_a_step_reads_only_earlier_on
     result = estimator.advantages(x, Rollouts(r, prompt_ids=ids))
     assert (result.batch.features[:, 0, -3:] == 0).all()  # nothing seen before the first step
     estimator.observe(result)
-    seen, count, _ = estimator.prompt_history.lookup(ids)
-    assert seen.all() and count.min() >= G and estimator.probes["default"].buffer.features.size(-1) == 6 + 1 + 3
+    seen, count, _ = estimator.prompt_history_.lookup(ids)
+    assert seen.all() and count.min() >= G and estimator.probes_["default"].buffer.features.size(-1) == 6 + 1 + 3
 
 
 def test_the_samplers_prompt_values_read_the_history_before_the_step():
@@ -237,3 +237,12 @@ def test_a_resume_from_the_file_is_exact_and_files_without_history_still_load(tm
 def test_bad_history_settings_are_refused(build, message):
     with pytest.raises(ValueError, match=message):
         build()
+
+
+def test_updated_returns_a_new_table_and_leaves_this_one_as_it_was():
+    history = PromptHistory(size=4)
+    history.update(torch.tensor([1, 2]), torch.tensor([1.0, 0.0]))
+    before = history.state_dict()
+    new = history.updated(torch.tensor([1, 3]), torch.tensor([0.0, 1.0]))
+    assert history.steps == 1 and all(torch.equal(v, history.state_dict()[k]) for k, v in before.items())
+    assert new.steps == 2 and new.lookup(torch.tensor([1, 3]))[1].tolist() == [2, 1]

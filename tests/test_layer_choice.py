@@ -46,11 +46,10 @@ def test_select_layer_pools_every_learners_errors_and_waits_for_enough_prompts()
         targets = (torch.rand(60, generator=g) > 0.5).float()
         informative = targets.unsqueeze(1) + 0.05 * torch.randn(60, 3, generator=g)
         x = torch.stack([torch.randn(60, 3, generator=g), informative], dim=1)  # slice 1 reveals the target
-        learner.add(x, targets, torch.arange(60) // 2)
-        learners.append(learner)
+        learners.append(learner.added(x, targets, torch.arange(60) // 2))
     index, metrics = select_layer(learners, [4, 9], current=0, margin=0.05, folds=3)
     assert index == 1 and set(metrics) == {"layer_mae/4", "layer_mae/9"}
     assert metrics["layer_mae/9"] < metrics["layer_mae/4"]
     few = OnlineLearner(ValueProbe(alpha=1.0), capacity=8)
-    few.add(torch.randn(4, 2, 3), torch.rand(4), torch.tensor([0, 0, 1, 1]))
+    few = few.added(torch.randn(4, 2, 3), torch.rand(4), torch.tensor([0, 0, 1, 1]))
     assert select_layer([few], [4, 9], current=0, margin=0.05, folds=3) == (0, {})  # 2 prompts < 3 folds

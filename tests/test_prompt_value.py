@@ -11,8 +11,7 @@ def _learner(seed: int, n: int = 24) -> OnlineLearner:
     g = torch.Generator().manual_seed(seed)
     learner = OnlineLearner(ValueProbe(alpha=1.0), capacity=64)
     x = torch.randn(n, 2, 7, generator=g)  # two candidate layers; columns 2..5 are the prompt block
-    learner.add(x, (x[:, 1, 2] > 0).float())
-    return learner
+    return learner.added(x, (x[:, 1, 2] > 0).float())
 
 
 def test_the_prompt_head_reads_the_prompt_block_of_the_layer_in_use_over_every_learner():

@@ -61,7 +61,7 @@ def test_selection_keeps_the_highest_predicted_spread(tiny_model_path, tmp_path,
     trainer = POISETrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
     values = torch.tensor([0.0, 0.9, 0.5, 1.0, 0.4, 0.2])  # p(1-p): 0, .09, .25, 0, .24, .16 -> keep 2 and 4
     trainer.model.train()
-    monkeypatch.setattr(POISEEstimator, "trusted", property(lambda self: True))
+    monkeypatch.setattr(POISEEstimator, "trusted_", property(lambda self: True))
     trainer.estimator.prompt_values = lambda states, prompt_ids: states
     trainer.estimator.target_range = lambda: (torch.tensor(0.0), torch.tensor(1.0))
     trainer._prefill_prompts = lambda prompts: (values[: len(prompts)], 7)
@@ -106,7 +106,7 @@ def test_random_fallback_before_the_probe_is_trusted(tiny_model_path, tmp_path):
     inputs = [{"prompt": f"p{i}"} for i in range(8) for _ in range(G)]
     kept = []
     for step in range(50):  # random draws are seeded by the steps the estimator observed
-        trainer.estimator.steps = step
+        trainer.estimator.state_ = replace(trainer.estimator.state_, steps=step)
         drawn = trainer._select_prompts(inputs, GenerationStep("train", "loss"))
         kept.append(tuple(x["prompt"] for x in drawn)[::G])
     counts = torch.tensor([sum(f"p{i}" in k for k in kept) for i in range(8)], dtype=torch.float)
@@ -132,7 +132,7 @@ def test_the_prefill_pools_the_prompt_states_the_training_pass_pools(tiny_model_
     start, stop = trainer.estimator.spec.prompt.columns
     for scored, (states, tokens) in zip(trainer.scored, trainer.prefilled, strict=True):
         features = scored["features"]
-        expected = features[::G, trainer.estimator.layer_index, start:stop]
+        expected = features[::G, trainer.estimator.layer_index_, start:stop]
         assert states.shape == expected.shape and tokens > 0
         torch.testing.assert_close(states, expected, atol=1e-5, rtol=1e-5)
 
@@ -175,7 +175,7 @@ def test_the_importance_sampler_resumes_its_draws_and_weights_bit_for_bit(tiny_m
     prompts = digit_dataset(8 if history else 64)
     uninterrupted, resumed = _resumed_selection(tiny_model_path, tmp_path, selection, prompts)
     if history:
-        counts = uninterrupted.estimator.prompt_history.lookup(prompt_group_ids(prompts["prompt"]))[1]
+        counts = uninterrupted.estimator.prompt_history_.lookup(prompt_group_ids(prompts["prompt"]))[1]
         assert counts.max() > G  # a prompt kept at two steps
         tables = [run.estimator.state_dict()["tensors"] for run in (uninterrupted, resumed)]
         assert all(torch.equal(tables[0][k], tables[1][k]) for k in tables[0] if k.startswith("history."))

@@ -123,14 +123,14 @@ def test_head_kwargs_reach_the_head_from_the_config_and_the_command_line():
         config = _config(probe_head="mlp", probe_features=["entropy"], probe_warmup_steps=0, **fields)
         estimator = POISEEstimator.from_config(config, num_layers=4, hidden_size=16)
         estimator.observe(features=x[:, :3], rollouts=Rollouts(r, prompt_ids=groups))
-        state = estimator.probes["default"].probe.state_dict()
+        state = estimator.probes_["default"].probe.state_dict()
         assert state["hidden_weight"].shape == (3 + 1, 5) and state["coef"].shape == (5,)
     config = _config(
         probe_head="ensemble",
         probe_head_kwargs={"children": ["ridge", "mlp"], "combine": "stack", "folds": 2},
         probe_features=["entropy"],
     )
-    head = POISEEstimator.from_config(config, num_layers=4, hidden_size=16).probe_template
+    head = POISEEstimator.from_config(config, num_layers=4, hidden_size=16).new_probe("default").probe
     assert [child.name for child in head.children] == ["ridge", "mlp"] and (head.combine, head.folds) == ("stack", 2)
 
 
@@ -161,7 +161,7 @@ def test_the_per_prefix_value_takes_any_head_with_an_affine_map_and_refuses_othe
     monkeypatch.setitem(HEADS, "linear", LinearHead)
     prefix = GranularitySpec("prefix")
     estimator = POISEEstimator(2, EstimatorSpec(head=HeadSpec("linear", alpha=1.0), granularity=prefix))
-    assert type(estimator.token_baseline.probe) is LinearHead
+    assert type(estimator.token_baseline_.probe) is LinearHead
     with pytest.raises(ValueError, match=r"HeadSpec.name='mlp' with GranularitySpec.name='prefix': .* affine map"):
         EstimatorSpec(head=HeadSpec("mlp"), granularity=prefix)
     with pytest.raises(
@@ -195,7 +195,7 @@ def test_a_spec_round_trips_through_the_file(tmp_path):
     estimator.observe(estimator.advantages(features, Rollouts(r, prompt_ids=ids)))
     estimator.save(tmp_path / "e.safetensors")
     loaded = POISEEstimator.from_file(tmp_path / "e.safetensors")
-    assert loaded.spec == SPEC and loaded.feature_config == {"probe_layer": "auto"} and loaded.steps == 1
+    assert loaded.spec == SPEC and loaded.feature_config == {"probe_layer": "auto"} and loaded.steps_ == 1
     assert EstimatorSpec.from_dict(SPEC.to_dict()) == SPEC
     record = Rollouts(r, prompt_ids=ids)
     assert torch.equal(loaded.predict(features, record), estimator.predict(features, record))
@@ -220,8 +220,8 @@ def test_refit_with_another_spec_learns_what_an_estimator_of_that_spec_learned_f
         saved.observe(saved.advantages(x, Rollouts(r, prompt_ids=ids)))
         direct.observe(features=x, rollouts=Rollouts(r, prompt_ids=ids))
     refit = saved.refit(other)
-    assert refit.spec == other and refit.steps == direct.steps == 3 and refit.prompt_history is None
-    ours, theirs = refit.probes["default"], direct.probes["default"]
+    assert refit.spec == other and refit.steps_ == direct.steps_ == 3 and refit.prompt_history_ is None
+    ours, theirs = refit.probes_["default"], direct.probes_["default"]
     assert torch.equal(ours.buffer.features, theirs.buffer.features) and ours.trusted
     x, r, _, _ = _batch(9)
     assert torch.equal(refit.predict(x, Rollouts(r)), direct.predict(x, Rollouts(r)))

@@ -33,15 +33,15 @@ class RecordingTrainer(SpyTrainer):
     records: list[dict]
 
     def _generate_and_score_completions(self, inputs):
-        probe = copy.deepcopy(self.estimator.probes["default"].probe)
-        trusted = probe.is_fitted and self.estimator.steps >= self.args.probe_warmup_steps
+        probe = copy.deepcopy(self.estimator.probes_["default"].probe)
+        trusted = probe.is_fitted and self.estimator.steps_ >= self.args.probe_warmup_steps
         output = super()._generate_and_score_completions(inputs)
         ids = torch.cat([output["prompt_ids"], output["completion_ids"]], 1)
         mask = torch.cat([output["prompt_mask"], output["completion_mask"]], 1)
         with torch.no_grad():
             out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         self.records.append(
-            dict(probe=probe, trusted=trusted, hidden=out.hidden_states[self.estimator.layer + 1], logits=out.logits)
+            dict(probe=probe, trusted=trusted, hidden=out.hidden_states[self.estimator.layer_ + 1], logits=out.logits)
         )
         return output
 
@@ -169,7 +169,7 @@ def test_peft_keeps_base_frozen_and_trains_lora(tiny_model_path, tmp_path):
             assert not torch.equal(before[name], param), name
         else:
             assert torch.equal(before[name], param), name
-    assert len(trainer.estimator.probes["default"].buffer) > 0
+    assert len(trainer.estimator.probes_["default"].buffer) > 0
 
 
 def test_eval_does_not_touch_the_buffer(tiny_model_path, tmp_path):
@@ -178,9 +178,11 @@ def test_eval_does_not_touch_the_buffer(tiny_model_path, tmp_path):
         str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset(), eval_dataset=_dataset(8)
     )
     trainer.train()
-    buffer, steps = trainer.estimator.probes["default"].buffer.targets.clone(), trainer.estimator.steps
+    buffer, steps = trainer.estimator.probes_["default"].buffer.targets.clone(), trainer.estimator.steps_
     metrics = trainer.evaluate()
-    assert torch.equal(trainer.estimator.probes["default"].buffer.targets, buffer) and trainer.estimator.steps == steps
+    assert (
+        torch.equal(trainer.estimator.probes_["default"].buffer.targets, buffer) and trainer.estimator.steps_ == steps
+    )
     assert "eval_poise/mae" in metrics
 
 
@@ -191,7 +193,7 @@ def test_resume_restores_probe_buffer_and_next_baselines_bit_for_bit(tiny_model_
     uninterrupted.train()
     checkpoint = tmp_path / "out" / "checkpoint-3"
     info = read_state(checkpoint / ESTIMATOR_FILE)["info"]
-    assert info["feature_config"]["probe_layer"] == uninterrupted.estimator.layer == 2 and info["probe_steps"] == 3
+    assert info["feature_config"]["probe_layer"] == uninterrupted.estimator.layer_ == 2 and info["probe_steps"] == 3
 
     resumed = RecordingTrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
     resumed.records = []
@@ -202,9 +204,9 @@ def test_resume_restores_probe_buffer_and_next_baselines_bit_for_bit(tiny_model_
     for key, tensor in before["probe"].state_dict().items():
         assert torch.equal(tensor, after["probe"].state_dict()[key]), key
     assert torch.equal(uninterrupted.recorded[3]["advantages"], resumed.recorded[0]["advantages"])
-    resumed_buffer, uninterrupted_buffer = (t.estimator.probes["default"].buffer for t in (resumed, uninterrupted))
+    resumed_buffer, uninterrupted_buffer = (t.estimator.probes_["default"].buffer for t in (resumed, uninterrupted))
     assert torch.equal(resumed_buffer.features, uninterrupted_buffer.features)
-    assert resumed.estimator.steps == uninterrupted.estimator.steps == 4
+    assert resumed.estimator.steps_ == uninterrupted.estimator.steps_ == 4
 
     changed = POISETrainer(
         str(tiny_model_path),
@@ -289,17 +291,17 @@ def test_warm_start_uses_the_loaded_probe_from_the_first_step(tiny_model_path, t
     second.records = []
     second.train()
     loaded = second.records[0]["probe"]
-    for key, tensor in first.estimator.probes["default"].probe.state_dict().items():
+    for key, tensor in first.estimator.probes_["default"].probe.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], tensor), key
     assert [h["poise/bootstrap"] for h in second.state.log_history if "poise/bootstrap" in h] == [0.0, 0.0]
     record = second.recorded[0]
     baselines = loaded.predict(_independent_features(record, n=10)).view(-1, 2).flip(1).reshape(-1)
     torch.testing.assert_close(record["advantages"], record["rewards"] - baselines, atol=2e-4, rtol=1e-4)
     # Without its buffer the loaded fit is kept (not refitted on a handful of rows) during probe_warmup_steps.
-    coefs = [t.estimator.probes["default"].probe.state_dict()["coef"] for t in (first, second)]
+    coefs = [t.estimator.probes_["default"].probe.state_dict()["coef"] for t in (first, second)]
     refitted = not torch.equal(*coefs)
     assert refitted == include_buffer
-    assert len(second.estimator.probes["default"].buffer) == (3 * 8 if include_buffer else 0) + 2 * 8
+    assert len(second.estimator.probes_["default"].buffer) == (3 * 8 if include_buffer else 0) + 2 * 8
 
 
 def test_the_probe_reads_the_rollout_scalars_it_is_given(tiny_model_path, tmp_path):
@@ -310,7 +312,7 @@ def test_the_probe_reads_the_rollout_scalars_it_is_given(tiny_model_path, tmp_pa
     trainer = RecordingTrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
     trainer.records = []
     trainer.train()
-    record, buffered = trainer.recorded[0], trainer.estimator.probes["default"].buffer.features[:, 0]
+    record, buffered = trainer.recorded[0], trainer.estimator.probes_["default"].buffer.features[:, 0]
     out, logits, width = record["output"], record["logits"], 2 * trainer.hidden_size
     assert buffered.shape == (8, width + len(scalars))  # the paper's probe: no partner-reward column
     p_len = out["prompt_ids"].size(1)
@@ -353,7 +355,7 @@ def test_a_logistic_head_gives_the_baselines_and_is_saved_by_name(small_model_pa
     args = poise_args(tmp_path, max_steps=3, probe_head="logistic", probe_partner_reward=True)
     trainer = POISETrainer(str(small_model_path), digit_reward, args=args, train_dataset=_dataset())
     trainer.train()
-    probe = trainer.estimator.probes["default"].probe
+    probe = trainer.estimator.probes_["default"].probe
     assert type(probe) is LogisticProbe and probe.is_fitted
     logged = [h for h in trainer.state.log_history if "poise/bootstrap" in h]
     assert logged[-1]["poise/bootstrap"] == 0.0 and math.isfinite(logged[-1]["poise/mae"])
@@ -369,9 +371,9 @@ def test_a_short_run_with_the_prompt_history_feeds_it_to_the_probe_and_names_it(
     prompts = _dataset(4)
     trainer = POISETrainer(str(small_model_path), digit_reward, args=args, train_dataset=prompts)
     trainer.train()
-    seen, count, _ = trainer.estimator.prompt_history.lookup(prompt_group_ids(prompts["prompt"]))
+    seen, count, _ = trainer.estimator.prompt_history_.lookup(prompt_group_ids(prompts["prompt"]))
     assert seen.all() and count.tolist() == [3 * 2] * 4  # 3 steps x 2 rollouts
-    rows = trainer.estimator.probes["default"].buffer.features[:, 0]
+    rows = trainer.estimator.probes_["default"].buffer.features[:, 0]
     assert rows.size(-1) == 2 * trainer.hidden_size + 3 + 1 + 3  # [φ | r | seen, log(1 + count), mean]
     assert rows[:8, -3].eq(0).all() and rows[8:, -3].eq(1).all()  # unseen at the first step only
     assert rows[-8:, -2].tolist() == pytest.approx([math.log1p(2 * 2)] * 8)  # the last step read two steps' rewards
@@ -412,8 +414,8 @@ def test_resume_refuses_changed_probe_settings_and_warm_start_refits_with_the_ru
     resumed = resume()
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert [float(s["divisor"]) for s in resumed.scored] == [
-        float(first.estimator.reward_std.divisor())
-    ] and resumed.estimator.reward_std.count == 24
+        float(first.estimator.reward_std_.divisor())
+    ] and resumed.estimator.reward_std_.count == 24
 
     run = dict(probe_alpha=2.0, probe_pca_dims=[4, 0], probe_clip_range=[0.0, 0.5], max_steps=1)
     warm = POISETrainer(
@@ -422,16 +424,16 @@ def test_resume_refuses_changed_probe_settings_and_warm_start_refits_with_the_ru
         args=poise_args(tmp_path, probe_init_path=str(checkpoint / ESTIMATOR_FILE), **run),
         train_dataset=_dataset(),
     )
-    probe = warm.estimator.probes["default"].probe
-    assert torch.equal(probe.state_dict()["coef"], first.estimator.probes["default"].probe.state_dict()["coef"])
+    probe = warm.estimator.probes_["default"].probe
+    assert torch.equal(probe.state_dict()["coef"], first.estimator.probes_["default"].probe.state_dict()["coef"])
     assert (probe.alpha, probe.pca_dims, probe.clip) == (
         2.0,
         [(0, 16, 4)],
         (0.0, 0.5),
     )
-    assert warm.estimator.reward_std.count == 0  # a warm start is a new run
+    assert warm.estimator.reward_std_.count == 0  # a warm start is a new run
     warm.train()
-    refitted = warm.estimator.probes["default"].probe
+    refitted = warm.estimator.probes_["default"].probe
     assert refitted.fitted_pca_dims == [4] and refitted.state_dict()["clip"].tolist() == [0.0, 0.5]
 
 
@@ -469,8 +471,8 @@ def test_save_model_keeps_the_probe_and_a_new_run_starts_from_the_folder_trusted
 
     args = poise_args(tmp_path / "again", max_steps=1, probe_warmup_steps=4, probe_init_path=str(saved), seed=1)
     second = POISETrainer(str(saved), digit_reward, args=args, train_dataset=_dataset())
-    trained = first.estimator.probes["default"].probe.state_dict()
-    loaded = second.estimator.probes["default"]
+    trained = first.estimator.probes_["default"].probe.state_dict()
+    loaded = second.estimator.probes_["default"]
     assert loaded.trusted and all(torch.equal(loaded.probe.state_dict()[k], t) for k, t in trained.items())
     second.train()
     assert [h["poise/bootstrap"] for h in second.state.log_history if "poise/bootstrap" in h] == [0.0]
@@ -512,7 +514,7 @@ def test_warm_start_accepts_a_single_probe_file(tiny_model_path, tmp_path):
     save_probe_file(tmp_path / "single.safetensors", probe, buffer, metadata)
     args = poise_args(tmp_path, probe_init_path=str(tmp_path / "single.safetensors"))
     warm = POISETrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
-    loaded = warm.estimator.probes["default"]
+    loaded = warm.estimator.probes_["default"]
     assert torch.equal(loaded.probe.state_dict()["coef"], probe.state_dict()["coef"])
     assert loaded.buffer.features.shape == (16, 1, 2 * 128 + 3) and loaded.trusted
 

@@ -119,7 +119,7 @@ class SpyTrainer(POISETrainer):
 
     def _observe(self, step):
         divisor = (
-            self.estimator.reward_std.divisor() if self.args.scale_rewards == "batch" else 1.0
+            self.estimator.reward_std_.divisor() if self.args.scale_rewards == "batch" else 1.0
         )  # of earlier steps
         features = step.assemble()[0].clone()  # this process's (rows, candidate layers, D)
         result = super()._observe(step)

@@ -234,7 +234,7 @@ def run_estimator(
     history = saved_history if history is None else history
     if history and not saved_history:
         raise ValueError(f"{path} holds no prompt history (the run set probe_history=False)")
-    saved_head = next(iter(estimator.probes.values())).probe.name
+    saved_head = next(iter(estimator.probes_.values())).probe.name
     if (head or saved_head, history) == (saved_head, saved_history):
         return estimator, blocks
     spec = estimator.spec
@@ -278,7 +278,7 @@ def online_values(
     fits: list[tuple[str, Any]] = [("poise_paper", lambda: fitted_probe("poise_paper", collection, probe, keep))]
     if saved.exists():
         run = run_estimator(saved, collection)
-        with_history = run[0].prompt_history is not None
+        with_history = run[0].prompt_history_ is not None
         fits.append(("poise", lambda: run))
         sources["poise"] = f"the run's saved estimator ({ESTIMATOR_FILE})"
         default = config_default("probe_head")  # POISE (default)'s head: the "poise" row
@@ -297,7 +297,7 @@ def online_values(
     for row, fit in fits:
         estimator, blocks = fit()
         sources.setdefault(row, separate)
-        keys = row_prompt_keys(collection) if estimator.prompt_history is not None else None
+        keys = row_prompt_keys(collection) if estimator.prompt_history_ is not None else None
         values[row] = probe_values(estimator, collection, collection.columns(blocks, layer, pool), label(row))
         if row != "poise_paper":
             samplers[row] = probe_sampler(estimator, collection, layer, pool, floor, keys)
@@ -308,9 +308,9 @@ def online_values(
 def probe_values(estimator: POISEEstimator, collection: Collection, features: torch.Tensor, name: str) -> np.ndarray:
     """(N,) each measured rollout's value from a trusted probe (its prompt's history by the trainer's ids where the
     estimator keeps one), every one finite."""
-    if not estimator.trusted:
+    if not estimator.trusted_:
         raise RuntimeError(f"{name}: the probe is not trusted; give more --probe-prompts")
-    keys = row_prompt_keys(collection) if estimator.prompt_history is not None else None
+    keys = row_prompt_keys(collection) if estimator.prompt_history_ is not None else None
     record = Rollouts(collection.rewards.nan_to_num(0.0), prompt_ids=keys)
     out = estimator.predict(features, record).double().numpy()
     if not np.isfinite(out).all():

@@ -36,7 +36,7 @@ def run(tmp_path_factory) -> dict:
 @pytest.mark.slow
 def test_custom_loop_takes_finite_advantages_from_the_estimator(run):
     history = run["history"]
-    assert len(history) == STEPS and run["estimator"].steps == STEPS  # observe ran once per step
+    assert len(history) == STEPS and run["estimator"].steps_ == STEPS  # observe ran once per step
     for step in history:
         assert len(step["advantages"]) == 2 * PROMPTS
         assert all(math.isfinite(a) for a in step["advantages"])

@@ -278,7 +278,7 @@ def test_recipe_trains_end_to_end_on_tiny_model(tiny_model_path, tmp_path):
     assert isinstance(trainer, train_poise.POISETrainer)
     assert trainer.state.global_step == 4
     assert len(trainer.train_dataset) == 4
-    assert trainer.estimator.steps == 2 and trainer.estimator.probes["default"].probe.is_fitted
+    assert trainer.estimator.steps_ == 2 and trainer.estimator.probes_["default"].probe.is_fitted
     assert trainer.feature_passes == 0  # features came from TRL's own old-log-prob pass, as in the paper
     assert (output_dir / "model.safetensors").is_file()
     card = (output_dir / "README.md").read_text()

@@ -2,6 +2,7 @@
 on earlier steps only, with hysteresis."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -61,12 +62,12 @@ class LayerRecorder(SpyTrainer):
     features, rewards and advantages."""
 
     def before_batch(self, inputs):
-        buffer = self.estimator.probes["default"].buffer
+        buffer = self.estimator.probes_["default"].buffer
         return dict(
-            index=self.estimator.layer_index,
-            layer=self.estimator.layer,
-            probe=copy.deepcopy(self.estimator.probes["default"].probe),
-            trusted=self.estimator.probes["default"].trusted,
+            index=self.estimator.layer_index_,
+            layer=self.estimator.layer_,
+            probe=copy.deepcopy(self.estimator.probes_["default"].probe),
+            trusted=self.estimator.probes_["default"].trusted,
             buffer=None
             if buffer.targets is None
             else (buffer.features.clone(), buffer.targets.clone(), buffer.groups),
@@ -134,29 +135,30 @@ def test_select_layer_hysteresis_and_logging_in_the_trainer(tiny_model_path, tmp
         args=_args(tmp_path, probe_layer_switch_margin=0.05),
         train_dataset=digit_dataset(),
     )
-    assert trainer.estimator.layer == 2
+    assert trainer.estimator.layer_ == 2
     per_layer = {}
     monkeypatch.setattr(OnlineLearner, "layer_errors", lambda self, folds, device=None: per_layer["errors"])
     per_layer["errors"] = torch.tensor([[0.97, 0.97], [1.0, 1.0], [1.5, 1.5]], dtype=torch.float64)  # 3% better
     estimator = trainer.estimator
 
     def select() -> dict[str, float]:
-        learners, layers = list(estimator.probes.values()), estimator.spec.layers
-        estimator.layer_index, metrics = select_layer(
-            learners, layers.ids, estimator.layer_index, layers.switch_margin, layers.folds, "cpu"
+        learners, layers = [estimator.new_probe("default")], estimator.spec.layers  # its errors: `per_layer`
+        layer_index, metrics = select_layer(
+            learners, layers.ids, estimator.layer_index_, layers.switch_margin, layers.folds, "cpu"
         )
+        estimator.state_ = replace(estimator.state_, layer_index=layer_index)
         return metrics
 
     assert select() == {"layer_mae/1": 0.97, "layer_mae/2": 1.0, "layer_mae/3": 1.5}
-    assert trainer.estimator.layer == 2
+    assert trainer.estimator.layer_ == 2
     per_layer["errors"] = torch.tensor([[0.8, 0.8], [1.0, 1.0], [1.5, 1.5]], dtype=torch.float64)  # 20%: switch
     select()
-    assert trainer.estimator.layer == 1
+    assert trainer.estimator.layer_ == 1
 
 
 def test_saved_probes_record_the_candidate_set(tiny_model_path, tmp_path):
     auto = POISETrainer(str(tiny_model_path), digit_reward, args=_args(tmp_path), train_dataset=digit_dataset())
-    auto.estimator.layer_index = 2
+    auto.estimator.state_ = replace(auto.estimator.state_, layer_index=2)
     auto.save_probe(tmp_path / "auto.safetensors")
     again = POISETrainer(
         str(tiny_model_path),
@@ -164,7 +166,7 @@ def test_saved_probes_record_the_candidate_set(tiny_model_path, tmp_path):
         args=_args(tmp_path, probe_init_path=str(tmp_path / "auto.safetensors")),
         train_dataset=digit_dataset(),
     )
-    assert again.estimator.layer == 3
+    assert again.estimator.layer_ == 3
     for other in (dict(probe_layer_candidates=[1, 2]), dict(probe_layer=2)):
         with pytest.raises(ValueError, match="fitted on features"):
             POISETrainer(

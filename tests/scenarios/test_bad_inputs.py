@@ -52,8 +52,8 @@ def test_none_nan_and_inf_rewards_get_zero_advantage_and_stay_out_of_the_buffer(
         bad = ~torch.isfinite(rewards)
         assert bad.sum() == 3 and (advantages[bad] == 0).all()
     # Rows 0, 3, 5 are unscorable; their partners 1, 2, 4 have no leave-one-out target: 2 usable rows per step.
-    assert len(trainer.estimator.probes["default"].buffer) == 4 * 2
-    assert torch.isfinite(trainer.estimator.probes["default"].buffer.targets).all()
+    assert len(trainer.estimator.probes_["default"].buffer) == 4 * 2
+    assert torch.isfinite(trainer.estimator.probes_["default"].buffer.targets).all()
 
 
 def test_non_finite_features_are_dropped_and_counted(tiny_model_path, tmp_path):
@@ -69,7 +69,7 @@ def test_non_finite_features_are_dropped_and_counted(tiny_model_path, tmp_path):
 
     class Overflowing(Recorder):
         def _generate_and_score_completions(self, inputs):
-            layer = find_decoder_layers(self.accelerator.unwrap_model(self.model))[self.estimator.layer]
+            layer = find_decoder_layers(self.accelerator.unwrap_model(self.model))[self.estimator.layer_]
             handle = layer.register_forward_hook(overflow, prepend=True)
             try:
                 return super()._generate_and_score_completions(inputs)
@@ -83,8 +83,8 @@ def test_non_finite_features_are_dropped_and_counted(tiny_model_path, tmp_path):
     trainer.train()
     assert _logged(trainer, "poise/feature_rows_dropped") == [1.0, 1.0, 1.0]
     assert (
-        len(trainer.estimator.probes["default"].buffer) == 3 * 7
-        and torch.isfinite(trainer.estimator.probes["default"].buffer.features).all()
+        len(trainer.estimator.probes_["default"].buffer) == 3 * 7
+        and torch.isfinite(trainer.estimator.probes_["default"].buffer.features).all()
     )
     for _, advantages, _ in trainer.seen:
         assert torch.isfinite(advantages).all()
@@ -92,8 +92,8 @@ def test_non_finite_features_are_dropped_and_counted(tiny_model_path, tmp_path):
 
 def test_non_binary_rewards_clip_to_the_observed_range(tiny_model_path, tmp_path):
     trainer = _train(tiny_model_path, tmp_path, lambda completions, **kw: [3 * r - 1 for r in _dense(completions)])
-    low, high = trainer.estimator.probes["default"].probe.state_dict()["clip"].tolist()
-    targets = trainer.estimator.probes["default"].buffer.targets
+    low, high = trainer.estimator.probes_["default"].probe.state_dict()["clip"].tolist()
+    targets = trainer.estimator.probes_["default"].buffer.targets
     assert (low, high) == (targets.min().item(), targets.max().item())
     assert low < 0 or high > 1  # really outside [0, 1]
 
@@ -102,13 +102,13 @@ def test_identical_rewards_for_many_steps_stay_finite(tiny_model_path, tmp_path)
     trainer = _train(tiny_model_path, tmp_path, lambda completions, **kw: [1.0] * len(completions), max_steps=6)
     for _, advantages, _ in trainer.seen:
         assert torch.equal(advantages, torch.zeros_like(advantages))
-    assert trainer.estimator.probes["default"].probe.is_fitted
+    assert trainer.estimator.probes_["default"].probe.is_fitted
 
 
 def test_fewer_examples_than_features_and_pca_larger_than_rows_still_fit(tiny_model_path, tmp_path):
     # Step 1 has 8 examples for 2*128+3 features and the release preset asks for 32 + 64 PCA components.
     trainer = _train(tiny_model_path, tmp_path, _dense, probe_preset="release", max_steps=2)
-    assert trainer.estimator.probes["default"].probe.is_fitted and trainer.estimator.probes[
+    assert trainer.estimator.probes_["default"].probe.is_fitted and trainer.estimator.probes_[
         "default"
     ].probe.fitted_pca_dims == [16, 16]
 
@@ -121,4 +121,4 @@ def test_truncated_masked_completions_get_zero_advantage_and_never_enter_the_buf
         masked_total += int(masked.sum())
         assert (advantages[masked] == 0).all()
     assert masked_total > 0
-    assert len(trainer.estimator.probes["default"].buffer) <= 4 * 8 - masked_total
+    assert len(trainer.estimator.probes_["default"].buffer) <= 4 * 8 - masked_total

@@ -48,8 +48,8 @@ def test_a_rollouts_reward_moves_its_partners_baseline_and_never_its_own(tiny_mo
     )
     trainer = POISETrainer(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
     trainer.train()
-    assert trainer.estimator.probes["default"].trusted
-    assert trainer.estimator.probes["default"].buffer.features.size(-1) == 2 * 128 + 3 + 1  # [φ | r]
+    assert trainer.estimator.probes_["default"].trusted
+    assert trainer.estimator.probes_["default"].buffer.features.size(-1) == 2 * 128 + 3 + 1  # [φ | r]
     state = copy.deepcopy(trainer.estimator)
     inputs = [{"prompt": p} for p in ("12+3", "45+6", "78+9", "01+2") for _ in range(G)]
     calculate = trainer._calculate_rewards
@@ -120,7 +120,7 @@ def test_resume_restores_the_shrunk_bootstrap_bit_for_bit(tiny_model_path, tmp_p
     uninterrupted.train()
     resumed = Recording(str(tiny_model_path), digit_reward, args=args, train_dataset=digit_dataset())
     resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
-    assert len(resumed.estimator.bootstrap_pairs["default"]) == 4 * 8
+    assert len(resumed.estimator.bootstrap_pairs_["default"]) == 4 * 8
     before, after = uninterrupted.records[3], resumed.records[0]
     assert torch.equal(before["baselines"], after["baselines"])
     assert _logged(resumed, "poise/bootstrap_weight")[-1] == _logged(uninterrupted, "poise/bootstrap_weight")[-1] != 1

@@ -210,7 +210,7 @@ def test_probe_files_of_either_route_warm_start_the_other(tiny_model_path, tmp_p
         path = tmp_path / f"{route}.safetensors"
         first[route].save_probe(path)
         warm = _train(tiny_model_path, tmp_path / f"warm-{route}", other, probe_init_path=str(path))
-        assert warm.estimator.trusted
+        assert warm.estimator.trusted_
     warm_from = {r: tmp_path / f"{r}.safetensors" for r in ("auto", "pass")}
     assert warm_from["auto"].read_bytes() == warm_from["pass"].read_bytes()  # the same run, the same file
 

@@ -49,11 +49,10 @@ def test_per_domain_probes_beat_one_shared_probe_on_held_out_rows():
         rows = slice(step * 200, (step + 1) * 200)
         for name, data in train.items():
             batch = (data["x"][rows], data["y"][rows], data["groups"][rows])
-            shared.add(*batch)
-            per_domain[name].add(*batch)
-    shared.fit()
-    for probe in per_domain.values():
-        probe.fit()
+            shared = shared.added(*batch)
+            per_domain[name] = per_domain[name].added(*batch)
+    shared = shared.fitted()
+    per_domain = {name: probe.fitted() for name, probe in per_domain.items()}
     assert len(shared.buffer) == 1600 and all(len(p.buffer) == 800 for p in per_domain.values())
 
     shared_mae = sum(_mae(shared, data) for data in test.values()) / 2
@@ -85,7 +84,7 @@ class DomainRecorder(SpyTrainer):
     adds the rewards, features and advantages."""
 
     def before_batch(self, inputs):
-        before = {name: (copy.deepcopy(p.probe), p.trusted) for name, p in self.estimator.probes.items()}
+        before = {name: (copy.deepcopy(p.probe), p.trusted) for name, p in self.estimator.probes_.items()}
         return dict(before=before, domains=[x["domain"] for x in inputs])
 
     @property
@@ -100,7 +99,7 @@ def test_domains_get_separate_buffers_metrics_bootstrap_and_checkpoints(tiny_mod
 
     # Separate buffers: each domain's rows came only from its prompts; "big" is capped at its own size.
     prompts = {d: [r["prompt"] for r in _dataset() if r["domain"] == d] for d in ("big", "small")}
-    probes = trainer.estimator.probes
+    probes = trainer.estimator.probes_
     assert set(probes) == {"big", "small"}
     for name, online in probes.items():
         assert set(online.buffer.groups.tolist()) <= set(prompt_group_ids(prompts[name]).tolist())
@@ -134,20 +133,20 @@ def test_domains_get_separate_buffers_metrics_bootstrap_and_checkpoints(tiny_mod
     assert any("poise/domain/small/bootstrap" in h for h in logged)
     assert all(h["poise/domain/small/bootstrap"] == 1.0 for h in logged if "poise/domain/small/bootstrap" in h)
     assert [h["poise/domain/big/bootstrap"] for h in logged] == [1.0, 1.0, 0.0, 0.0]
-    assert logged[-1]["poise/buffer_size"] == 20 + len(trainer.estimator.probes["small"].buffer)
+    assert logged[-1]["poise/buffer_size"] == 20 + len(trainer.estimator.probes_["small"].buffer)
 
     # The checkpoint holds every domain; resuming reproduces step 4 bit for bit.
     checkpoint = tmp_path / "out" / "checkpoint-3"
     info = read_state(checkpoint / ESTIMATOR_FILE)["info"]
-    assert [d["name"] for d in info["domains"]] == list(trainer.estimator.probes)
+    assert [d["name"] for d in info["domains"]] == list(trainer.estimator.probes_)
     assert info["feature_config"]["probe_domain_column"] == "domain"
     resumed = DomainRecorder(str(tiny_model_path), digit_reward, args=args, train_dataset=_dataset())
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert len(resumed.records) == 1
     assert torch.equal(resumed.records[0]["advantages"], trainer.records[3]["advantages"])
-    assert list(resumed.estimator.probes) == list(trainer.estimator.probes)
-    for name, online in trainer.estimator.probes.items():
-        again = resumed.estimator.probes[name]
+    assert list(resumed.estimator.probes_) == list(trainer.estimator.probes_)
+    for name, online in trainer.estimator.probes_.items():
+        again = resumed.estimator.probes_[name]
         assert (again.steps, again.layer_index, again.warm_started) == (
             online.steps,
             online.layer_index,
@@ -167,8 +166,8 @@ def test_domains_get_separate_buffers_metrics_bootstrap_and_checkpoints(tiny_mod
         args=_args(tmp_path, probe_init_path=str(tmp_path / "all.safetensors")),
         train_dataset=_dataset(),
     )
-    assert all(p.warm_started and p.steps == 0 for p in warm.estimator.probes.values())
-    assert warm.estimator.probes["big"].trusted  # fitted: used from the first step
+    assert all(p.warm_started and p.steps == 0 for p in warm.estimator.probes_.values())
+    assert warm.estimator.probes_["big"].trusted  # fitted: used from the first step
     with pytest.raises(ValueError, match="probe_domain_column=None"):
         POISETrainer(
             str(tiny_model_path),
@@ -214,7 +213,7 @@ def test_the_estimator_refuses_a_domain_past_max_domains_and_buffers_grow_with_t
     estimator = POISEEstimator(2, EstimatorSpec(head=HeadSpec(alpha=1.0), buffer=buffers))
     x, r = torch.randn(8, 1, 16), torch.tensor([0.0, 1.0] * 4)
     estimator.observe(features=x, rollouts=Rollouts(r, domains=["a"] * 6 + ["b"] * 2))
-    assert {name: online.buffer.allocated for name, online in estimator.probes.items()} == {"a": 8, "b": 8}
+    assert {name: online.buffer.allocated for name, online in estimator.probes_.items()} == {"a": 8, "b": 8}
     with pytest.raises(ValueError, match=r"3 distinct domains \('a', 'b', 'c'\) exceed max_domains=2"):
         estimator.advantages(x, Rollouts(r, domains=["c"] * 8))
 

@@ -56,7 +56,8 @@ def test_minimal_init_and_the_default_preset_on_hidden_size_8(paths, tmp_path):
     trainer = POISETrainer(
         model=str(paths["qwen3_h8"]), reward_funcs=str(paths["reward"]), args=args, train_dataset=prompts()
     )
-    assert trainer.hidden_size == 8 and trainer.estimator.probe_template.pca_dims == [(0, 8, 8), (8, 16, 8)]
+    head = trainer.estimator.new_probe("default").probe
+    assert trainer.hidden_size == 8 and head.pca_dims == [(0, 8, 8), (8, 16, 8)]
     explicit = POISEConfig(output_dir=str(tmp_path), probe_pca_dims=[32, 0], **CPU_ARGS)
     with pytest.raises(ValueError, match="32 components of the prompt block, which has only 8 columns"):
         POISETrainer(str(paths["qwen3_h8"]), code_reward, args=explicit, train_dataset=prompts())

@@ -103,7 +103,7 @@ def test_train_again_after_an_interrupt_trains_on_finite_advantages(tiny_model_p
     assert trainer.read and all(torch.isfinite(a).all() for a in trainer.read)
     assert any(a.abs().sum() > 0 for a in trainer.read)
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
-    assert trainer.estimator.steps > 0 and trainer._generation is None
+    assert trainer.estimator.steps_ > 0 and trainer._generation is None
 
 
 @pytest.mark.slow

@@ -89,7 +89,7 @@ def test_prefix_probe_serves_only_fits_of_earlier_steps_and_logs_its_metrics(mod
     first, second = trainer.results[0], trainer.results[1]
     keep = first.prefix.sampled & (first.batch.scorable & first.batch.has_completion)[:, None]
     rows = first.prefix.rows[keep]
-    probe = trainer.estimator.token_baseline._head(rows.size(-1))
+    probe = trainer.estimator.token_baseline_._head(rows.size(-1))
     probe.fit(rows, first.batch.rewards[:, None].expand_as(keep)[keep])
     k = second.prefix.rows.size(1)
     expected = probe.predict(second.prefix.rows.flatten(0, 1)).view(-1, k)
@@ -126,8 +126,9 @@ def test_resume_restores_the_prefix_probe_and_continues_as_the_uninterrupted_run
     resumed = run(tmp_path / "full", resume=str(tmp_path / "full" / "out" / "checkpoint-2"))
     saved = POISEEstimator.from_config(full.args, 2, full.hidden_size)
     saved.load(tmp_path / "full" / "out" / "checkpoint-2" / ESTIMATOR_FILE)
-    assert saved.token_baseline.steps == 2 and len(saved.token_baseline.buffer) == 32 and saved.token_baseline.trusted
-    a, b = full.estimator.token_baseline.state_dict(), resumed.estimator.token_baseline.state_dict()
+    tokens = saved.token_baseline_
+    assert tokens.steps == 2 and len(tokens.buffer) == 32 and tokens.trusted
+    a, b = full.estimator.token_baseline_.state_dict(), resumed.estimator.token_baseline_.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
     for (name, p), q in zip(full.model.named_parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(p, q), name
@@ -140,7 +141,8 @@ def test_a_sequence_level_file_loads_into_a_prefix_run(tmp_path):
     sequence.save(tmp_path / "old.safetensors")
     prefix = POISEEstimator(2, EstimatorSpec(buffer=BufferSpec(warmup_steps=0), granularity=GranularitySpec("prefix")))
     prefix.load(tmp_path / "old.safetensors")
-    assert not prefix.token_baseline.probe.is_fitted and len(prefix.token_baseline.buffer) == 0 and prefix.steps == 1
+    tokens = prefix.token_baseline_
+    assert not tokens.probe.is_fitted and len(tokens.buffer) == 0 and prefix.steps_ == 1
 
 
 @pytest.mark.parametrize(
@@ -218,24 +220,24 @@ def test_prefix_state_round_trips_and_warm_starts(tmp_path):
     estimator = POISEEstimator(2, PREFIX)
     for step in range(3):
         estimator.observe(features=torch.randn(4, 5), rollouts=Rollouts(torch.rand(4)), prefix=_prefix_batch(step))
-    assert estimator.token_baseline.trusted and len(estimator.token_baseline.buffer) == 48
+    assert estimator.token_baseline_.trusted and len(estimator.token_baseline_.buffer) == 48
     estimator.save(tmp_path / "full.safetensors")
     estimator.save(tmp_path / "probe.safetensors", include_buffer=False)
     resumed = POISEEstimator(2, PREFIX)
     resumed.load(tmp_path / "full.safetensors")
-    a, b = estimator.token_baseline.state_dict(), resumed.token_baseline.state_dict()
+    a, b = estimator.token_baseline_.state_dict(), resumed.token_baseline_.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
-    assert (resumed.token_baseline.steps, resumed.token_baseline.trusted) == (3, True)
+    assert (resumed.token_baseline_.steps, resumed.token_baseline_.trusted) == (3, True)
     warm = POISEEstimator(2, PREFIX)
     warm.load(tmp_path / "probe.safetensors", warm_start=True)
-    assert warm.token_baseline.trusted and len(warm.token_baseline.buffer) == 0
-    loaded = warm.token_baseline.map().prefix.clone()
-    assert torch.equal(loaded, estimator.token_baseline.map().prefix)
+    assert warm.token_baseline_.trusted and len(warm.token_baseline_.buffer) == 0
+    loaded = warm.token_baseline_.map().prefix.clone()
+    assert torch.equal(loaded, estimator.token_baseline_.map().prefix)
     new_rows = dict(features=torch.randn(4, 5), rollouts=Rollouts(torch.rand(4)))
     warm.observe(**new_rows, prefix=_prefix_batch(10))  # 1 step of new rows: fit kept
-    assert torch.equal(warm.token_baseline.map().prefix, loaded)
+    assert torch.equal(warm.token_baseline_.map().prefix, loaded)
     warm.observe(**new_rows, prefix=_prefix_batch(11))  # warmup_steps of rows: refit
-    assert not torch.equal(warm.token_baseline.map().prefix, loaded)
+    assert not torch.equal(warm.token_baseline_.map().prefix, loaded)
 
 
 @pytest.mark.parametrize("capture", ["auto", "pass"])

@@ -77,14 +77,14 @@ class Recording(SpyTrainer):
         mask = torch.cat([output["prompt_mask"], output["completion_mask"]], 1)
         with torch.no_grad():
             out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-        self.forwards.append(dict(hidden=out.hidden_states[self.estimator.layer + 1], logits=out.logits))
+        self.forwards.append(dict(hidden=out.hidden_states[self.estimator.layer_ + 1], logits=out.logits))
         return output
 
     @property
     def records(self) -> list[dict]:
         """Per step: TRL's output, the forward's hidden states and logits, and POISE's features at the layer in use."""
         return [
-            {**forward, "output": scored["output"], "features": scored["features"][:, self.estimator.layer_index]}
+            {**forward, "output": scored["output"], "features": scored["features"][:, self.estimator.layer_index_]}
             for forward, scored in zip(self.forwards, self.scored, strict=True)
         ]
 

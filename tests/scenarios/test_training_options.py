@@ -116,4 +116,4 @@ def test_batch_scaling_divides_by_the_std_of_earlier_steps_rewards(model_path, t
     for step in (1, 2):
         earlier = torch.cat(rewards[:step]).double()
         assert divisors[step] == pytest.approx(earlier.std().item() + 1e-4, rel=1e-12)
-    assert trainer.estimator.reward_std.count == sum(r.numel() for r in rewards)
+    assert trainer.estimator.reward_std_.count == sum(r.numel() for r in rewards)

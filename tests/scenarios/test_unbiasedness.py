@@ -24,15 +24,15 @@ from scipy.stats import chi2
 
 from poise_trl.baselines import (
     RunningStd,
-    append_reward_column,
     cross_rollout_baselines,
     leave_one_out_targets,
     poise_advantages,
     shrunk_rloo_line,
 )
+from poise_trl.batch import DEFAULT_DOMAIN
 from poise_trl.estimator import POISEEstimator, Rollouts
-from poise_trl.files import DEFAULT_DOMAIN
 from poise_trl.probe import ValueProbe
+from poise_trl.row import append_reward_column
 from poise_trl.specs import BufferSpec, EstimatorSpec, HistorySpec
 
 C, A = 3, 4  # contexts, actions
@@ -135,9 +135,8 @@ def estimator_with(probe: ValueProbe | None, group: int, **settings) -> POISEEst
     paper = EstimatorSpec(partner_reward=False, bootstrap="rloo", buffer=BufferSpec(warmup_steps=0))
     estimator = POISEEstimator(group, replace(paper, **settings))
     if probe is not None:
-        online = estimator.new_probe(DEFAULT_DOMAIN)
-        online.probe, online.warm_started = probe, True
-        estimator.probes[DEFAULT_DOMAIN] = online
+        online = estimator.new_probe(DEFAULT_DOMAIN).replace(probe=probe, warm_started=True)
+        estimator.state_ = replace(estimator.state_, probes={DEFAULT_DOMAIN: online})
     return estimator
 
 
@@ -293,7 +292,7 @@ def test_shrunk_bootstrap_is_exactly_unbiased_and_a_line_fitted_on_the_own_step_
     earlier = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0])
     estimator = estimator_with(None, group, bootstrap="shrunk", buffer=BufferSpec(warmup_steps=10**6))
     estimator.observe(features=torch.zeros(earlier.numel(), 1), rollouts=Rollouts(earlier))
-    intercept, weight = estimator.bootstrap_lines[DEFAULT_DOMAIN].tolist()
+    intercept, weight = estimator.bootstrap_lines_[DEFAULT_DOMAIN].tolist()
     assert 0 < weight < 1 and intercept > 0  # both the earlier mean and the partners' mean enter
 
     def shrunk(rewards: torch.Tensor) -> torch.Tensor:
@@ -332,7 +331,8 @@ def test_history_baseline_is_unbiased_and_one_holding_the_own_rollouts_is_not(ba
         """`bias_statistics` of the estimator's advantages, its history holding `past` (a step's rewards each)."""
         estimator = estimator_with(probe, group, history=HistorySpec())
         for rewards in past:
-            estimator.prompt_history.update(keys, rewards)
+            history = estimator.prompt_history_.updated(keys, rewards)
+            estimator.state_ = replace(estimator.state_, prompt_history=history)
         advantages = estimator.advantages(noise, Rollouts(r.reshape(-1), prompt_ids=keys)).advantages.reshape(r.shape)
         return bias_statistics(bandit.batch_gradients(x, a, advantages), bandit.exact_gradient())
 

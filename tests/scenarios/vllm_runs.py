@@ -53,7 +53,7 @@ def assert_captured_in_trls_pass(trainer: POISETrainer) -> None:
     features inside it, with no pass of its own, and observes every step."""
     assert trainer.vllm_importance_sampling_correction and trainer._trl_runs_old_logps_pass()
     assert trainer.feature_passes == 0
-    assert trainer.estimator.steps == STEPS
+    assert trainer.estimator.steps_ == STEPS
 
 
 def assert_poise_metrics_finite(trainer: POISETrainer) -> None:

@@ -153,8 +153,8 @@ def time_selection(trainer: POISETrainer) -> None:
 def fill_probe_buffer(trainer: POISETrainer) -> None:
     """Repeat the buffered rows up to each buffer's capacity (the per-prefix probe's too), so each refit costs what it
     costs in steady state."""
-    learners = trainer.estimator.token_baseline.learners
-    for buffer in (trainer.estimator.probes["default"].buffer, *(learner.buffer for learner in learners)):
+    learners = trainer.estimator.token_baseline_.learners
+    for buffer in (trainer.estimator.probes_["default"].buffer, *(learner.buffer for learner in learners)):
         _fill(buffer)
 
 

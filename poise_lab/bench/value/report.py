@@ -13,10 +13,11 @@ import torch
 from safetensors.torch import save_file
 
 from poise_lab.bench.common import DEMO_MODEL
-from poise_trl.baselines import append_reward_column, leave_one_out_targets
+from poise_trl.baselines import leave_one_out_targets
 from poise_trl.features import FEATURE_BLOCKS, FeatureLayout
 from poise_trl.learner import OnlineLearner
 from poise_trl.probe import ValueProbe
+from poise_trl.row import append_reward_column
 
 from ..common import config_default, other_heads, resolve_device
 from .beyond import format_beyond, run_beyond
@@ -139,8 +140,8 @@ def export_probe(collection: Collection, features: Sequence[str], path: str | Pa
     `POISETrainer.save_probe` does (one-probe set, `_probe_metadata()` fields, no buffer), so that
     `POISEConfig(probe_init_path=path)` with the same layer, pooling, features and marker warm-starts from it. It is
     partner-aware (the reward column appended) when `probe_partner_reward` defaults to True, as the trainer fits it."""
+    from poise_trl.batch import DEFAULT_DOMAIN
     from poise_trl.config import PROBE_PRESETS
-    from poise_trl.files import DEFAULT_DOMAIN
 
     meta, blocks = collection.meta, [b for b in FEATURE_BLOCKS if b in features]
     layer = meta["default_layer"]
@@ -161,9 +162,8 @@ def export_probe(collection: Collection, features: Sequence[str], path: str | Pa
             "probe_layer": layer,
             "probe_layer_candidates": [layer],
             "probe_pool_tokens": meta["default_pool"],
-                        "probe_features": blocks,
+            "probe_features": blocks,
             "probe_scalars": list(layout.read_scalars),
-
             "reasoning_end_marker": meta["reasoning_end_marker"],
             "hidden_size": meta["hidden_size"],
             "probe_partner_reward": partner_reward,

@@ -289,10 +289,10 @@ def test_command_end_to_end_on_the_tiny_model(tiny_model_path, tmp_path):
     expected = run.predict(features, Rollouts(pool.rewards.nan_to_num(0.0), prompt_ids=keys)).double().numpy()
     assert np.array_equal(values["poise"], expected)
     bare, _ = run_estimator(tmp_path / ESTIMATOR_FILE, pool, "ridge", history=False)
-    assert bare.prompt_history is None and bare.row.appended == 1  # the partner's reward only
-    width_saved = run.probes["default"].buffer.features.size(-1)
-    assert bare.probes["default"].buffer.features.size(-1) == width_saved - 3
-    assert len(bare.probes["default"].buffer) == len(run.probes["default"].buffer)
+    assert bare.prompt_history_ is None and bare.row.appended == 1  # the partner's reward only
+    width_saved = run.probes_["default"].buffer.features.size(-1)
+    assert bare.probes_["default"].buffer.features.size(-1) == width_saved - 3
+    assert len(bare.probes_["default"].buffer) == len(run.probes_["default"].buffer)
     assert not np.allclose(values["poise_head_ridge_nohistory"], values["poise"])
     rows = ["poise", "poise_head_ridge_nohistory", "poise_head_logistic", "poise_head_logistic_nohistory"]
     assert paired_rows([*rows, "poise_head_logistic_probe_sampler"]) == [

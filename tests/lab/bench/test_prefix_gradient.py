@@ -217,12 +217,12 @@ def test_the_prefix_probe_settings_are_the_trainers(tiny_model_path, tmp_path):
     config = POISEConfig(output_dir=str(tmp_path), use_cpu=True, probe_granularity="prefix", probe_layer=1,
                          probe_pool_tokens=3)  # fmt: skip
     estimator = POISEEstimator.from_config(config, 4, 16)
-    head = estimator.token_baseline.probe  # the per-prefix head, unfitted
+    head = estimator.token_baseline_.probe  # the per-prefix head, unfitted
     settings = prefix_probe_settings(meta)
     assert settings == {
         "samples": PREFIX_SAMPLES,
         "pool_tokens": 3,
         "alpha": head.alpha,
-        "pca_dims": list(estimator.token_baseline.pca_dims),
+        "pca_dims": list(estimator.token_baseline_.pca_dims),
         "clip": None if head.clip == "observed" else list(head.clip),
     }

@@ -73,7 +73,7 @@ class Recording(POISETrainer):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, **kwargs
             )
-        layer = find_decoder_layers(self.accelerator.unwrap_model(self.model))[self.estimator.layer]
+        layer = find_decoder_layers(self.accelerator.unwrap_model(self.model))[self.estimator.layer_]
         outputs = []  # a Qwen3 layer returns a tensor, other architectures a tuple
         handle = layer.register_forward_hook(lambda m, a, out: outputs.append(out if torch.is_tensor(out) else out[0]))
         try:
@@ -142,18 +142,18 @@ def layer_difference(recording: Recording) -> float:
     input_ids, attention_mask, engine = recording.layer_outputs
     with torch.no_grad():
         hidden = REFERENCE.to(engine.device)(input_ids, attention_mask=attention_mask, output_hidden_states=True)
-    reference = hidden.hidden_states[recording.estimator.layer + 1]
+    reference = hidden.hidden_states[recording.estimator.layer_ + 1]
     return (engine - reference).abs().max().item()
 
 
 def held_weight(recording: Recording) -> dict:
     """How this rank holds the hooked layer's query weight: its type, its local size, and the unsharded size."""
-    layer = find_decoder_layers(recording.accelerator.unwrap_model(recording.model))[recording.estimator.layer]
+    layer = find_decoder_layers(recording.accelerator.unwrap_model(recording.model))[recording.estimator.layer_]
     weight = layer.self_attn.q_proj.weight
     return {
         "type": type(weight).__name__,
         "local_numel": (weight.to_local() if hasattr(weight, "to_local") else weight).numel(),
-        "numel": find_decoder_layers(REFERENCE)[recording.estimator.layer].self_attn.q_proj.weight.numel(),
+        "numel": find_decoder_layers(REFERENCE)[recording.estimator.layer_].self_attn.q_proj.weight.numel(),
     }
 
 

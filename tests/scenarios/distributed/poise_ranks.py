@@ -50,14 +50,16 @@ class Recording(POISETrainer):
         record = {
             "route": step.route,
             "baselines": result.logged_rows()[1],  # every process's rows
-            "probe": {k: v.flatten().tolist() for k, v in self.estimator.probes["default"].probe.state_dict().items()},
+            "probe": {
+                k: v.flatten().tolist() for k, v in self.estimator.probes_["default"].probe.state_dict().items()
+            },
         }
         if result.token_advantages is not None:  # each row's generated tokens, whatever the rank's width
             mask = step.spans.completion_mask.bool()
             tokens = result.token_advantages[rows, : mask.size(1)]
             record["token_advantages"] = [row[m].tolist() for row, m in zip(tokens, mask, strict=True)]
         record["advantages"] = advantages.tolist()
-        prefix = self.estimator.token_baseline
+        prefix = self.estimator.token_baseline_
         if prefix.name == "prefix" and prefix.probe.is_fitted:
             record["prefix_probe"] = {k: v.flatten().tolist() for k, v in prefix.probe.state_dict().items()}
         self.steps.append(record)

@@ -66,6 +66,6 @@ trainer.steps = []
 trainer.train()
 logs = [h for h in trainer.state.log_history if "poise/selection/random" in h]
 metrics = {k: [h[k] for h in logs] for k in logs[0] if k.startswith("poise/selection/")}
-probe = {k: v.flatten().tolist() for k, v in trainer.estimator.probes["default"].probe.state_dict().items()}
+probe = {k: v.flatten().tolist() for k, v in trainer.estimator.probes_["default"].probe.state_dict().items()}
 results = {"world": trainer.accelerator.num_processes, "steps": trainer.steps, "metrics": metrics, "probe": probe}
 finish(OUT, trainer.accelerator.process_index, results)
