@@ -33,7 +33,9 @@ class RecordingTrainer(SpyTrainer):
     records: list[dict]
 
     def _generate_and_score_completions(self, inputs):
-        probe = copy.deepcopy(self.estimator.probes_["default"].probe)
+        # before the first step nothing is learned: the unfitted probe a new domain starts from
+        online = self.estimator.probes_.get("default") or self.estimator.new_probe("default")
+        probe = copy.deepcopy(online.probe)
         trusted = probe.is_fitted and self.estimator.steps_ >= self.args.probe_warmup_steps
         output = super()._generate_and_score_completions(inputs)
         ids = torch.cat([output["prompt_ids"], output["completion_ids"]], 1)

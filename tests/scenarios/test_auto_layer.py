@@ -62,12 +62,14 @@ class LayerRecorder(SpyTrainer):
     features, rewards and advantages."""
 
     def before_batch(self, inputs):
-        buffer = self.estimator.probes_["default"].buffer
+        # before the first step nothing is learned: the unfitted learner a new domain starts from
+        online = self.estimator.probes_.get("default") or self.estimator.new_probe("default")
+        buffer = online.buffer
         return dict(
             index=self.estimator.layer_index_,
             layer=self.estimator.layer_,
-            probe=copy.deepcopy(self.estimator.probes_["default"].probe),
-            trusted=self.estimator.probes_["default"].trusted,
+            probe=copy.deepcopy(online.probe),
+            trusted=online.trusted,
             buffer=None
             if buffer.targets is None
             else (buffer.features.clone(), buffer.targets.clone(), buffer.groups),
