@@ -50,7 +50,7 @@ def test_reward_rises_and_probe_predicts_held_out_success(tmp_path, demo_cache):
     assert all(entry["poise/bootstrap"] == 0 for entry in history[args.probe_warmup_steps :])  # the probe ran
 
     # Fresh rollouts of unseen prompts from the trained policy, featurised by the trainer's own feature code.
-    layer, pool = trainer.probe_layer, args.probe_pool_tokens
+    layer, pool = trainer.estimator.layer_, args.probe_pool_tokens
     rollouts = collect(
         trainer.model,
         tokenizer,
@@ -65,7 +65,7 @@ def test_reward_rises_and_probe_predicts_held_out_success(tmp_path, demo_cache):
         max_new_tokens=MAX_COMPLETION_LENGTH,
         log=lambda _: None,
     )
-    values = trainer.value_probe.predict(rollouts.columns(args.probe_features, layer, pool))
+    values = trainer.estimator.probes_["default"].probe.predict(rollouts.columns(args.probe_features, layer, pool))
     predicted = values.view(-1, SAMPLES).mean(1).numpy()
     success = rollouts.rewards.view(-1, SAMPLES).mean(1).numpy()
     r = pearson(predicted, success)

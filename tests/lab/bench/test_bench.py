@@ -17,6 +17,7 @@ from poise_lab.bench.efficiency import micro_batching
 from poise_lab.bench.overhead.timing import Baton
 from poise_lab.bench.settings import EfficiencySettings
 from poise_lab.bench.trainers import DynamicSampling
+from poise_trl.choices import HEADS
 
 from .conftest import parse_bench
 
@@ -190,7 +191,7 @@ def test_overhead_smoke(tmp_path, capsys):
         assert row["time_ratio_by_order"]["poise_first"]["n"] == 0
     assert result["memory"] == []  # measured in the --prefix smoke below: its workers are these contenders' too
     assert [p["preset"] for p in result["probe_fit"]] == ["paper", "release"]
-    assert list(result["probe_fit"][0]["heads"]) == ["logistic", "mlp", "ensemble"]  # every head but ridge
+    assert list(result["probe_fit"][0]["heads"]) == [name for name in HEADS if name != "ridge"]  # every head but ridge
     assert "per-prefix" not in printed[-1] and "poise_prefix_seconds" not in result["timing"][0]
     paper = result["probe_fit"][0]
     assert paper["shape"] == [96, 163]
