@@ -96,7 +96,7 @@ class Preset:
     domain_settings: Mapping[str, Any] = field(default_factory=dict)
 
 
-_PIPELINE = {  # every preset's: the paper's features (§3, Table 4) and the library's sequence-level baseline
+_PIPELINE = {  # every preset's: the paper's G, features and pooling (§3, Table 4), one baseline per rollout
     "num_generations": 2,
     "scale_rewards": "none",
     "probe_features": ["prompt", "reasoning", "entropy"],
@@ -105,15 +105,15 @@ _PIPELINE = {  # every preset's: the paper's features (§3, Table 4) and the lib
     "probe_granularity": "sequence",
     "probe_history": False,
     "prompt_selection": None,
-    "probe_buffer_size": 4096,
-    "probe_warmup_steps": 16,
 }
+_RECIPE = {"probe_buffer_size": 4096, "probe_warmup_steps": 16}  # the authors' buffer rows and bootstrap steps
 
 PROBE_PRESETS: dict[str, Preset] = {
     "paper": Preset(
         "the paper's algorithm (Algorithm 1, §3 and Table 4): ridge on standardized features without PCA, "
         "alpha 0.01, clipped to the reward range, the partner's reward as target, G = 2, no std scaling; before the "
-        "probe is trusted, RLOO",
+        "probe is trusted, RLOO (the paper fixes neither the buffer's rows nor a bootstrap length: those stay the "
+        "fields' own)",
         {
             **_PIPELINE,
             "probe_head": "ridge",
@@ -137,6 +137,7 @@ PROBE_PRESETS: dict[str, Preset] = {
         "whole pairs, its domain routing and its refusals",
         {
             **_PIPELINE,
+            **_RECIPE,
             "probe_head": "pca_ridge",
             "probe_alpha": 100.0,
             "probe_pca_dims": [32, 64],
@@ -163,6 +164,7 @@ PROBE_PRESETS: dict[str, Preset] = {
         "authors' code",
         {
             **_PIPELINE,
+            **_RECIPE,
             "probe_head": "ridge",
             "probe_alpha": 100.0,
             "probe_pca_dims": [32, 64],

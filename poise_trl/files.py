@@ -244,11 +244,13 @@ what decides when a probe is fitted and trusted, what its buffers keep and which
 
 
 def check_schedule(saved: dict[str, Any] | None, spec: EstimatorSpec, source: str) -> None:
-    """Refuse to resume a state saved with other `RESUMED` settings, naming each (files written before the spec was
-    saved hold the defaults)."""
+    """Refuse to resume a state saved with other `RESUMED` settings, naming each (a spec saved before a setting
+    existed ran its default; a file written before the spec was saved says nothing, and is taken)."""
+    if saved is None:
+        return
 
     def written(part: type, key: str) -> Any:
-        holder = (saved or {}).get("buffer") or {} if part is BufferSpec else saved or {}
+        holder = saved.get("buffer") or {} if part is BufferSpec else saved
         value = holder.get(key, part.__dataclass_fields__[key].default)
         return tuple(value) if isinstance(value, list) else value  # JSON's lists, the spec's tuples
 
