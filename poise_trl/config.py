@@ -38,10 +38,15 @@ _PRESETS = " ".join(f"{name!r}: {preset.summary}." for name, preset in PROBE_PRE
 
 def _preset_help(key: str) -> str:
     """What each preset gives the field `key` (whose None means the preset's), from the presets' table."""
-    values = "; ".join(
+    values = [
         f"{name!r}: {preset.settings[key]!r}" for name, preset in PROBE_PRESETS.items() if key in preset.settings
-    )
-    return f"None: the preset's (`probe_preset`; {values})."
+    ]
+    values += [
+        f"{name!r}: {preset.domain_settings[key]!r} with a probe_domain_column"
+        for name, preset in PROBE_PRESETS.items()
+        if key in preset.domain_settings
+    ]
+    return f"None: the preset's (`probe_preset`; {'; '.join(values)})."
 
 
 _HEAD_SETTINGS = "; ".join(f"{name!r}: {', '.join(own_settings(name))}" for name in HEADS if own_settings(name))
@@ -342,9 +347,8 @@ class POISEConfig(GRPOConfig):
         metadata={
             "help": 'Buffer size per domain, e.g. \'{"math": 4096, "code": 1024}\' (a JSON string works on the '
             "command line). Domains not listed use `probe_buffer_size`; with probe_schedule='global' it lists every "
-            "domain the run may have, each fitted at the end of the bootstrap. None with a domain column: the "
-            "preset's (`probe_preset`; 'reference': {'math': 4096, 'code': 3072, 'other': 3072}; the others: "
-            "none).",
+            "domain the run may have, each fitted at the end of the bootstrap. A preset that names none leaves every "
+            "domain at probe_buffer_size. " + _preset_help("probe_domain_buffer_sizes"),
         },
     )
     probe_domain_routing: str | None = field(

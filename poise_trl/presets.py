@@ -20,20 +20,20 @@ def preset_settings(preset: Preset, domain_column: str | None) -> dict[str, Any]
     return {**preset.settings, **(preset.domain_settings if domain_column is not None else {})}
 
 
-def _plain(value: Any) -> Any:
-    """A value as JSON would hold it (tuples as lists, ints as floats), so that `[0, 1]` is `(0.0, 1.0)`."""
+def _json(value: Any, number: type | None = None) -> Any:
+    """A value as JSON holds it (tuples as lists, keys as strings); numbers made `number` where given."""
     if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
+        return [_json(v, number) for v in value]
     if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
+        return {str(k): _json(v, number) for k, v in value.items()}
+    if number is not None and isinstance(value, int | float) and not isinstance(value, bool):
+        return number(value)
     return value
 
 
 def same(a: Any, b: Any) -> bool:
-    """Whether two settings' values are equal as the config holds them (`_plain`)."""
-    return _plain(a) == _plain(b)
+    """Whether two settings' values are equal as the config holds them: `[0, 1]` is `(0.0, 1.0)`."""
+    return _json(a, float) == _json(b, float)
 
 
 def fill_preset(config: Any, presets: Mapping[str, Preset] = PROBE_PRESETS) -> None:
@@ -68,7 +68,7 @@ def preset_changes(config: Any, presets: Mapping[str, Preset] = PROBE_PRESETS) -
 def preset_record(config: Any) -> dict[str, Any]:
     """The preset a config names and the settings it changed from it, as JSON (the estimator's file holds it)."""
     changed = preset_changes(config)
-    return {"name": config.probe_preset, "changed": {key: _plain(value) for key, (_, value) in changed.items()}}
+    return {"name": config.probe_preset, "changed": {key: _json(value) for key, (_, value) in changed.items()}}
 
 
 def preset_value(key: str, preset: str | None = None) -> Any:

@@ -5,10 +5,10 @@ source file, once for the first run of every distinct line the call runs, during
 `prompt_values` and `load_state_dict` (resume and warm start) of estimators that between them run every head, the
 history, the layer choice, domains, both bootstraps, the batch scaling, the per-prefix baseline and the reference
 preset's estimator (its global schedule, whose end falls in the stopped `observe`, whole-pair buffers, routing and
-refusals), and during a captured pass of a tiny model. After each stop the estimator's `state_dict()` equals the one before the call or the
-one after an uninterrupted call (tensors bit for bit), it still takes the next step's advantages, and
-no forward hook is left on any module. The trainer's scenario (tests/scenarios/test_interrupts_trainer.py) stops
-`train()` and `evaluate()` the same way.
+refusals), and during a captured pass of a tiny model. After each stop the estimator's `state_dict()` equals the one
+before the call or the one after an uninterrupted call (tensors bit for bit), it still takes the next step's
+advantages, and no forward hook is left on any module. The trainer's scenario
+(tests/scenarios/test_interrupts_trainer.py) stops `train()` and `evaluate()` the same way.
 """
 
 import copy

@@ -1,7 +1,7 @@
 """Conformance of every registry's entries, one check per entry, in the style of scikit-learn's `check_estimator`:
 a new value head, granularity, sampling rule, bootstrap, reward scaling, schedule, domain routing or rollout scalar is
-checked by these tests as it is added, with no test to edit. Each torch table holds the names the command lines offer (choices.py), in
-order; the value heads' own checks are test_heads.py's, over every head too."""
+checked by these tests as it is added, with no test to edit. Each table holds the names the command lines offer
+(choices.py), in order; the value heads' own checks are test_heads.py's, over every head too."""
 
 import dataclasses
 import re

@@ -202,3 +202,12 @@ def test_probe_learns_signal_and_refits():
     refitted = copy.deepcopy(probe).fit(x[:128], 1.0 - y[:128])
     assert ((refitted.predict(x[128:]) - (1.0 - y[128:])) ** 2).mean() < 0.01 * constant_mse
     assert not torch.allclose(weights, refitted.affine()[0])
+
+
+def test_the_file_names_the_preset_and_the_settings_changed_from_it(tmp_path):
+    estimator = _estimator(probe_alpha=10.0)
+    _step(estimator, 0)
+    estimator.save(tmp_path / "poise.safetensors")
+    changed = {"probe_alpha": 10.0, "probe_pca_dims": [2, 3], "probe_domain_buffer_sizes": {"math": 12}}
+    assert estimator.state_dict()["info"]["preset"] == {"name": "reference", "changed": changed}
+    assert POISEEstimator.from_file(tmp_path / "poise.safetensors").preset == {"name": "reference", "changed": changed}
