@@ -94,3 +94,20 @@ def test_a_training_step_with_the_reference_preset_runs_its_schedule(tiny_model_
 def _unit_reward(completions: list[str], **kwargs) -> list[float]:
     """A reward in [0, 1], as the reference preset requires."""
     return [float(any(ch.isdigit() for ch in c)) for c in completions]
+
+
+def test_the_trainer_refuses_data_whose_routed_domains_are_not_the_listed_ones():
+    """With a domain column, the preset's buffers list math, code and other, each fitted at the end of the bootstrap:
+    a dataset that lacks one, or holds another, is refused when the trainer is built, not 16 steps later."""
+    from datasets import Dataset
+
+    from poise_trl.validation import check_dataset_size
+
+    config = reference_config(probe_domain_column="data_source")
+    sources = ["math__aime", "openai/gsm8k", "codegen__taco", "stem_web"]  # math, math, code, other
+    check_dataset_size(Dataset.from_dict({"prompt": ["x"] * 4, "data_source": sources}), 2, config)
+    with pytest.raises(ValueError, match=r"holds the domains \['code', 'math'\] .* the data lacks \['other'\]"):
+        check_dataset_size(Dataset.from_dict({"prompt": ["x"] * 3, "data_source": sources[:3]}), 2, config)
+    listed = reference_config(probe_domain_column="data_source", probe_domain_buffer_sizes={"math": 4096})
+    with pytest.raises(ValueError, match=r"it does not list \['code', 'other'\]"):
+        check_dataset_size(Dataset.from_dict({"prompt": ["x"] * 4, "data_source": sources}), 2, listed)
