@@ -13,10 +13,13 @@ The contract (the one TRL's `POISETrainer`, verl, OpenRLHF or a hand-written loo
 
 - `advantages` uses only what earlier `observe` calls taught it, so a rollout's baseline never depends on its own
   reward or features and the policy gradient stays unbiased. Before the probe is trusted (`BufferSpec.warmup_steps`
-  observed steps) the baseline is the bootstrap: RLOO, the partners' mean reward m_i, or the shrunk a + w * m_i. It
-  changes nothing, and neither does `predict`, each row's probe value.
+  observed steps of its domain, or of training under the global schedule: schedule.py) the baseline is the
+  bootstrap: RLOO, the partners' mean reward m_i, or the shrunk a + w * m_i. It changes nothing, and neither does
+  `predict`, each row's probe value. It refuses a batch its spec does not accept (a prompt's rollouts in two domains,
+  a reward outside the range, a domain the global schedule's buffers do not list).
 - `observe` appends the step's leave-one-out examples (features of j, mean reward of j's partners) to the sliding
-  buffer of each domain, refits the ridge probe, the shrunk bootstrap's line, the running reward std and (with
+  buffer of each domain (whole prompts, with `BufferSpec.whole_groups`), refits the probes its schedule says, the
+  shrunk bootstrap's line, the running reward std and (with
   several candidate layers) the layer choice. Handed the step's `result`, it reuses the batch `advantages` prepared
   (`PreparedBatch`, batch.py) and the step costs exactly one device->host transfer; given the batch
   (`observe(features=..., rollouts=...)`) it prepares it itself. It builds the whole next learned state from the old

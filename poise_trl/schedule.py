@@ -64,7 +64,14 @@ class DomainTrust:
     def accepts(self, domains: Iterable[str], buffer: "BufferSpec") -> None:
         """Any domain: one not in `domain_sizes` has a buffer of `size` rows."""
 
-    def plan(self, probes, steps, present, layer_index, buffer) -> Plan:
+    def plan(
+        self,
+        probes: Mapping[str, OnlineLearner],
+        steps: int,
+        present: Collection[str],
+        layer_index: int,
+        buffer: "BufferSpec",
+    ) -> Plan:
         refit = [
             name
             for name, online in probes.items()
@@ -94,7 +101,14 @@ class GlobalBootstrap:
                 "(probe_domain_routing)."
             )
 
-    def plan(self, probes, steps, present, layer_index, buffer) -> Plan:
+    def plan(
+        self,
+        probes: Mapping[str, OnlineLearner],
+        steps: int,
+        present: Collection[str],
+        layer_index: int,
+        buffer: "BufferSpec",
+    ) -> Plan:
         bootstrap = buffer.warmup_steps
         if steps == bootstrap:  # every domain's probe at once, each domain's count set to the training step
             empty = [name for name in buffer.domain_sizes if name not in probes or len(probes[name].buffer) < 2]
