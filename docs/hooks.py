@@ -81,11 +81,29 @@ def config_fields_table() -> str:
 
 
 def presets_table() -> str:
-    """Markdown table of the probe presets' ridge penalty and PCA dims."""
-    from poise_trl.choices import PROBE_PRESETS
+    """Markdown table of the probe presets, one row per setting: what each preset gives it (required ones marked),
+    and what a user gets by default (`POISEConfig`'s default preset); "-" where a preset leaves the field's own
+    default."""
+    from poise_trl.choices import DEFAULT_PRESET, PROBE_PRESETS
 
-    rows = ["| `probe_preset` | `probe_alpha` | `probe_pca_dims` [prompt, reasoning] |", "|---|---|---|"]
-    rows += [f"| `{name!r}` | {alpha:g} | {dims} |" for name, (alpha, dims) in PROBE_PRESETS.items()]
+    columns = {"paper": "paper", "reference": "reference (the authors' recipe)", "release": "release"}
+    names = list(PROBE_PRESETS)
+    assert set(columns) == set(names), "a new preset needs its column heading here"
+    settings = {key: None for preset in PROBE_PRESETS.values() for key in (*preset.settings, *preset.domain_settings)}
+
+    def cell(name: str, key: str) -> str:
+        preset = PROBE_PRESETS[name]
+        if key in preset.domain_settings:
+            return f"`{preset.domain_settings[key]!r}` with a `probe_domain_column`"
+        if key not in preset.settings:
+            return "-"
+        return f"`{preset.settings[key]!r}`" + (" (required)" if key in preset.required else "")
+
+    header = ["setting", *(columns[name] for name in names), f"by default (`{DEFAULT_PRESET!r}`)"]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for key in settings:
+        cells = [cell(name, key) for name in (*names, DEFAULT_PRESET)]
+        rows.append(f"| `{key}` | " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(rows)
 
 

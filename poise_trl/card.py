@@ -68,6 +68,8 @@ def card_section(
         floor = f", floor {args.prompt_selection_floor}" if args.prompt_selection == "importance" else ""
         selection += f" (oversample {args.prompt_selection_oversample}{floor})"
     scalars = list(FeatureLayout.from_config(args).read_scalars) or "none"
+    changes = args.preset_changes()
+    changed = ", ".join(f"{key}={value!r} (the preset's: {preset!r})" for key, (preset, value) in changes.items())
     history = "off"
     if args.probe_history:
         history = f"on ({args.probe_history_size} prompts, decay {args.probe_history_decay})"
@@ -81,6 +83,7 @@ def card_section(
         f"- Probe preset: {args.probe_preset} (probe_alpha={args.probe_alpha}, probe_pca_dims="
         f"{args.probe_pca_dims}, probe_clip_range={args.probe_clip_range}, probe_buffer_size="
         f"{args.probe_buffer_size}, probe_warmup_steps={args.probe_warmup_steps})",
+        f"- Changed from probe_preset={args.probe_preset!r}: {changed or 'nothing'}",
         f"- Value head (probe_head): {args.probe_head}; granularity (probe_granularity): {args.probe_granularity}",
         f"- Probe layer: {'default' if args.probe_layer is None else args.probe_layer} (in use: {layer}; "
         f"candidates: {layers})",
@@ -88,7 +91,10 @@ def card_section(
         f"tokens; rollout scalars (probe_scalars): {scalars}",
         f"- Partner-aware probe (probe_partner_reward): {args.probe_partner_reward}",
         f"- Prompt history (probe_history): {history}",
-        f"- Bootstrap (probe_bootstrap): {args.probe_bootstrap}",
+        f"- Bootstrap (probe_bootstrap): {args.probe_bootstrap}; schedule (probe_schedule): {args.probe_schedule}; "
+        f"whole-group buffers (probe_buffer_whole_groups): {args.probe_buffer_whole_groups}; domain routing "
+        f"(probe_domain_routing): {args.probe_domain_routing}; reward range (probe_reward_range): "
+        f"{args.probe_reward_range}",
         f"- Prompt selection: {selection}",
         diagnostics_line,
         warm_start,

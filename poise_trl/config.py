@@ -13,15 +13,41 @@ from trl import GRPOConfig
 
 from . import migration
 from .baselines import check_num_generations
-from .choices import BOOTSTRAPS, GRANULARITIES, HEADS, PROBE_PRESETS, REWARD_SCALINGS, RULES, described
-from .columns import DEFAULT_SCALARS, SCALARS
+from .choices import (
+    BOOTSTRAPS,
+    DEFAULT_PRESET,
+    GRANULARITIES,
+    HEADS,
+    PROBE_PRESETS,
+    REWARD_SCALINGS,
+    ROUTINGS,
+    RULES,
+    SCHEDULES,
+    described,
+)
+from .columns import SCALARS
 from .features import FEATURE_BLOCKS
 from .heads import own_settings
+from .presets import preset_changes
 from .settings import DEFAULT_FLOOR
 from .validation import validate
 
-_PRESETS = "; ".join(f"{name!r}: alpha={alpha}, PCA dims {dims}" for name, (alpha, dims) in PROBE_PRESETS.items())
-"""The probe presets' settings, from their table, for the help text."""
+_PRESETS = " ".join(f"{name!r}: {preset.summary}." for name, preset in PROBE_PRESETS.items())
+"""The probe presets, from their table, for the help text."""
+
+
+def _preset_help(key: str) -> str:
+    """What each preset gives the field `key` (whose None means the preset's), from the presets' table."""
+    values = [
+        f"{name!r}: {preset.settings[key]!r}" for name, preset in PROBE_PRESETS.items() if key in preset.settings
+    ]
+    values += [
+        f"{name!r}: {preset.domain_settings[key]!r} with a probe_domain_column"
+        for name, preset in PROBE_PRESETS.items()
+        if key in preset.domain_settings
+    ]
+    return f"None: the preset's (`probe_preset`; {'; '.join(values)})."
+
 
 _HEAD_SETTINGS = "; ".join(f"{name!r}: {', '.join(own_settings(name))}" for name in HEADS if own_settings(name))
 """Each value head's own settings (`probe_head_kwargs`), from the head table, for the help text."""
@@ -114,39 +140,42 @@ class POISEConfig(GRPOConfig):
             "number of generated tokens ('length', the scalar 'output_length').",
         },
     )
-    probe_scalars: list[str] = field(
-        default_factory=lambda: list(DEFAULT_SCALARS),
+    probe_scalars: list[str] | None = field(
+        default=None,
         metadata={
             "help": "The rollout scalars the 'entropy' block of probe_features holds, in order: one column each, "
-            "standardized like every input and never in a PCA block. The default is the paper's three entropy "
-            "statistics (mean token entropy over the completion, the reasoning and the answer span). The official "
-            f"code's token-entropy statistics, length and repetition features are the other choices: {list(SCALARS)} "
-            "(what each computes: docs, Configuration).",
+            "never in a PCA block. The paper's are its three entropy statistics (mean token entropy over the "
+            "completion, the reasoning and the answer span); the reference's cut the reasoning and answer spans from "
+            "the decoded text. The official code's token-entropy statistics, length and repetition features are the "
+            f"other choices: {list(SCALARS)} (what each computes: docs, Configuration). "
+            + _preset_help("probe_scalars"),
         },
     )
     probe_preset: str = field(
-        default="release",
+        default=DEFAULT_PRESET,
         metadata={
-            "help": "Probe hyper-parameters, the ridge alpha and the [prompt, reasoning] PCA dims (0: none): "
-            f"{_PRESETS}. `probe_alpha` and `probe_pca_dims` override the preset when set.",
+            "help": f"The whole probe setup, by name. {_PRESETS} Every field whose default is None takes the "
+            "preset's value; an explicit value is taken instead (the model card and the estimator's file then name "
+            "each setting changed from the preset), except one the preset cannot do without, which is an error "
+            "(e.g. num_generations=4 with 'reference'). Each preset's settings: docs, Configuration.",
         },
     )
     probe_alpha: float | None = field(
-        default=None, metadata={"help": "Ridge regularisation strength. None: taken from `probe_preset`."}
+        default=None, metadata={"help": "Ridge regularisation strength. " + _preset_help("probe_alpha")}
     )
     probe_pca_dims: list[int] | None = field(
         default=None,
         metadata={
             "help": "PCA components for the [prompt, reasoning] hidden-state blocks; 0 disables PCA on a block. "
-            "None: taken from `probe_preset` and capped at each block's width (a model with hidden size 8 keeps 8 "
-            "prompt components); explicit dims wider than their block are an error.",
+            "A preset's dims are capped at each block's width (a model with hidden size 8 keeps 8 prompt "
+            "components); explicit dims wider than their block are an error. " + _preset_help("probe_pca_dims"),
         },
     )
     probe_clip_range: list[float] | None = field(
         default=None,
         metadata={
-            "help": "[low, high] range the probe's predictions are clipped to. None: the range of rewards seen in "
-            "the buffer, which is [0, 1] for binary rewards.",
+            "help": "[low, high] range the probe's predictions are clipped to; a preset's None is the range of "
+            "rewards seen in the buffer, which is [0, 1] for binary rewards. " + _preset_help("probe_clip_range"),
         },
     )
     probe_capture: str = field(
@@ -167,13 +196,14 @@ class POISEConfig(GRPOConfig):
             "help": f"The baseline's granularity. {described(GRANULARITIES)}",
         },
     )
-    probe_head: str = field(
-        default="ridge",
+    probe_head: str | None = field(
+        default=None,
         metadata={
             "help": "The value head fitted on the probe's features, for the baseline, the prompt values "
             f"`prompt_selection` reads and the per-prefix value. {described(HEADS)} Every head uses probe_alpha as "
             "its L2 penalty and the same scaler and PCA; its own settings are `probe_head_kwargs`. What each fits: "
-            "docs, How POISE works (other value heads); which pays, measured: docs, Choosing settings.",
+            "docs, How POISE works (other value heads); which pays, measured: docs, Choosing settings. "
+            + _preset_help("probe_head"),
         },
     )
     probe_head_kwargs: dict[str, Any] | str | None = field(
@@ -191,17 +221,42 @@ class POISEConfig(GRPOConfig):
         default=16,
         metadata={
             "help": "Generation steps of bootstrap (the `probe_bootstrap` baseline, built from the other rollouts' "
-            "rewards) before the probe's predictions are used.",
+            "rewards) before the probe's predictions are used: each domain's own steps, or the training steps with "
+            "probe_schedule='global'.",
+        },
+    )
+    probe_schedule: str | None = field(
+        default=None,
+        metadata={
+            "help": f"When each domain's probe is fitted and trusted. {described(SCHEDULES)} "
+            + _preset_help("probe_schedule")
+        },
+    )
+    probe_domain_warmup_steps: int = field(
+        default=8,
+        metadata={
+            "help": "With probe_schedule='global': a domain's observed steps before its probe is refitted after the "
+            "bootstrap (the reference's warmup_steps; its count is set to the training step when the bootstrap "
+            "ends, so with probe_warmup_steps >= this value every step whose batch held the domain refits it).",
+        },
+    )
+    probe_buffer_whole_groups: bool | None = field(
+        default=None,
+        metadata={
+            "help": "True: a prompt's rollouts enter a buffer together or not at all and leave it together, the "
+            "oldest prompts first; a buffer of n rows holds floor(n / G) prompts (the reference's FIFO of pairs). "
+            "False: rows enter and leave one by one. Needs probe_same_domain_groups. "
+            + _preset_help("probe_buffer_whole_groups"),
         },
     )
 
-    probe_partner_reward: bool = field(
-        default=True,
+    probe_partner_reward: bool | None = field(
+        default=None,
         metadata={
             "help": "Partner-aware probe: the probe's input for rollout j is [φ_j, r_j], its own reward appended as "
             "one more standardized column (outside any PCA block); the target stays the other rollouts' mean reward. "
             "b_i = mean over j != i of h(φ_j, r_j) depends only on the other rollouts, so it stays unbiased. False: "
-            "the paper's g(φ_j).",
+            "the paper's g(φ_j). " + _preset_help("probe_partner_reward"),
         },
     )
     probe_history: bool = field(
@@ -231,11 +286,19 @@ class POISEConfig(GRPOConfig):
             "column counts every reward.",
         },
     )
-    probe_bootstrap: str = field(
-        default="shrunk",
+    probe_bootstrap: str | None = field(
+        default=None,
         metadata={
             "help": "Baseline before the probe is trusted (and where a row has no usable partner). "
-            f"{described(BOOTSTRAPS)}",
+            f"{described(BOOTSTRAPS)} " + _preset_help("probe_bootstrap"),
+        },
+    )
+    probe_reward_range: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "[low, high]: a finite reward outside it is an error, at the step that gives it (the reference's "
+            "correctness rewards lie in [0, 1]); a preset's None accepts any reward. "
+            + _preset_help("probe_reward_range"),
         },
     )
     prompt_selection: str | None = field(
@@ -283,7 +346,23 @@ class POISEConfig(GRPOConfig):
         default=None,
         metadata={
             "help": 'Buffer size per domain, e.g. \'{"math": 4096, "code": 1024}\' (a JSON string works on the '
-            "command line). Domains not listed use `probe_buffer_size`.",
+            "command line). Domains not listed use `probe_buffer_size`; with probe_schedule='global' it lists every "
+            "domain the run may have, each fitted at the end of the bootstrap. A preset that names none leaves every "
+            "domain at probe_buffer_size. " + _preset_help("probe_domain_buffer_sizes"),
+        },
+    )
+    probe_domain_routing: str | None = field(
+        default=None,
+        metadata={
+            "help": "How a row's `probe_domain_column` value becomes its domain. "
+            f"{described(ROUTINGS)} " + _preset_help("probe_domain_routing"),
+        },
+    )
+    probe_same_domain_groups: bool | None = field(
+        default=None,
+        metadata={
+            "help": "True: a prompt whose rollouts fall in two domains (after probe_domain_routing) is an error. "
+            + _preset_help("probe_same_domain_groups"),
         },
     )
 
@@ -300,7 +379,12 @@ class POISEConfig(GRPOConfig):
     def __post_init__(self):
         check_num_generations(self.num_generations)  # before TRL divides batches by it
         super().__post_init__()
-        validate(self, PROBE_PRESETS)
+        validate(self)
+
+    def preset_changes(self) -> dict[str, tuple[Any, Any]]:
+        """Field -> (the preset's value, this config's) for each setting of `probe_preset` this config changed: what
+        the model card and the estimator's file name."""
+        return preset_changes(self)
 
     @classmethod
     def from_grpo_config(cls, config: GRPOConfig, **overrides: Any) -> "POISEConfig":

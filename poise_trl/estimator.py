@@ -13,10 +13,13 @@ The contract (the one TRL's `POISETrainer`, verl, OpenRLHF or a hand-written loo
 
 - `advantages` uses only what earlier `observe` calls taught it, so a rollout's baseline never depends on its own
   reward or features and the policy gradient stays unbiased. Before the probe is trusted (`BufferSpec.warmup_steps`
-  observed steps) the baseline is the bootstrap: RLOO, the partners' mean reward m_i, or the shrunk a + w * m_i. It
-  changes nothing, and neither does `predict`, each row's probe value.
+  observed steps of its domain, or of training under the global schedule: schedule.py) the baseline is the
+  bootstrap: RLOO, the partners' mean reward m_i, or the shrunk a + w * m_i. It changes nothing, and neither does
+  `predict`, each row's probe value. It refuses a batch its spec does not accept (a prompt's rollouts in two domains,
+  a reward outside the range, a domain the global schedule's buffers do not list).
 - `observe` appends the step's leave-one-out examples (features of j, mean reward of j's partners) to the sliding
-  buffer of each domain, refits the ridge probe, the shrunk bootstrap's line, the running reward std and (with
+  buffer of each domain (whole prompts, with `BufferSpec.whole_groups`), refits the probes its schedule says, the
+  shrunk bootstrap's line, the running reward std and (with
   several candidate layers) the layer choice. Handed the step's `result`, it reuses the batch `advantages` prepared
   (`PreparedBatch`, batch.py) and the step costs exactly one device->host transfer; given the batch
   (`observe(features=..., rollouts=...)`) it prepares it itself. It builds the whole next learned state from the old
@@ -64,6 +67,7 @@ from .baselines import (
 )
 from .batch import AdvantageResult, PreparedBatch, Rollouts, prepare_batch, scale_advantages, split_domains
 from .buffer import ProbeBuffer
+from .domains import check_same_domain, routed
 from .features import FeatureLayout
 from .files import read_state, save_state, state_from_dict, state_to_dict
 from .granularity import PrefixBaseline, PrefixBatch, SequenceBaseline
@@ -71,8 +75,10 @@ from .heads import ValueHead
 from .history import PromptHistory
 from .layer_choice import select_layer
 from .learner import OnlineLearner
+from .presets import preset_record
 from .prompt_value import fit_prompt_values, target_range
 from .row import FeatureRow
+from .schedule import SCHEDULES
 from .specs import EstimatorSpec, estimator_spec, feature_config, head_settings
 from .state import EstimatorState, bootstrap_lines, new_learner
 
@@ -100,6 +106,8 @@ class POISEEstimator:
         feature_config: how the caller extracts features; a saved state loads only into the same configuration.
         broadcast: makes every process agree (e.g. accelerate's `broadcast` from rank 0); None in one process.
         describe: text for a probe's refit settings in error messages (`from_config` passes POISEConfig's terms).
+        preset: where the settings came from, recorded in the file and never checked (`from_config` passes the
+            config's `probe_preset` and the settings changed from it: `presets.preset_record`).
     """
 
     def __init__(
@@ -110,6 +118,7 @@ class POISEEstimator:
         feature_config: dict[str, Any] | None = None,
         broadcast: Callable[[torch.Tensor], torch.Tensor] | None = None,
         describe: Callable[[ValueHead], str] | None = None,
+        preset: Mapping[str, Any] | None = None,
     ):
         check_num_generations(num_generations)
         spec = EstimatorSpec() if spec is None else spec
@@ -119,6 +128,7 @@ class POISEEstimator:
         self.feature_config = feature_config
         self.broadcast = broadcast
         self.describe = describe
+        self.preset = preset
 
     @classmethod
     def from_config(
@@ -137,6 +147,7 @@ class POISEEstimator:
             feature_config=feature_config(config, spec, hidden_size),
             broadcast=broadcast,
             describe=partial(head_settings, FeatureLayout.from_config(config), hidden_size),
+            preset=preset_record(config),
         )
 
     @classmethod
@@ -153,7 +164,8 @@ class POISEEstimator:
                 "written with (e.g. POISEEstimator.from_config) and call its load."
             )
         spec = EstimatorSpec.from_dict(info["spec"])
-        estimator = cls(info["num_generations"], spec, feature_config=info["feature_config"], broadcast=broadcast)
+        settings = dict(feature_config=info["feature_config"], broadcast=broadcast, preset=info.get("preset"))
+        estimator = cls(info["num_generations"], spec, **settings)
         estimator.load(path, **kwargs)
         return estimator
 
@@ -164,9 +176,9 @@ class POISEEstimator:
         reward std, layer and, where both keep one, prompt history. Compares heads and input sets on exactly the data
         a run's probe learned from."""
         settings = dict(feature_config=self.feature_config, broadcast=self.broadcast, describe=self.describe)
-        refitted = type(self)(self.num_generations, spec, **settings)
+        refitted = type(self)(self.num_generations, spec, **settings, preset=self.preset)
         state = self.state_dict()
-        tensors, info = dict(state["tensors"]), {**state["info"], "domains": []}
+        tensors, info = dict(state["tensors"]), {**state["info"], "domains": [], "spec": spec.to_dict()}
         for i, domain in enumerate(state["info"]["domains"]):
             probe = refitted.new_probe(domain["name"]).probe  # unfitted: its state is dropped below
             info["domains"].append({**domain, "head": probe.name, "probe": probe.config()})
@@ -179,8 +191,11 @@ class POISEEstimator:
             info.pop("history", None)
         refitted.load_state_dict({"tensors": tensors, "info": info}, source="the estimator refitted")
         loaded = refitted.state_  # the new estimator is not returned yet: its state may be set twice
+        schedule = SCHEDULES[spec.buffer.schedule]
         probes = {
-            name: online.fitted(loaded.layer_index) if online.can_fit else online
+            name: online.fitted(loaded.layer_index)
+            if online.can_fit and schedule.may_fit(online, loaded.steps, spec.buffer)
+            else online
             for name, online in loaded.probes.items()
         }
         refitted.state_ = replace(loaded, probes=probes)
@@ -261,7 +276,7 @@ class POISEEstimator:
 
     def new_probe(self, domain: str) -> OnlineLearner:
         """A domain's learner of the sequence value, unfitted, with this estimator's settings."""
-        return new_learner(self.spec, domain)
+        return new_learner(self.spec, domain, self.num_generations)
 
     def prepare(self, features: torch.Tensor, rollouts: Rollouts) -> PreparedBatch:
         """The batch as `advantages`, `predict` and `observe` use it: (N, D) or (N, C, D) features and their
@@ -272,11 +287,35 @@ class POISEEstimator:
         if features.shape[:1] != (rollouts.rows,):
             raise ValueError(f"Got {rollouts.rows} rewards for {features.shape[0]} feature rows.")
         self.row.check_pca(self.spec.head.pca_dims, features.size(-1))
-        rewards, max_domains = rollouts.rewards, self.spec.buffer.max_domains
-        domain_rows = split_domains(rollouts.domains, rollouts.rows, rewards.device, state.probes, max_domains)
+        rewards, buffer = rollouts.rewards, self.spec.buffer
         g = rollouts.num_generations or self.num_generations
+        if buffer.whole_groups and g != self.num_generations:
+            raise ValueError(
+                f"whole_groups (probe_buffer_whole_groups) keeps whole groups of {self.num_generations} rollouts in "
+                f"the buffers, but the batch has groups of {g}: give batches of the estimator's num_generations."
+            )
+        names = routed(rollouts.domains, buffer.routing)
+        if names is not None and buffer.same_domain_groups:
+            check_same_domain(names, g)
+        domain_rows = split_domains(names, rollouts.rows, rewards.device, state.probes, buffer.max_domains)
+        SCHEDULES[buffer.schedule].accepts(domain_rows, buffer)
+        self._check_reward_range(rewards)
         history = self._history_columns(state, rollouts.prompt_ids, rollouts.rows, rewards.device)
         return prepare_batch(features, rollouts, g, self.row, domain_rows, history)
+
+    def _check_reward_range(self, rewards: torch.Tensor) -> None:
+        """Refuse a finite reward outside `spec.reward_range` (one device->host transfer where a range is set)."""
+        if self.spec.reward_range is None:
+            return
+        low, high = self.spec.reward_range
+        outside = torch.isfinite(rewards) & ((rewards < low) | (rewards > high))
+        if outside.any():
+            rows = outside.nonzero().flatten()[:5]
+            raise ValueError(
+                f"The rewards {rewards[rows].tolist()} of rows {rows.tolist()} lie outside reward_range "
+                f"[{low:g}, {high:g}] (probe_reward_range), which this estimator refuses (the reference preset's "
+                "correctness rewards lie in [0, 1]): rescale the rewards, or widen or drop the range."
+            )
 
     def history_columns(
         self, prompt_ids: torch.Tensor | None, rows: int, device: torch.device | str | None = None
@@ -455,12 +494,15 @@ class POISEEstimator:
         if group_ids is None:  # every group of G consecutive rows is its own prompt, distinct across steps
             rows = torch.arange(targets.numel(), device=targets.device)
             group_ids = (old.steps << 32) + rows // batch.num_generations
-        probes, pairs = dict(old.probes), dict(old.bootstrap_pairs)
+        probes, pairs, buffer = dict(old.probes), dict(old.bootstrap_pairs), self.spec.buffer
         for name, rows in batch.domain_rows.items():
             online = probes[name] if name in probes else self.new_probe(name)
-            probes[name] = online.added(batch.features, targets, group_ids.to(targets.device), keep=rows & examples)
+            keep = rows & examples
+            if buffer.whole_groups:  # a prompt's rows enter together or not at all, so they leave together
+                keep = keep.view(-1, batch.num_generations).all(1).repeat_interleave(batch.num_generations)
+            probes[name] = online.added(batch.features, targets, group_ids.to(targets.device), keep=keep)
             if BOOTSTRAPS[self.spec.bootstrap] is not None:
-                ring = pairs[name] if name in pairs else ProbeBuffer(self.spec.buffer.capacity(name))
+                ring = pairs[name] if name in pairs else ProbeBuffer(buffer.capacity(name))
                 pairs[name] = ring.added(
                     targets.unsqueeze(1), batch.rewards, keep=rows & scorable & targets.isfinite()
                 )
@@ -483,10 +525,10 @@ class POISEEstimator:
                 self.broadcast,
             )
             metrics.update(chosen)
-        for name, online in list(probes.items()):
-            if online.can_fit and (name in batch.domain_rows or online.layer_index != layer_index):
-                probes[name] = online.fitted(layer_index, targets.device, self.broadcast)
-                metrics["refitted"] = True
+        probes, refit = SCHEDULES[buffer.schedule].plan(probes, steps, batch.domain_rows, layer_index, buffer)
+        for name in refit:
+            probes[name] = probes[name].fitted(layer_index, targets.device, self.broadcast)
+        metrics["refitted"] = bool(refit)
         tokens, fitted = tokens.fitted(prefix, targets.device, self.broadcast)
         metrics["refitted"] |= fitted
         state = EstimatorState(
@@ -554,7 +596,9 @@ class POISEEstimator:
     def state_dict(self, include_buffer: bool = True) -> dict[str, Any]:
         """{"tensors": CPU tensors, "info": JSON-able dict}: everything `load_state_dict` needs, no pickle
         (`files.state_to_dict`)."""
-        return state_to_dict(self.state_, self.num_generations, self.spec, self.feature_config, include_buffer)
+        return state_to_dict(
+            self.state_, self.num_generations, self.spec, self.feature_config, include_buffer, self.preset
+        )
 
     def load_state_dict(
         self,
@@ -569,7 +613,15 @@ class POISEEstimator:
         configuration or prompt history setting, and on resume one whose refit settings, bootstrap or history table
         differ from this estimator's (`files.state_from_dict`)."""
         self.state_ = state_from_dict(
-            state, self.spec, self.feature_config, self.state_, warm_start, source, device, self.describe
+            state,
+            self.spec,
+            self.feature_config,
+            self.state_,
+            warm_start,
+            source,
+            device,
+            self.describe,
+            num_generations=self.num_generations,
         )
 
     def save(self, path: str | Path, include_buffer: bool = True) -> None:

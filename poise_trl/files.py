@@ -26,7 +26,7 @@ from .features import FeatureLayout
 from .heads import ValueHead, head_from_config
 from .history import PromptHistory
 from .probe import ValueProbe, strip_prefix
-from .specs import EstimatorSpec, HistorySpec
+from .specs import BufferSpec, EstimatorSpec, HistorySpec, config_field
 from .state import EstimatorState, bootstrap_lines, new_learner
 
 FORMAT = "poise-estimator/1"
@@ -109,12 +109,14 @@ def state_to_dict(
     spec: EstimatorSpec,
     feature_config: dict[str, Any] | None,
     include_buffer: bool = True,
+    preset: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """An estimator's learned `state` and its settings as {"tensors": CPU tensors, "info": JSON-able dict}, no
     pickle. Tensors are keyed `domain.<i>.*` (each domain's learner), `bootstrap.<i>.*` (its shrunk-bootstrap pairs),
     `<granularity>.*` (a token baseline's learner) and `history.*` (the prompt history's table, history.py); the JSON
     names them in order, so names may hold any character, and holds the spec (specs.py, "spec"), which
-    `POISEEstimator.from_file` builds the estimator from."""
+    `POISEEstimator.from_file` builds the estimator from, and where the settings came from ("preset": the config's
+    probe_preset and the settings changed from it; never checked)."""
     tensors, domains = {}, []
     for i, (name, online) in enumerate(state.probes.items()):
         tensors.update({f"domain.{i}.{k}": v for k, v in online.state_dict(include_buffer).items()})
@@ -134,6 +136,8 @@ def state_to_dict(
         "reward_std": state.reward_std.state_dict(),
         "spec": spec.to_dict(),
     }
+    if preset is not None:
+        info["preset"] = dict(preset)
     tokens = state.token_baseline
     if tokens.info() is not None:
         tensors.update({f"{tokens.name}.{k}": v for k, v in tokens.state_dict(include_buffer).items()})
@@ -158,16 +162,21 @@ def state_from_dict(
     source: str = "the state",
     device: torch.device | str | None = None,
     describe: Callable[[ValueHead], str] | None = None,
+    *,
+    num_generations: int,
 ) -> EstimatorState:
     """The learned state `state_to_dict` wrote, for an estimator of `spec` and `feature_config` whose state is now
     `current`: exactly, or with `warm_start` only the probes (trusted at once, fresh step counters; the rest stays
     `current`'s: a new run starting from a saved probe). Buffers go to `device` (where the features will come from);
-    each learner takes `spec`'s head settings and capacity (the newest rows survive). Refuses a state of another
-    feature configuration or prompt history setting, and on resume one whose refit settings, bootstrap or history
-    table differ, naming a head's settings with `describe` (default: `describe_head`)."""
+    each learner takes `spec`'s head settings and capacity (whole groups of `num_generations` where the spec keeps
+    them; the newest rows survive). Refuses a state of another feature configuration or prompt history setting, and
+    on resume one whose refit settings, bootstrap, schedule (`RESUMED`) or history table differ, naming a head's
+    settings with `describe` (default: `describe_head`)."""
     describe = describe or describe_head
     tensors, info = saved["tensors"], saved["info"]
     check_feature_config(info.get("feature_config") or {}, feature_config or {}, source)
+    if not warm_start:
+        check_schedule(info.get("spec"), spec, source)
     if not warm_start and info.get("bootstrap") not in (None, spec.bootstrap):
         raise ValueError(
             f"{source} was written by a run with probe_bootstrap={info['bootstrap']!r}, but this run sets "
@@ -177,7 +186,7 @@ def state_from_dict(
     probes = {}
     for i, domain in enumerate(info["domains"]):
         name = domain["name"]
-        online = new_learner(spec, name)  # this run's settings and capacity (the newest rows survive)
+        online = new_learner(spec, name, num_generations)  # this run's settings and capacity (the newest rows survive)
         saved_head = head_from_config(domain["probe"], domain.get("head", ValueProbe.name))
         if warm_start and saved_head.name != online.probe.name:  # the learner refits the head it predicts with
             raise ValueError(
@@ -219,6 +228,49 @@ def state_from_dict(
         prompt_history=history,
         token_baseline=tokens,
     )
+
+
+RESUMED = (
+    (BufferSpec, "schedule"),
+    (BufferSpec, "warmup_steps"),
+    (BufferSpec, "domain_warmup_steps"),
+    (BufferSpec, "whole_groups"),
+    (BufferSpec, "routing"),
+    (BufferSpec, "same_domain_groups"),
+    (EstimatorSpec, "reward_range"),
+)
+"""The settings a run must resume with (besides the head's, the bootstrap and the history's, checked on their own):
+what decides when a probe is fitted and trusted, what its buffers keep and which batches it accepts."""
+
+
+def check_schedule(saved: dict[str, Any] | None, spec: EstimatorSpec, source: str) -> None:
+    """Refuse to resume a state saved with other `RESUMED` settings, naming each (a spec saved before a setting
+    existed ran its default; a file written before the spec was saved says nothing, and is taken)."""
+    if saved is None:
+        return
+
+    def written(part: type, key: str) -> Any:
+        holder = saved.get("buffer") or {} if part is BufferSpec else saved
+        value = holder.get(key, part.__dataclass_fields__[key].default)
+        return tuple(value) if isinstance(value, list) else value  # JSON's lists, the spec's tuples
+
+    def held(part: type, key: str) -> Any:
+        return getattr(spec.buffer if part is BufferSpec else spec, key)
+
+    changed = [
+        (config_field(part, key), written(part, key), held(part, key))
+        for part, key in RESUMED
+        if written(part, key) != held(part, key)
+    ]
+    if changed:
+        raise ValueError(
+            f"{source} was written by a run with "
+            + ", ".join(f"{name}={old!r}" for name, old, _ in changed)
+            + ", but this run sets "
+            + ", ".join(f"{name}={new!r}" for name, _, new in changed)
+            + ". Resume with the settings (or probe_preset) the run was started with; to change them, start a new "
+            "run with probe_init_path pointing at this file."
+        )
 
 
 def check_history(saved: dict[str, Any] | None, history: HistorySpec | None, warm_start: bool, source: str) -> None:

@@ -1,11 +1,12 @@
 """The estimator's settings as small typed, frozen specs, and the one map from `POISEConfig` to them.
 
 `POISEEstimator(num_generations, spec)` takes one `EstimatorSpec`: the value head with its own settings
-(`HeadSpec`), the prompt history or none (`HistorySpec`), the candidate layers (`LayerSpec`), the buffers
-(`BufferSpec`), the granularity (`GranularitySpec`), the partner-aware probe, the bootstrap, the reward scaling and
-the sampler's prompt block (`PromptSpec`). Every default is the paper's or the release's. A spec checks itself when
-built, against the registries (`heads.HEADS`, `granularity.GRANULARITIES`, `baselines.BOOTSTRAPS` and
-`REWARD_SCALINGS`) and, where two settings meet, by what each entry can do (a granularity's `takes_history`,
+(`HeadSpec`), the prompt history or none (`HistorySpec`), the candidate layers (`LayerSpec`), the buffers, the
+domains and the probes' schedule (`BufferSpec`), the granularity (`GranularitySpec`), the partner-aware probe, the
+bootstrap, the reward scaling, the rewards' range and the sampler's prompt block (`PromptSpec`). Every default is
+poise-trl's release's (probe_preset "release"). A spec checks itself when built, against the registries
+(`heads.HEADS`, `granularity.GRANULARITIES`, `baselines.BOOTSTRAPS` and `REWARD_SCALINGS`, `schedule.SCHEDULES`,
+`domains.ROUTINGS`) and, where two settings meet, by what each entry can do (a granularity's `takes_history`,
 `one_layer` and `head_methods`), never by a name. The estimator's file saves it (`to_dict`, JSON), so a saved
 estimator is rebuilt as it was (`POISEEstimator.from_file`).
 
@@ -19,12 +20,14 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from .baselines import BOOTSTRAPS, REWARD_SCALINGS
+from .domains import ROUTINGS
 from .features import HIDDEN_BLOCKS, FeatureLayout, layer_candidates, resolve_layer_index
 from .granularity import GRANULARITIES
 from .heads import HEADS, make_head, own_settings
 from .history import PromptHistory
 from .probe import PCABlock, ScaledHead
 from .row import FeatureRow
+from .schedule import SCHEDULES
 from .settings import Refused
 
 Name = Callable[[type, str], str]
@@ -168,13 +171,23 @@ class LayerSpec:
 
 @dataclass(frozen=True)
 class BufferSpec:
-    """Each domain's sliding buffer (`size` rows; `domain_sizes` per domain), the domains a run may have, and the
-    observed steps before a domain's probe is trusted. The sizes depend on G (`check`), which the estimator knows."""
+    """Each domain's sliding buffer (`size` rows; `domain_sizes` per domain), the domains a run may have, how a row's
+    name becomes its domain (`routing`, a key of `domains.ROUTINGS`) and the schedule of the domains' probes
+    (`schedule`, a key of `schedule.SCHEDULES`): `warmup_steps` observed steps before a probe is trusted (per domain,
+    or one global bootstrap), `domain_warmup_steps` a domain's steps before its refits after the global bootstrap.
+    `whole_groups`: a prompt's rows enter a buffer together or not at all, and leave it together (its capacity is
+    rounded down to whole groups); `same_domain_groups`: a prompt whose rollouts fall in two domains is refused. The
+    sizes depend on G (`check`, `rows`), which the estimator knows."""
 
     size: int = field(default=4096, metadata=_config("probe_buffer_size"))
     domain_sizes: Mapping[str, int] = field(default_factory=dict, metadata=_config("probe_domain_buffer_sizes"))
     max_domains: int = field(default=64, metadata=_config("probe_max_domains"))
     warmup_steps: int = field(default=16, metadata=_config("probe_warmup_steps"))
+    schedule: str = field(default="domain", metadata=_config("probe_schedule"))
+    domain_warmup_steps: int = field(default=8, metadata=_config("probe_domain_warmup_steps"))
+    whole_groups: bool = field(default=False, metadata=_config("probe_buffer_whole_groups"))
+    routing: str = field(default="identity", metadata=_config("probe_domain_routing"))
+    same_domain_groups: bool = field(default=False, metadata=_config("probe_same_domain_groups"))
 
     def __post_init__(self):
         _normalise(self, domain_sizes=dict(self.domain_sizes or {}))
@@ -182,9 +195,38 @@ class BufferSpec:
             raise _bad(BufferSpec, "max_domains", self.max_domains, "must be >= 1.")
         if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
             raise _bad(BufferSpec, "warmup_steps", self.warmup_steps, "must be >= 0.")
+        if self.schedule not in SCHEDULES:
+            rule = f"is not a schedule: choose one of {list(SCHEDULES)}."
+            raise _bad(BufferSpec, "schedule", self.schedule, rule)
+        if self.schedule == "global" and self.warmup_steps < 1:
+            rule = "must be >= 1 with the schedule 'global': its probes are fitted at the end of the bootstrap."
+            raise _bad(BufferSpec, "warmup_steps", self.warmup_steps, rule)
+        if not _is_int(self.domain_warmup_steps) or self.domain_warmup_steps < 0:
+            raise _bad(BufferSpec, "domain_warmup_steps", self.domain_warmup_steps, "must be >= 0.")
+        if self.routing not in ROUTINGS:
+            raise _bad(
+                BufferSpec, "routing", self.routing, f"is not a domain routing: choose one of {list(ROUTINGS)}."
+            )
+        for key in ("whole_groups", "same_domain_groups"):
+            if not isinstance(getattr(self, key), bool):  # a string such as "no" would count as True
+                raise _bad(BufferSpec, key, getattr(self, key), "must be True or False.")
+        if self.whole_groups and not self.same_domain_groups:
+            raise SettingError(
+                lambda name: (
+                    f"{name(BufferSpec, 'whole_groups')}=True with {name(BufferSpec, 'same_domain_groups')}=False: "
+                    "a prompt's rows enter one domain's buffer together, so its rollouts must share a domain. Turn "
+                    f"{name(BufferSpec, 'same_domain_groups')} on, or {name(BufferSpec, 'whole_groups')} off."
+                )
+            )
 
     def capacity(self, domain: str) -> int:
         return self.domain_sizes.get(domain, self.size)
+
+    def rows(self, domain: str, num_generations: int) -> int:
+        """The rows a domain's probe buffer holds: its capacity, rounded down to whole groups of `num_generations`
+        with `whole_groups` (the reference's FIFO of floor(rows / 2) pairs)."""
+        capacity = self.capacity(domain)
+        return capacity - capacity % num_generations if self.whole_groups else capacity
 
     def check(self, num_generations: int) -> None:
         """Every buffer must hold two groups of `num_generations` rollouts."""
@@ -235,7 +277,8 @@ class PromptSpec:
 class EstimatorSpec:
     """Everything `POISEEstimator` is set up with (module docstring); `partner_reward`: the probe input of rollout j
     is [φ_j, r_j] (beyond the paper) instead of φ_j; `bootstrap`: a key of `baselines.BOOTSTRAPS`; `scale_rewards`:
-    a key of `baselines.REWARD_SCALINGS`; `prompt`: None without a prompt block (no prompt values)."""
+    a key of `baselines.REWARD_SCALINGS`; `reward_range`: [low, high], a finite reward outside it is refused (None:
+    any reward); `prompt`: None without a prompt block (no prompt values)."""
 
     head: HeadSpec = field(default_factory=HeadSpec)
     history: HistorySpec | None = field(default=None, metadata=_config("probe_history", True))
@@ -245,6 +288,7 @@ class EstimatorSpec:
     partner_reward: bool = field(default=True, metadata=_config("probe_partner_reward"))
     bootstrap: str = field(default="shrunk", metadata=_config("probe_bootstrap"))
     scale_rewards: str = field(default="none", metadata=_config("scale_rewards"))
+    reward_range: tuple[float, float] | None = field(default=None, metadata=_config("probe_reward_range"))
     prompt: PromptSpec | None = None
 
     def __post_init__(self):
@@ -264,6 +308,17 @@ class EstimatorSpec:
                 f"gradient. Use {' or '.join(map(repr, REWARD_SCALINGS))}."
             )
             raise _bad(EstimatorSpec, "scale_rewards", self.scale_rewards, rule)
+        _normalise(self, reward_range=_tuples(self.reward_range))
+        low_high = self.reward_range
+        if low_high is not None and (
+            len(low_high) != 2
+            or not all(isinstance(v, int | float) and not isinstance(v, bool) for v in low_high)
+            or not low_high[0] < low_high[1]
+        ):
+            rule = "is not a range: give [low, high] with low < high, or None (any reward)."
+            raise _bad(EstimatorSpec, "reward_range", self.reward_range, rule)
+        if low_high is not None:
+            _normalise(self, reward_range=(float(low_high[0]), float(low_high[1])))
         self._check_granularity()
 
     @property

@@ -21,6 +21,7 @@ from .buffer import ProbeBuffer
 from .granularity import GRANULARITIES, PrefixBaseline, SequenceBaseline
 from .history import PromptHistory
 from .learner import OnlineLearner
+from .schedule import SCHEDULES
 from .specs import EstimatorSpec
 
 
@@ -63,11 +64,13 @@ class EstimatorState:
         )
 
 
-def new_learner(spec: EstimatorSpec, domain: str) -> OnlineLearner:
+def new_learner(spec: EstimatorSpec, domain: str, num_generations: int) -> OnlineLearner:
     """A domain's learner of the sequence value, unfitted: `spec`'s head (PCA laid on its feature row), the domain's
-    buffer capacity and the warmup."""
+    buffer rows (whole groups of `num_generations` with `BufferSpec.whole_groups`) and the warmup its schedule gives
+    a learner (schedule.py)."""
     head = spec.head.build(spec.row.pca_dims(spec.head.pca_dims))
-    return OnlineLearner(head, spec.buffer.capacity(domain), spec.buffer.warmup_steps)
+    warmup = SCHEDULES[spec.buffer.schedule].learner_warmup(spec.buffer)
+    return OnlineLearner(head, spec.buffer.rows(domain, num_generations), warmup)
 
 
 def bootstrap_lines(bootstrap: str, pairs: Mapping[str, ProbeBuffer]) -> dict[str, torch.Tensor]:

@@ -1,8 +1,8 @@
 """`POISEConfig`'s checks when it is built, and the datasets' when `POISETrainer` is: each bad value gets one clear
-error, early, naming the field (or the columns) and what to change. The values the config fills in (a preset's, a
-parsed layer, the feature blocks in order) are set here too. The estimator's settings are checked by building its
-spec without the model (specs.py: the registries of heads, granularities, bootstraps and reward scalings, and each
-one's capabilities), the prompt sampler's by its rule (sampling.py)."""
+error, early, naming the field (or the columns) and what to change. The values the config fills in (a preset's,
+presets.py; a parsed layer, the feature blocks in order) are set here too. The estimator's settings are checked by
+building its spec without the model (specs.py: the registries of heads, granularities, bootstraps, reward scalings,
+schedules and domain routings, and each one's capabilities), the prompt sampler's by its rule (sampling.py)."""
 
 import inspect
 import math
@@ -11,16 +11,18 @@ from difflib import get_close_matches
 from typing import Any
 
 from .columns import DEFAULT_SCALARS, SCALARS
+from .domains import ROUTINGS
 from .features import FEATURE_BLOCKS
 from .granularity import GRANULARITIES
+from .presets import fill_preset
 from .sampling import RULES, rule_from_config
 from .settings import check_floor
 from .specs import estimator_spec
 from .step import CAPTURES
 
 
-def validate(config: Any, presets: dict[str, tuple[float, list[int]]]) -> None:
-    """Check and complete a `POISEConfig` once TRL's own `__post_init__` ran; `presets` is `PROBE_PRESETS`."""
+def validate(config: Any) -> None:
+    """Check and complete a `POISEConfig` once TRL's own `__post_init__` ran: first the fields its preset fills."""
     if config.multi_objective_aggregation != "sum_then_normalize":
         raise ValueError(
             f"multi_objective_aggregation={config.multi_objective_aggregation!r} is not supported by POISE: it "
@@ -44,8 +46,12 @@ def validate(config: Any, presets: dict[str, tuple[float, list[int]]]) -> None:
             f"repeats (unknown: {unknown})."
         )
     config.probe_features = [b for b in FEATURE_BLOCKS if b in config.probe_features]
-    _check_scalars(config)
-    _fill_preset(config, presets)
+    explicit_scalars = config.probe_scalars is not None
+    # A preset's PCA dims are capped at the block width of a small model; explicit dims are taken as given.
+    config.pca_dims_from_preset = config.probe_pca_dims is None
+    fill_preset(config)
+    _check_scalars(config, explicit_scalars)
+    _check_pca_dims(config)
     _parse_layer(config)
     _check_domains(config)
     if not isinstance(config.probe_history, bool):  # a string such as "no" would count as True
@@ -63,8 +69,9 @@ def validate(config: Any, presets: dict[str, tuple[float, list[int]]]) -> None:
         )
 
 
-def _check_scalars(config: Any) -> None:
-    """probe_scalars: known names, no repeats, read through the 'entropy' block, no column twice."""
+def _check_scalars(config: Any, explicit: bool) -> None:
+    """probe_scalars: known names, no repeats, read through the 'entropy' block where `explicit` (not the preset's),
+    no column twice."""
     scalars = config.probe_scalars
     if isinstance(scalars, str) or not scalars or len(set(scalars)) != len(scalars):
         raise ValueError(
@@ -77,11 +84,11 @@ def _check_scalars(config: Any) -> None:
         hints = "".join(f" ({name!r}: did you mean {match[0]!r}?)" for name, match in close.items() if match)
         raise ValueError(f"probe_scalars names {unknown}, not rollout scalars{hints}: choose from {list(SCALARS)}.")
     config.probe_scalars = list(scalars)
-    if "entropy" not in config.probe_features and tuple(scalars) != DEFAULT_SCALARS:
+    if explicit and "entropy" not in config.probe_features and tuple(scalars) != DEFAULT_SCALARS:
         raise ValueError(
             f"probe_scalars={config.probe_scalars} is read through the 'entropy' block of probe_features, which "
-            f"{config.probe_features} leaves out: add 'entropy' to probe_features, or leave probe_scalars at its "
-            "default."
+            f"{config.probe_features} leaves out: add 'entropy' to probe_features, or leave probe_scalars at None "
+            "(the preset's)."
         )
     if "length" in config.probe_features and "output_length" in scalars:
         raise ValueError(
@@ -89,15 +96,10 @@ def _check_scalars(config: Any) -> None:
         )
 
 
-def _fill_preset(config: Any, presets: dict[str, tuple[float, list[int]]]) -> None:
-    """probe_alpha and probe_pca_dims from `probe_preset` where not set."""
-    if config.probe_preset not in presets:
-        raise ValueError(f"probe_preset={config.probe_preset!r}: choose one of {list(presets)}.")
-    preset_alpha, preset_dims = presets[config.probe_preset]
-    # A preset's PCA dims are capped at the block width of a small model; explicit dims are taken as given.
-    config.pca_dims_from_preset = config.probe_pca_dims is None
-    config.probe_alpha = preset_alpha if config.probe_alpha is None else float(config.probe_alpha)
-    config.probe_pca_dims = list(preset_dims if config.probe_pca_dims is None else config.probe_pca_dims)
+def _check_pca_dims(config: Any) -> None:
+    """probe_alpha as a float, probe_pca_dims as two ints >= 0."""
+    config.probe_alpha = float(config.probe_alpha)
+    config.probe_pca_dims = list(config.probe_pca_dims)
     if len(config.probe_pca_dims) != 2 or any(int(k) < 0 for k in config.probe_pca_dims):
         raise ValueError(
             f"probe_pca_dims={config.probe_pca_dims}: give two non-negative ints, [prompt dims, reasoning dims]; "
@@ -185,8 +187,10 @@ UNPASSED_COLUMNS = ("prompt", "completion", "completion_ids")
 def check_dataset_size(dataset: Any, needed: int, config: Any) -> None:
     """A map-style training set (`dataset`) smaller than one generation batch (`needed` distinct prompts: the batch
     size of TRL's sampler) makes the sampler yield no batch at all, so `train()` would run 0 steps and save an
-    untrained model without a word; a domain column with more values than `probe_max_domains` would fail mid-run,
-    when the first value too many arrives."""
+    untrained model without a word; a domain column with more domains (after `probe_domain_routing`) than
+    `probe_max_domains` would fail mid-run, when the first domain too many arrives, and so would, with
+    `probe_schedule="global"` and `probe_domain_buffer_sizes`, a domain it does not list (when it arrives) or one it
+    lists and the data lacks (when the bootstrap ends)."""
     if len(dataset) < needed:
         raise ValueError(
             f"The training set is too small: it has {len(dataset)} prompts, but one generation batch needs "
@@ -198,12 +202,28 @@ def check_dataset_size(dataset: Any, needed: int, config: Any) -> None:
         )
     column = config.probe_domain_column
     if column is not None and column in getattr(dataset, "column_names", []):
-        values = set(map(str, dataset[column]))
+        route = ROUTINGS[config.probe_domain_routing]
+        values = {route(str(value)) for value in dataset[column]}
+        routed = (
+            ""
+            if config.probe_domain_routing == "identity"
+            else f" (probe_domain_routing={config.probe_domain_routing!r})"
+        )
         if len(values) > config.probe_max_domains:
             raise ValueError(
-                f"probe_domain_column={column!r} has {len(values)} distinct values, more than probe_max_domains="
-                f"{config.probe_max_domains}: each domain keeps its own probe and buffer on the accelerator. "
-                "Map the column to fewer values, or raise probe_max_domains if the memory allows."
+                f"probe_domain_column={column!r} has {len(values)} distinct values{routed}, more than "
+                f"probe_max_domains={config.probe_max_domains}: each domain keeps its own probe and buffer on the "
+                "accelerator. Map the column to fewer values, or raise probe_max_domains if the memory allows."
+            )
+        listed = set(config.probe_domain_buffer_sizes or {})
+        if config.probe_schedule == "global" and listed and values != listed:
+            raise ValueError(
+                f"probe_domain_column={column!r} holds the domains {sorted(values)}{routed}, but with "
+                f"probe_schedule='global' probe_domain_buffer_sizes lists every domain of the run, each fitted at "
+                f"the end of the bootstrap: it lists {sorted(listed)}"
+                + (f"; the data lacks {sorted(listed - values)}" if listed - values else "")
+                + (f"; it does not list {sorted(values - listed)}" if values - listed else "")
+                + ". List exactly the data's domains (with their buffer sizes)."
             )
 
 

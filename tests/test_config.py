@@ -99,3 +99,120 @@ def test_the_help_texts_hold_no_measured_figure():
         assert not re.search(
             r"\d+(\.\d+)?x (GRPO|fewer|faster)|\bW\b|cut the probe's error|measured with the", text
         ), field.name
+
+
+def test_every_preset_setting_is_a_field_left_to_the_preset_or_defaulting_to_its_value():
+    """A field a preset sets defaults to None (the preset's), or to the value every preset gives it: a default
+    that differed from a preset's value would read as a change the user never made."""
+    import dataclasses
+
+    from poise_trl.choices import PROBE_PRESETS
+
+    fields = {f.name: f for f in dataclasses.fields(POISEConfig)}
+    for name, preset in PROBE_PRESETS.items():
+        assert preset.summary.strip() and set(preset.required) <= set(preset.settings)
+        for key, value in {**preset.settings, **preset.domain_settings}.items():
+            default = fields[key].default_factory() if callable(fields[key].default_factory) else fields[key].default
+            assert default is None or default == value, (name, key, default, value)
+        assert not _config(probe_preset=name).preset_changes()
+        assert not _config(probe_preset=name, probe_domain_column="source").preset_changes()
+        assert repr(name) in fields["probe_preset"].metadata["help"]
+
+
+def test_the_release_preset_is_the_default_and_keeps_its_settings():
+    c = _config()
+    assert c.probe_preset == "release"
+    assert (c.probe_head, c.probe_partner_reward, c.probe_bootstrap, c.probe_clip_range) == (
+        "ridge",
+        True,
+        "shrunk",
+        None,
+    )
+    assert (c.probe_schedule, c.probe_buffer_whole_groups, c.probe_domain_routing) == ("domain", False, "identity")
+    assert (c.probe_same_domain_groups, c.probe_reward_range, c.probe_domain_buffer_sizes) == (False, None, None)
+
+
+def test_the_reference_and_paper_presets_set_every_setting_of_theirs():
+    from poise_trl.columns import DEFAULT_SCALARS, REFERENCE_SCALARS
+
+    ref = _config(probe_preset="reference")
+    assert (ref.probe_head, ref.probe_alpha, ref.probe_pca_dims, ref.probe_clip_range) == (
+        "pca_ridge",
+        100,
+        [32, 64],
+        [0, 1],
+    )
+    assert ref.probe_scalars == list(REFERENCE_SCALARS) and ref.probe_head_kwargs is None  # pca_ridge's seed: 42
+    assert (ref.probe_partner_reward, ref.probe_bootstrap, ref.probe_history, ref.scale_rewards) == (
+        False,
+        "rloo",
+        False,
+        "none",
+    )
+    assert (ref.probe_schedule, ref.probe_warmup_steps, ref.probe_domain_warmup_steps) == ("global", 16, 8)
+    assert (ref.probe_buffer_whole_groups, ref.probe_same_domain_groups, ref.probe_reward_range) == (
+        True,
+        True,
+        [0, 1],
+    )
+    assert (ref.probe_pool_tokens, ref.reasoning_end_marker, ref.num_generations) == (10, "</think>", 2)
+    assert ref.probe_domain_routing == "reference" and ref.probe_domain_buffer_sizes is None  # one 4096-row buffer
+    sizes = _config(probe_preset="reference", probe_domain_column="source").probe_domain_buffer_sizes
+    assert sizes == {"math": 4096, "code": 3072, "other": 3072}
+    paper = _config(probe_preset="paper")
+    assert (paper.probe_head, paper.probe_alpha, paper.probe_pca_dims, paper.probe_clip_range) == (
+        "ridge",
+        0.01,
+        [0, 0],
+        None,
+    )
+    assert (paper.probe_partner_reward, paper.probe_bootstrap, paper.probe_scalars) == (
+        False,
+        "rloo",
+        list(DEFAULT_SCALARS),
+    )
+    assert (paper.num_generations, paper.scale_rewards, paper.probe_history, paper.prompt_selection) == (
+        2,
+        "none",
+        False,
+        None,
+    )
+
+
+def test_an_explicit_value_a_preset_needs_is_refused_and_one_it_defaults_is_taken_and_recorded():
+    with pytest.raises(
+        ValueError, match=r"num_generations=4 with probe_preset='reference', which needs num_generations=2: the"
+    ):
+        _config(probe_preset="reference", num_generations=4)
+    c = _config(
+        probe_preset="reference", probe_alpha=10.0, probe_buffer_whole_groups=False, probe_same_domain_groups=False
+    )
+    assert c.preset_changes() == {
+        "probe_alpha": (100.0, 10.0),
+        "probe_buffer_whole_groups": (True, False),
+        "probe_same_domain_groups": (True, False),
+    }
+    paper = _config(probe_preset="paper", num_generations=4, probe_partner_reward=True)  # the paper's G is a default
+    assert paper.preset_changes() == {"num_generations": (2, 4), "probe_partner_reward": (False, True)}
+    # a preset's scalars need the 'entropy' block only when written explicitly
+    assert _config(probe_preset="reference", probe_features=["prompt"]).probe_features == ["prompt"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            dict(probe_schedule="weekly"),
+            r"probe_schedule='weekly' is not a schedule: choose one of \['domain', 'global'\]",
+        ),
+        (dict(probe_schedule="global", probe_warmup_steps=0), "probe_warmup_steps=0 must be >= 1 with the schedule"),
+        (dict(probe_domain_warmup_steps=-1), "probe_domain_warmup_steps=-1 must be >= 0"),
+        (dict(probe_domain_routing="source"), "probe_domain_routing='source' is not a domain routing"),
+        (dict(probe_buffer_whole_groups=True), "probe_buffer_whole_groups=True with probe_same_domain_groups=False"),
+        (dict(probe_same_domain_groups="yes"), "probe_same_domain_groups='yes' must be True or False"),
+        (dict(probe_reward_range=[1.0, 0.0]), r"probe_reward_range=\(1.0, 0.0\) is not a range"),
+    ],
+)
+def test_bad_schedule_and_domain_settings_raise_with_what_to_change(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        _config(**kwargs)

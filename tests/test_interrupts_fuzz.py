@@ -3,11 +3,12 @@
 The line-level interrupt fuzz (tests/interrupts.py): a KeyboardInterrupt at the Nth executed line of a `poise_trl`
 source file, once for the first run of every distinct line the call runs, during `observe`, `advantages`,
 `prompt_values` and `load_state_dict` (resume and warm start) of estimators that between them run every head, the
-history, the layer choice, domains, both bootstraps, the batch scaling and the per-prefix baseline, and during a
-captured pass of a tiny model. After each stop the estimator's `state_dict()` equals the one before the call or the
-one after an uninterrupted call (tensors bit for bit), it still takes the next step's advantages, and
-no forward hook is left on any module. The trainer's scenario (tests/scenarios/test_interrupts_trainer.py) stops
-`train()` and `evaluate()` the same way.
+history, the layer choice, domains, both bootstraps, the batch scaling, the per-prefix baseline and the reference
+preset's estimator (its global schedule, whose end falls in the stopped `observe`, whole-pair buffers, routing and
+refusals), and during a captured pass of a tiny model. After each stop the estimator's `state_dict()` equals the one
+before the call or the one after an uninterrupted call (tensors bit for bit), it still takes the next step's
+advantages, and no forward hook is left on any module. The trainer's scenario
+(tests/scenarios/test_interrupts_trainer.py) stops `train()` and `evaluate()` the same way.
 """
 
 import copy
@@ -43,6 +44,21 @@ SETTINGS = {  # between them, every head and option the estimator learns with; t
         head=HeadSpec(name="ensemble", kwargs={"children": ["ridge", "logistic"], "combine": "stack", "folds": 2}),
         buffer=BUFFER,
     ),
+    "reference": EstimatorSpec(  # probe_preset="reference"'s, on two routed domains; the bootstrap ends at step 4
+        head=HeadSpec(name="pca_ridge", alpha=100.0, pca_dims=((0, 4, 2),), clip=(0.0, 1.0)),
+        buffer=BufferSpec(
+            size=64,
+            domain_sizes={"math": 64, "code": 16},
+            warmup_steps=4,
+            schedule="global",
+            whole_groups=True,
+            routing="reference",
+            same_domain_groups=True,
+        ),
+        partner_reward=False,
+        bootstrap="rloo",
+        reward_range=(0.0, 1.0),
+    ),
     "ridge": EstimatorSpec(
         head=HeadSpec(alpha=1.0, pca_dims=((0, 4, 2),)),
         history=HistorySpec(size=32),
@@ -70,6 +86,8 @@ def _batch(name: str, step: int) -> Batch:
     rewards = (torch.rand(ROWS, generator=g) < torch.sigmoid(2 * x[:, 0, 0])).float()
     ids = torch.arange(ROWS) // G + 100 * (step % 3)  # prompts seen again: their history grows
     domains = [["math", "code"][(i // G) % 2] for i in range(ROWS)] if name == "ridge" else None
+    if name == "reference":  # data sources, routed to math and code
+        domains = [["math__aime", "codegen__taco"][(i // G) % 2] for i in range(ROWS)]
     prefix = None
     if name == "prefix":
         prefix = PrefixBatch(
@@ -137,6 +155,7 @@ def test_a_stop_at_any_line_leaves_the_state_before_or_after(call):
         files = {where(line).split(":")[0] for line in covered}
         assert {"estimator.py", "state.py", "learner.py", "buffer.py", "history.py", "baselines.py"} <= files
         assert {"probe.py", "logistic.py", "mlp.py", "ensemble.py", "granularity.py", "layer_choice.py"} <= files
+        assert {"pca_ridge.py", "schedule.py", "domains.py"} <= files
 
 
 def _load(estimator: POISEEstimator, batch: Batch, saved: dict[str, Any], warm_start: bool) -> None:

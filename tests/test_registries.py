@@ -1,7 +1,7 @@
 """Conformance of every registry's entries, one check per entry, in the style of scikit-learn's `check_estimator`:
-a new value head, granularity, sampling rule, bootstrap, reward scaling or rollout scalar is checked by these tests
-as it is added, with no test to edit. Each torch table holds the names the command lines offer (choices.py), in
-order; the value heads' own checks are test_heads.py's, over every head too."""
+a new value head, granularity, sampling rule, bootstrap, reward scaling, schedule, domain routing or rollout scalar is
+checked by these tests as it is added, with no test to edit. Each table holds the names the command lines offer
+(choices.py), in order; the value heads' own checks are test_heads.py's, over every head too."""
 
 import dataclasses
 import re
@@ -14,11 +14,13 @@ from poise_trl import choices
 from poise_trl.baselines import BOOTSTRAPS, REWARD_SCALINGS, RunningStd, leave_one_out_targets
 from poise_trl.batch import Rollouts
 from poise_trl.columns import SCALARS, column
+from poise_trl.domains import ROUTINGS
 from poise_trl.estimator import POISEEstimator
 from poise_trl.features import FeatureLayout, feature_spans
 from poise_trl.granularity import GRANULARITIES
 from poise_trl.heads import HEADS
 from poise_trl.sampling import RULES, Draw, rule_from_config
+from poise_trl.schedule import SCHEDULES
 from poise_trl.specs import BufferSpec, EstimatorSpec, GranularitySpec, HeadSpec, SettingError
 from poise_trl.tiny import build_tiny_tokenizer
 
@@ -30,6 +32,8 @@ TABLES = {
     "rules": (RULES, choices.RULES),
     "bootstraps": (BOOTSTRAPS, choices.BOOTSTRAPS),
     "reward scalings": (REWARD_SCALINGS, choices.REWARD_SCALINGS),
+    "schedules": (SCHEDULES, choices.SCHEDULES),
+    "routings": (ROUTINGS, choices.ROUTINGS),
 }
 CONFIG_FIELDS = {  # the POISEConfig field that takes each table's names
     "heads": "probe_head",
@@ -37,6 +41,8 @@ CONFIG_FIELDS = {  # the POISEConfig field that takes each table's names
     "rules": "prompt_selection",
     "bootstraps": "probe_bootstrap",
     "reward scalings": "scale_rewards",
+    "schedules": "probe_schedule",
+    "routings": "probe_domain_routing",
 }
 
 
@@ -75,20 +81,24 @@ def _batch(step: int, n: int = 16, width: int = 4) -> tuple[torch.Tensor, Rollou
     return x, Rollouts(rewards, prompt_ids=torch.arange(n) // G + 100 * step)
 
 
-def _run(spec: EstimatorSpec, tmp_path, steps: int = 4) -> None:
-    """An estimator of `spec` learns over `steps` batches, gives finite advantages (0 where unscorable), and resumes
-    from its file bit for bit."""
+def _run(spec: EstimatorSpec, tmp_path, steps: int = 4, domains: list[str] | None = None) -> POISEEstimator:
+    """An estimator of `spec` learns over `steps` batches (its rows named `domains`), gives finite advantages (0 where
+    unscorable), and resumes from its file bit for bit."""
     estimator = POISEEstimator(G, spec)
-    for step in range(steps):
+
+    def batch(step: int) -> tuple[torch.Tensor, Rollouts]:
         x, rollouts = _batch(step)
-        result = estimator.advantages(x, rollouts)
+        return x, Rollouts(rollouts.rewards, domains=domains, prompt_ids=rollouts.prompt_ids)
+
+    for step in range(steps):
+        result = estimator.advantages(*batch(step))
         assert result.advantages.isfinite().all() and result.advantages[3] == 0
         estimator.observe(result)
     estimator.save(tmp_path / "e.safetensors")
     resumed = POISEEstimator(G, spec)
     resumed.load(tmp_path / "e.safetensors")
-    x, rollouts = _batch(steps)
-    assert torch.equal(resumed.advantages(x, rollouts).advantages, estimator.advantages(x, rollouts).advantages)
+    assert torch.equal(resumed.advantages(*batch(steps)).advantages, estimator.advantages(*batch(steps)).advantages)
+    return estimator
 
 
 @pytest.mark.parametrize("name", list(BOOTSTRAPS))
@@ -117,6 +127,34 @@ def test_every_reward_scaling_divides_by_none_or_a_positive_constant_of_earlier_
         assert divisor is None or (divisor.ndim == 0 and divisor.isfinite() and divisor > 0)
         running.update(torch.rand(8, generator=torch.Generator().manual_seed(step)))
     _run(EstimatorSpec(scale_rewards=name, head=HeadSpec(alpha=1.0), buffer=BufferSpec(warmup_steps=1)), tmp_path)
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_every_schedule_trusts_a_fitted_probe_after_the_bootstrap_and_resumes_exactly(name, tmp_path):
+    """Two domains learn under the schedule: during the bootstrap every row gets the bootstrap baseline; after it
+    each domain's probe is fitted and trusted, and the estimator resumes from its file bit for bit."""
+    spec = EstimatorSpec(head=HeadSpec(alpha=1.0), buffer=BufferSpec(size=64, warmup_steps=2, schedule=name))
+    domains = [["math", "code"][(i // G) % 2] for i in range(16)]
+    estimator = POISEEstimator(G, spec)
+    for step in range(2):
+        x, rollouts = _batch(step)
+        result = estimator.advantages(x, Rollouts(rollouts.rewards, domains=domains))
+        assert result.metrics()["bootstrap"] == 1 and not estimator.trusted_
+        estimator.observe(result)
+    assert all(online.trusted for online in estimator.probes_.values()) and set(estimator.probes_) == {"math", "code"}
+    _run(spec, tmp_path, steps=3, domains=domains)
+
+
+@pytest.mark.parametrize("name", list(ROUTINGS))
+def test_every_routing_names_a_domain_from_the_name_alone_and_serves_an_estimator(name, tmp_path):
+    sources = ["math__aime", "codegen__taco", " Stem_Web ", "openai/gsm8k", "7"]
+    routed = [ROUTINGS[name](source) for source in sources]
+    assert all(isinstance(domain, str) and domain for domain in routed)
+    assert routed == [ROUTINGS[name](source) for source in reversed(sources)][::-1]  # the name alone decides
+    domains = [sources[(i // G) % len(sources)] for i in range(16)]
+    spec = EstimatorSpec(head=HeadSpec(alpha=1.0), buffer=BufferSpec(warmup_steps=1, routing=name))
+    estimator = _run(spec, tmp_path, domains=domains)
+    assert set(estimator.probes_) == set(routed)
 
 
 @pytest.mark.parametrize("head", list(HEADS))

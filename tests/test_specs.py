@@ -246,4 +246,4 @@ def test_the_specs_defaults_are_the_configs():
             if f.metadata.get("config") and not f.metadata["derived"]:
                 assert getattr(ours, f.name) == getattr(theirs, f.name), (path, f.name)
                 compared += 1
-    assert compared == 16
+    assert compared == 22

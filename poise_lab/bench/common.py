@@ -71,11 +71,17 @@ def resolve_device(name: str) -> str:
 
 
 def config_default(name: str) -> Any:
-    """A `POISEConfig` field's default, so a benchmark measures what the trainer would run."""
+    """A `POISEConfig` field's default, so a benchmark measures what the trainer would run: for a field the preset
+    sets (default None), the default preset's value."""
+    from poise_trl.choices import DEFAULT_PRESET, PROBE_PRESETS
     from poise_trl.config import POISEConfig
+    from poise_trl.presets import preset_value
 
     field = POISEConfig.__dataclass_fields__[name]
-    return field.default_factory() if callable(field.default_factory) else field.default
+    default = field.default_factory() if callable(field.default_factory) else field.default
+    if default is None and name in PROBE_PRESETS[DEFAULT_PRESET].settings:
+        return preset_value(name)
+    return default
 
 
 def trainer_device_args(gradient_checkpointing: bool = False) -> dict[str, Any]:

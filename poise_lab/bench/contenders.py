@@ -18,11 +18,6 @@ from typing import Any
 # second gradient pass, so only when named).
 GRADIENT_RULES = ("group", "informative_groups", "leave_one_out", "probe", "prefix")
 
-# The paper's algorithm, field by field, for POISEConfig fields that arrive after it (issue 12): where a field exists,
-# "POISE (paper)" and its one-change ablations pin it to the paper's choice; where it does not, the library predates it
-# and already behaves as the paper.
-PAPER_PINS: dict[str, Any] = {"probe_partner_reward": False, "probe_bootstrap": "rloo", "prompt_selection": None}
-
 
 @dataclass(frozen=True)
 class Contender:
@@ -30,8 +25,9 @@ class Contender:
 
     `trainer` is a key of `bench.trainers.TRAINERS`; `group_size` the completions per prompt a step (C-GRPO: the
     most, max(budget_grid); A*-PO: 1); `summary` what it runs, for `--help`. `overrides` must all exist as config
-    fields (a missing one makes the contender unavailable, reported, not run); `pins` are applied only where the
-    field exists (see PAPER_PINS).
+    fields (a missing one makes the contender unavailable, reported, not run). "POISE (paper)" is
+    `probe_preset="paper"`, which sets every field of the paper's algorithm (poise_trl.choices.PROBE_PRESETS); its
+    one-change ablations change one of them.
 
     The study's roles: a `reference` is a comparator every headline row is paired with; a `headline` row is paired
     with each reference and with each of `paired_with` (a row that changes POISE (default), or a peer in its place, is
@@ -46,7 +42,6 @@ class Contender:
     group_size: int
     summary: str
     overrides: dict[str, Any] = field(default_factory=dict)
-    pins: dict[str, Any] = field(default_factory=dict)
     reference: bool = False
     headline: bool = False
     paired_with: tuple[str, ...] = ()
@@ -67,10 +62,7 @@ class Contender:
 
 def _paper_ablation(name: str, label: str, change: dict[str, Any], summary: str) -> Contender:
     """POISE (paper) with one change: the difference against POISE (paper) is that change's effect."""
-    pins = {key: value for key, value in PAPER_PINS.items() if key not in change}
-    return Contender(
-        name, label, "poise", 2, summary, {"probe_preset": "paper", **change}, pins, rate_of="poise_paper"
-    )
+    return Contender(name, label, "poise", 2, summary, {"probe_preset": "paper", **change}, rate_of="poise_paper")
 
 
 CGRPO_AT_SCALE = {"budget_grid": [2, 4, 8], "num_calibration_samples": 32}
@@ -120,9 +112,9 @@ CONTENDERS = {
             "POISE (paper) G=2",
             "poise",
             2,
-            "POISETrainer, the paper's algorithm (paper probe preset, RLOO bootstrap)",
+            "POISETrainer, the paper's algorithm (probe_preset='paper': its probe, RLOO bootstrap, no partner-aware "
+            "probe)",
             {"probe_preset": "paper"},
-            PAPER_PINS,
             headline=True,
             gradient="probe",
         ),

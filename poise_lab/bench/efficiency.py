@@ -278,7 +278,6 @@ def _config(
     if contender.trainer == "cgrpo":
         prompts_per_step = settings.completions_per_step // contender.group_size
         config["max_steps"] = -(-settings.budget // (prompts_per_step * min(contender.overrides["budget_grid"])))
-    config.update({key: value for key, value in contender.pins.items() if key in fields})
     config.update(contender.overrides)
     return config_class(**config)
 

@@ -186,7 +186,7 @@ def new_estimator(
     from poise_trl import POISEConfig
 
     meta = collection.meta
-    settings = {**CONTENDERS[rule].overrides, **CONTENDERS[rule].pins, **({"probe_head": head} if head else {})}
+    settings = {**CONTENDERS[rule].overrides, **({"probe_head": head} if head else {})}
     settings.update(probe_history=history, probe_layer=int(meta["default_layer"]), num_generations=PROBE_K)
     config = POISEConfig(output_dir="unused", report_to="none", use_cpu=True, **settings)
     estimator = POISEEstimator.from_config(config, int(meta["num_layers"]), int(meta["hidden_size"]))

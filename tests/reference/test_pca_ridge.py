@@ -15,10 +15,10 @@ from sklearn.linear_model import Ridge
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from poise_trl.choices import PROBE_PRESETS
 from poise_trl.features import FeatureLayout
 from poise_trl.heads import make_head
 from poise_trl.pca_ridge import PCARidgeProbe
+from poise_trl.presets import preset_value
 from poise_trl.specs import HeadSpec
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "reference"
@@ -81,7 +81,7 @@ def test_the_release_heads_held_out_values_are_this_far_from_the_reference(name)
     """The ridge head with probe_preset="release"'s settings (StandardScaler before an exact PCA, alpha 100, PCA
     [32, 64], the observed clip) on the same rows: how far its held-out predictions are from the reference's."""
     steps = _steps(name)
-    alpha, dims = PROBE_PRESETS["release"]
+    alpha, dims = preset_value("probe_alpha", "release"), preset_value("probe_pca_dims", "release")
     head = make_head("ridge", alpha=alpha, pca_dims=FeatureLayout().pca_blocks(WIDTH, dims), clip="observed")
     predicted = head.fit(steps["rows"].flatten(0, 1), steps["partners"].flatten()).predict(steps["heldout"])
     difference = (predicted.double() - steps["heldout_prediction"].double()).abs()

@@ -16,7 +16,8 @@ from accelerate.commands.config.config_args import load_config_from_file
 from trl import GRPOConfig
 from trl.scripts.vllm_serve import make_parser as make_vllm_serve_parser
 
-from poise_trl import PROBE_PRESETS, POISEConfig, cli
+from poise_trl import POISEConfig, cli
+from poise_trl.presets import preset_value
 from poise_trl.rlvr import train as train_poise
 from poise_trl.tasks.math_data import DAPO_PROMPT_PREFIX, DAPO_PROMPT_SUFFIX, dataset_hub_id
 
@@ -56,6 +57,7 @@ def test_every_recipe_has_expectations():
 
 
 # What `algorithm: paper` in a recipe's header promises: the paper's estimator (§3), nothing beyond it.
+PRESET_PROBE = ("probe_alpha", "probe_pca_dims")
 PAPER_ALGORITHM = {"probe_partner_reward": False, "probe_bootstrap": "rloo", "prompt_selection": None}
 HEADER = "# recipe: "
 
@@ -88,11 +90,12 @@ def test_recipe_runs_what_its_header_promises(name):
         keys = set(yaml.safe_load((CONFIGS / name).read_text()))
         assert not {"probe_preset", "probe_alpha", "probe_pca_dims"} & keys
         assert (CONFIGS / (PAPER_PREFIX + name)).is_file() or "_vllm_" in name, f"{name} has no paper counterpart"
-    library_defaults = {key: POISEConfig.__dataclass_fields__[key].default for key in PAPER_ALGORITHM}
+    library_defaults = {key: preset_value(key) for key in PAPER_ALGORITHM}  # the default preset's
     expected = PAPER_ALGORITHM if algorithm == "paper" else library_defaults
     assert {key: getattr(args, key) for key in PAPER_ALGORITHM} == expected
     if algorithm == "paper":
-        assert [args.probe_alpha, args.probe_pca_dims] == [PROBE_PRESETS["paper"][0], PROBE_PRESETS["paper"][1]]
+        assert [args.probe_alpha, args.probe_pca_dims] == [preset_value(key, "paper") for key in PRESET_PROBE]
+        assert not args.preset_changes()  # every setting of the paper's algorithm
         assert args.probe_layer != "auto"
     if "RLOO bootstrap" in comments or "RLOO baseline" in comments:
         assert args.probe_bootstrap == "rloo", f"{name}'s comments describe an RLOO bootstrap it does not run"
@@ -137,7 +140,10 @@ def test_recipe_holds_paper_values(name):
         assert args.reasoning_end_marker == "</think>"
         assert args.probe_features == ["prompt", "reasoning", "entropy"]
         preset = "paper" if name.startswith(PAPER_PREFIX) else "release"  # paper: no PCA, alpha 0.01
-        assert (args.probe_preset, args.probe_alpha, args.probe_pca_dims) == (preset, *PROBE_PRESETS[preset])
+        assert [args.probe_preset, args.probe_alpha, args.probe_pca_dims] == [
+            preset,
+            *(preset_value(key, preset) for key in PRESET_PROBE),
+        ]
         assert args.probe_buffer_size == 4096
         # The release's bootstrap length in rollouts: 16 steps x 256 prompts x 2.
         assert args.probe_warmup_steps * args.generation_batch_size == 16 * 256 * 2

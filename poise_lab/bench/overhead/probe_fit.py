@@ -75,7 +75,7 @@ def probe_fit_benchmark(
     from sklearn.preprocessing import StandardScaler
     from threadpoolctl import threadpool_limits
 
-    from poise_trl.config import PROBE_PRESETS
+    from poise_trl.presets import preset_value
 
     layout = FeatureLayout()  # the default φ: prompt, reasoning, the paper's three entropy statistics
     x, y = _probe_data(rows, hidden)
@@ -83,7 +83,7 @@ def probe_fit_benchmark(
     x64, y64, x_new64 = x.double().numpy(), y.double().numpy(), x_new.double().numpy()
     results = []
     for preset in ("paper", "release"):
-        alpha, dims = PROBE_PRESETS[preset]
+        alpha, dims = preset_value("probe_alpha", preset), preset_value("probe_pca_dims", preset)
         pca = layout.pca_blocks(hidden, dims)
         probe = ValueProbe(alpha=alpha, pca_dims=pca or None, clip=None)
         torch_seconds = _median_seconds(partial(probe.fit, x, y), repeats)

@@ -141,7 +141,7 @@ def export_probe(collection: Collection, features: Sequence[str], path: str | Pa
     `POISEConfig(probe_init_path=path)` with the same layer, pooling, features and marker warm-starts from it. It is
     partner-aware (the reward column appended) when `probe_partner_reward` defaults to True, as the trainer fits it."""
     from poise_trl.batch import DEFAULT_DOMAIN
-    from poise_trl.config import PROBE_PRESETS
+    from poise_trl.presets import preset_value
 
     meta, blocks = collection.meta, [b for b in FEATURE_BLOCKS if b in features]
     layer = meta["default_layer"]
@@ -152,7 +152,7 @@ def export_probe(collection: Collection, features: Sequence[str], path: str | Pa
     partner_reward = bool(config_default("probe_partner_reward"))  # the probe POISEConfig's default would fit
     if partner_reward:
         x = append_reward_column(x, torch.nan_to_num(collection.rewards))
-    alpha, dims = PROBE_PRESETS["release"]
+    alpha, dims = preset_value("probe_alpha", "release"), preset_value("probe_pca_dims", "release")
     layout = FeatureLayout(tuple(blocks))  # the collection's rows: the default rollout scalars
     pca = layout.pca_blocks(meta["hidden_size"], dims)
     probe = ValueProbe(alpha=alpha, pca_dims=pca, clip="observed")

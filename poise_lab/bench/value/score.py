@@ -23,6 +23,9 @@ from poise_trl.probe import ValueProbe
 from ..common import config_default
 from .collect import Collection, Log
 
+SCORED_PRESETS = ("release", "paper")
+"""The presets whose ridge probe the main section scores (their alpha and PCA on the collection's rows), in order."""
+
 ABLATIONS = (  # paper Table 3; `run_benchmark` adds the full set, with and without response length
     ("prompt hidden states only", ("prompt",)),
     ("reasoning hidden states only", ("reasoning",)),
@@ -168,10 +171,10 @@ class ValueBenchmark:
     # ---------------------------------------------------------------------------------------------- estimators
     def preset_probe(self, blocks: Sequence[str], preset: str, head: str = ValueProbe.name) -> ValueHead:
         """An unfitted value head (`probe_head`, ridge by default) built as the trainer builds it from a preset
-        (clip='observed')."""
-        from poise_trl.config import PROBE_PRESETS
+        (clip='observed'), with the preset's ridge penalty and PCA dims."""
+        from poise_trl.presets import preset_value
 
-        alpha, dims = PROBE_PRESETS[preset]
+        alpha, dims = preset_value("probe_alpha", preset), preset_value("probe_pca_dims", preset)
         pca = FeatureLayout(tuple(blocks)).pca_blocks(self.collection.meta["hidden_size"], dims)
         return HEADS[head](alpha=alpha, pca_dims=pca)
 
@@ -294,7 +297,7 @@ def run_benchmark(
 
     log(f"[3/4] fitting on {len(bench.train_prompts)} prompts, scoring {len(bench.test_prompts)} held-out prompts")
     main = []
-    for name in PROBE_PRESETS:
+    for name in SCORED_PRESETS:
         values, s = _timed(lambda name=name: bench.probe_preset(blocks, name))
         main.append(bench.score(f"POISE probe ({name} preset)", values, s, layer=layer, pool=pool, **sweep))
     critic_history = None
