@@ -216,7 +216,7 @@ def test_a_resume_from_the_file_is_exact_and_files_without_history_still_load(tm
     plain.save(tmp_path / "plain.safetensors")
     POISEEstimator(G, spec()).load(tmp_path / "plain.safetensors")
     with pytest.raises(ValueError, match=r"probe_history=False, but this run sets probe_history=True"):
-        POISEEstimator(G, EstimatorSpec(history=HistorySpec())).load(tmp_path / "plain.safetensors")
+        POISEEstimator(G, spec(history=HistorySpec())).load(tmp_path / "plain.safetensors")
     with pytest.raises(ValueError, match=r"probe_history=True, but this run sets probe_history=False"):
         POISEEstimator(G).load(tmp_path / "e.safetensors", warm_start=True)
     with pytest.raises(ValueError, match=r"probe_history_size=5, probe_history_decay=0.9, but this run sets 8"):
