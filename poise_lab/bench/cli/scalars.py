@@ -14,6 +14,9 @@ over the same bootstrap resamples. Pools without per-token entropies get them fr
 import argparse
 from typing import Any
 
+from ..common import DEMO_MODEL
+from ..probes import DEFAULT_PROBES, PROBES
+
 
 def _run_scalars(args: argparse.Namespace) -> int:
     from ..scalars import run_scalars
@@ -55,10 +58,29 @@ def add_scalars_parser(subparsers: Any) -> argparse.ArgumentParser:
         "repetition, all), computed by the library from the pool's per-token record",
     )
     add(
+        "--probes",
+        nargs="+",
+        default=None,
+        choices=list(PROBES),
+        metavar="NAME",
+        help=f"the probes each variant's row is fitted with (default: {' '.join(DEFAULT_PROBES)}, bench gradient's "
+        "POISE (paper) and POISE (default)): any of "
+        + "; ".join(f"{k} ({p.label})" for k, p in PROBES.items())
+        + "; a probe's default row holds its own probe_scalars",
+    )
+    add(
+        "--against",
+        default=None,
+        metavar="PROBE:VARIANT",
+        help="one row (e.g. poise_reference:default) every other row is also paired with, beside its own probe's "
+        "default row",
+    )
+    add(
         "--tokenizer",
         default=None,
-        help="the tokenizer of the model that sampled the pool, for the scalars cut from the decoded text (text_*; "
-        "default: the pool's model_path)",
+        help="the tokenizer of the model that sampled the pool, for the scalars cut from the decoded text (text_*): "
+        f"a model folder, a real model's name (e.g. smollm2-135m, prepared from its package) or {DEMO_MODEL!r} "
+        "(the toy demo model's; default: the pool's model_path)",
     )
     add("--bootstrap", type=int, default=1000, help="bootstrap resamples of the pool's prompts for the CIs")
     add("--seed", type=int, default=None, help="the bootstrap's seed (default: the pool's, as bench gradient used)")
