@@ -431,7 +431,8 @@ def format_report(results: dict[str, Any]) -> str:
     ]
     if "probes" in results:
         probes = "; ".join(
-            f"{p['label']}: {p['settings']}, scalars {p['scalars']}" for p in results["probes"].values()
+            f"{p['label']}: {p['settings']} (probe_preset {p['probe_preset']!r}), scalars {p['scalars']}"
+            for p in results["probes"].values()
         )
         lines += ["", f"Probes (each one's default row holds its own scalars): {probes}."]
     if against is not None:
@@ -468,11 +469,18 @@ def format_report(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def probes_record(probes: Sequence[str], scalars: dict[str, tuple[str, ...]]) -> dict[str, Any]:
-    """What each probe of a run is: its label, its settings and the rollout scalars of its own row."""
+def probes_record(probes: Sequence[str], pool: Collection) -> dict[str, Any]:
+    """What each probe of a run is: its label, its settings, the preset they name (the default's, where they name
+    none) and the rollout scalars of its own row."""
+    configs = {name: rule_config(PROBES[name].settings, pool) for name in probes}
     return {
-        name: {"label": PROBES[name].label, "settings": dict(PROBES[name].settings), "scalars": list(scalars[name])}
-        for name in probes
+        name: {
+            "label": PROBES[name].label,
+            "settings": dict(PROBES[name].settings),
+            "probe_preset": config.probe_preset,
+            "scalars": list(config.probe_scalars),
+        }
+        for name, config in configs.items()
     }
 
 
@@ -489,11 +497,10 @@ def run_scalars(args: argparse.Namespace, log: Log = print) -> int:
         raise SystemExit(f"two variants share a name ({', '.join(v.name for v in variants)})")
     pool, probe, cached = read_pool(folder)
     probes = args.probes or DEFAULT_PROBES
-    scalars = {name: own_scalars(name, pool) for name in probes}
     rows = [row_name(name, v.name) for name in probes for v in variants]
     if args.against is not None and args.against not in rows:
         raise SystemExit(f"--against {args.against}: not a row of this run; its rows: {', '.join(rows)}")
-    reads_text = any(SCALARS[name].reads_text for names in scalars.values() for name in names)
+    reads_text = any(SCALARS[scalar].reads_text for name in probes for scalar in own_scalars(name, pool))
     variants = with_tokenizer(variants, args.tokenizer or pool.meta["model_path"], needed=reads_text)
     probe_prompts = args.probe_prompts or probe.num_prompts - pool.num_prompts
     keep = separate_prompts(pool, probe, probe_prompts)
@@ -518,7 +525,7 @@ def run_scalars(args: argparse.Namespace, log: Log = print) -> int:
         },
         "variants": {v.name: v.describe() for v in variants},
         # only where asked: results written before these options keep their keys
-        **({"probes": probes_record(probes, scalars)} if args.probes else {}),
+        **({"probes": probes_record(probes, pool)} if args.probes else {}),
         "settings": {"bootstrap": args.bootstrap, "seed": seed, **({"against": args.against} if args.against else {})},
         "measured": measured,
         "seconds": {"probes": fitted - start, "measure": time.perf_counter() - fitted},
