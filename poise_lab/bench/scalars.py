@@ -4,16 +4,19 @@ of `bench gradient`, on one of its pools, with the probe's row as the only chang
 Each variant appends its columns, a function of the pool's stored tensors (`PoolRollouts`), to the probe's default
 row (the blocks of `POISEConfig.probe_features` at the pool's layer and window), or puts them in the place of the
 row's scalar blocks (`Variant.replace`); the columns after the hidden-state blocks sit in no PCA block. The probe
-is fitted as `bench gradient` fits its separate-pool rows (`gradient.fitted_probe`, with POISE (paper)'s and POISE
-(default)'s settings, observed in steps on the probe's pool), and each measured rollout's value serves its partner
-(G = 2). Reported per row, with 95% percentile intervals over `bench gradient`'s bootstrap
-resamples of the prompts (the same seed):
+is fitted as `bench gradient` fits its separate-pool rows (`gradient.fitted_probe`, with each of `--probes`' settings,
+`probes.PROBES`: POISE (paper)'s and POISE (default)'s unless asked, observed in steps on the probe's pool; a probe
+whose `probe_scalars` are not the pool's stored three has its own default row, `own_row`), and each measured
+rollout's value serves its partner (G = 2). Reported per row, with 95% percentile intervals over `bench gradient`'s
+bootstrap resamples of the prompts (the same seed):
 
 - M, the value's error: the row's variance per completion minus the oracle baseline's (the true success rate), in
   units of W (B tr Cov = W + M + 2 Bv, the same W and Bv for every row), and its paired difference against the same
   settings' default row over the same resamples;
 - held-out r: the Pearson r of each measured prompt's mean value with its success rate over its K rollouts (the
-  probe never saw these prompts), and its paired difference.
+  probe never saw these prompts), and its paired difference;
+- with `--against`, both paired differences against that one row too (e.g. every probe against the POISE authors'
+  recipe).
 
 A trained snapshot's pool that keeps the run's saved estimator shows it too, with its own row as it ran: its buffer
 holds the feature rows it learned from, not their tokens, so no column can be added to it without a run that
