@@ -22,10 +22,10 @@ import argparse
 import hashlib
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -60,6 +60,9 @@ from .prefix_gradient import (
 )
 from .value.collect import Collection, Log
 from .value.resolve import collect_from_args
+
+if TYPE_CHECKING:
+    from poise_trl import POISEConfig
 
 PROBE_K = 2  # the online buffer holds POISE's G = 2 groups
 CACHE_VERSION = 1
@@ -177,18 +180,30 @@ def head_row(head: str, history: bool = True) -> str:
     return f"poise_head_{head}" + ("" if history else "_nohistory")
 
 
-def new_estimator(
-    rule: str, collection: Collection, head: str | None = None, history: bool = False
-) -> tuple[POISEEstimator, list[str]]:
-    """An empty estimator with `rule`'s settings (with `head`, that value head; with `history`, the prompt history)
-    at the pool's default capture, built as the trainer builds it (`POISEEstimator.from_config`), and the feature
-    blocks its probe reads."""
+Rule = str | Mapping[str, Any]
+"""A contender's name (a key of `CONTENDERS`), or the `POISEConfig` fields of a probe to fit (`bench scalars`'
+`--probes`)."""
+
+
+def rule_config(rule: Rule, collection: Collection, head: str | None = None, history: bool = False) -> "POISEConfig":
+    """The config `rule`'s probe is built from (with `head`, that value head; with `history`, the prompt history) at
+    the pool's default capture."""
     from poise_trl import POISEConfig
 
     meta = collection.meta
-    settings = {**CONTENDERS[rule].overrides, **({"probe_head": head} if head else {})}
+    overrides = CONTENDERS[rule].overrides if isinstance(rule, str) else rule
+    settings = {**overrides, **({"probe_head": head} if head else {})}
     settings.update(probe_history=history, probe_layer=int(meta["default_layer"]), num_generations=PROBE_K)
-    config = POISEConfig(output_dir="unused", report_to="none", use_cpu=True, **settings)
+    return POISEConfig(output_dir="unused", report_to="none", use_cpu=True, **settings)
+
+
+def new_estimator(
+    rule: Rule, collection: Collection, head: str | None = None, history: bool = False
+) -> tuple[POISEEstimator, list[str]]:
+    """An empty estimator with `rule`'s settings (`rule_config`), built as the trainer builds it
+    (`POISEEstimator.from_config`), and the feature blocks its probe reads."""
+    config = rule_config(rule, collection, head, history)
+    meta = collection.meta
     estimator = POISEEstimator.from_config(config, int(meta["num_layers"]), int(meta["hidden_size"]))
     return estimator, list(config.probe_features)
 
@@ -202,7 +217,7 @@ def probe_rows(collection: Collection, blocks: Sequence[str]) -> torch.Tensor:
 
 
 def fitted_probe(
-    rule: str,
+    rule: Rule,
     collection: Collection,
     probe: Collection,
     keep: np.ndarray,

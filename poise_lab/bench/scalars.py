@@ -4,16 +4,19 @@ of `bench gradient`, on one of its pools, with the probe's row as the only chang
 Each variant appends its columns, a function of the pool's stored tensors (`PoolRollouts`), to the probe's default
 row (the blocks of `POISEConfig.probe_features` at the pool's layer and window), or puts them in the place of the
 row's scalar blocks (`Variant.replace`); the columns after the hidden-state blocks sit in no PCA block. The probe
-is fitted as `bench gradient` fits its separate-pool rows (`gradient.fitted_probe`, with POISE (paper)'s and POISE
-(default)'s settings, observed in steps on the probe's pool), and each measured rollout's value serves its partner
-(G = 2). Reported per row, with 95% percentile intervals over `bench gradient`'s bootstrap
-resamples of the prompts (the same seed):
+is fitted as `bench gradient` fits its separate-pool rows (`gradient.fitted_probe`, with each of `--probes`' settings,
+`probes.PROBES`: POISE (paper)'s and POISE (default)'s unless asked, observed in steps on the probe's pool; a probe
+whose `probe_scalars` are not the pool's stored three has its own default row, `own_row`), and each measured
+rollout's value serves its partner (G = 2). Reported per row, with 95% percentile intervals over `bench gradient`'s
+bootstrap resamples of the prompts (the same seed):
 
 - M, the value's error: the row's variance per completion minus the oracle baseline's (the true success rate), in
   units of W (B tr Cov = W + M + 2 Bv, the same W and Bv for every row), and its paired difference against the same
   settings' default row over the same resamples;
 - held-out r: the Pearson r of each measured prompt's mean value with its success rate over its K rollouts (the
-  probe never saw these prompts), and its paired difference.
+  probe never saw these prompts), and its paired difference;
+- with `--against`, both paired differences against that one row too (e.g. every probe against the POISE authors'
+  recipe).
 
 A trained snapshot's pool that keeps the run's saved estimator shows it too, with its own row as it ran: its buffer
 holds the feature rows it learned from, not their tokens, so no column can be added to it without a run that
@@ -34,8 +37,7 @@ import torch
 from poise_trl.columns import DEFAULT_SCALARS, REFERENCE_SCALARS, SCALARS, scalar_columns
 from poise_trl.features import HIDDEN_BLOCKS, FeatureSpans, feature_spans
 
-from .common import format_table, write_json
-from .contenders import CONTENDERS
+from .common import DEMO_MODEL, format_table, write_json
 from .exact import (
     PoolGram,
     bootstrap_counts,
@@ -45,11 +47,20 @@ from .exact import (
     truth_weights,
 )
 from .exact import point_and_interval as _interval
-from .gradient import PROBE_K, fitted_probe, probe_rows, probe_values, read_pool, run_estimator, separate_prompts
+from .gradient import (
+    PROBE_K,
+    fitted_probe,
+    probe_rows,
+    probe_values,
+    read_pool,
+    rule_config,
+    run_estimator,
+    separate_prompts,
+)
 from .prefix_gradient import SUBSPACES
+from .probes import DEFAULT_PROBES, PROBES
 from .value.collect import Collection, Log
 
-PRESETS = ("poise_paper", "poise")  # the settings of `bench gradient`'s rows whose probe it fits on the probe pool
 DEFAULT = "default"  # the variant without extra columns: every other variant's reference
 RUN_ROW = "run"
 
@@ -194,6 +205,10 @@ class Variant:
     replace: bool = False
     tokenizer: Any = None  # the sampling model's, for scalars that read the decoded text (`with_tokenizer`)
 
+    @property
+    def reads_text(self) -> bool:
+        return isinstance(self.columns, ScalarSet) and self.columns.reads_text
+
     def rows(self, collection: Collection, blocks: Sequence[str]) -> torch.Tensor:
         """(N, D') the probe's input rows of `collection` (`gradient.Rows`)."""
         kept = [b for b in blocks if not self.replace or b in HIDDEN_BLOCKS]
@@ -237,18 +252,31 @@ def load_column_fn(spec: str, replace: bool = False) -> Variant:
         raise SystemExit(f"{spec!r}: {error}") from error
 
 
-def with_tokenizer(variants: Sequence[Variant], path: str) -> list[Variant]:
-    """The variants, given the tokenizer at `path` when a `--probe-scalars` set reads the decoded text (the `text_*`
-    scalars); loaded only then."""
-    if not any(isinstance(v.columns, ScalarSet) and v.columns.reads_text for v in variants):
-        return list(variants)
+def load_tokenizer(name_or_path: str) -> Any:
+    """The tokenizer `--tokenizer` names: the toy demo model's by `bench gradient`'s name of that model (its warm
+    start trains the model, never the tokenizer: `poise_trl.tiny.build_tiny_tokenizer`), a real model's by its name
+    (prepared from its package, `poise_lab.models.real`), or a model folder's."""
+    if name_or_path == DEMO_MODEL:
+        from poise_trl.tiny import build_tiny_tokenizer
+
+        return build_tiny_tokenizer()
     from transformers import AutoTokenizer
 
+    from poise_lab.models.real import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model(name_or_path))
+
+
+def with_tokenizer(variants: Sequence[Variant], path: str, needed: bool = False) -> list[Variant]:
+    """The variants, given the tokenizer `path` names (`load_tokenizer`) when a `--probe-scalars` set reads the
+    decoded text (the `text_*` scalars) or `needed` (a probe's own scalars do); loaded only then."""
+    if not (needed or any(v.reads_text for v in variants)):
+        return list(variants)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path)
     except (OSError, ValueError) as error:
         raise SystemExit(
-            f"--probe-scalars names scalars cut from the decoded text, which need the tokenizer of the model that "
+            f"a probe row holds scalars cut from the decoded text, which need the tokenizer of the model that "
             f"sampled the pool; {path} gives none ({error}): give it with --tokenizer PATH"
         ) from error
     return [Variant(v.name, v.columns, v.replace, tokenizer) for v in variants]
@@ -276,8 +304,21 @@ def row_name(preset: str, variant: str) -> str:
 def label(row: str) -> str:
     if row == RUN_ROW:
         return "the run's saved estimator (its own row)"
-    preset, variant = row.split(":")
-    return f"{CONTENDERS[preset].label} [{variant}]"
+    probe, variant = row.split(":")
+    return f"{PROBES[probe].label} [{variant}]"
+
+
+def own_scalars(probe: str, pool: Collection) -> tuple[str, ...]:
+    """The rollout scalars `probe`'s settings put in its row (`POISEConfig.probe_scalars`)."""
+    return tuple(rule_config(PROBES[probe].settings, pool).probe_scalars)
+
+
+def own_row(variant: Variant, scalars: tuple[str, ...]) -> Variant:
+    """`variant` for a probe whose row holds `scalars`: its default row is the probe's own, those scalars computed by
+    the library in the place of the pool's stored statistics (the paper's three) where they differ."""
+    if variant.name != DEFAULT or scalars == DEFAULT_SCALARS:
+        return variant
+    return Variant(DEFAULT, ScalarSet(scalars), replace=True, tokenizer=variant.tokenizer)
 
 
 def fit_values(
@@ -287,14 +328,18 @@ def fit_values(
     variants: Sequence[Variant],
     estimator_file: Path | None = None,
     log: Log = print,
+    probes: Sequence[str] = DEFAULT_PROBES,
 ) -> dict[str, np.ndarray]:
-    """Each row's value of every measured rollout: each preset x variant fitted on the probe pool's prompts `keep`,
-    and the run's saved estimator where `estimator_file` is given."""
+    """Each row's value of every measured rollout: each of `probes` x variant fitted on the probe pool's prompts
+    `keep` (a probe's default row is its own, `own_row`), and the run's saved estimator where `estimator_file` is
+    given."""
     values = {}
-    for preset in PRESETS:
+    for name in probes:
+        scalars = own_scalars(name, pool)
         for variant in variants:
-            row = row_name(preset, variant.name)
-            estimator, blocks = fitted_probe(preset, pool, probe, keep, rows=variant.rows)
+            variant = own_row(variant, scalars)
+            row = row_name(name, variant.name)
+            estimator, blocks = fitted_probe(PROBES[name].settings, pool, probe, keep, rows=variant.rows)
             values[row] = probe_values(estimator, pool, variant.rows(pool, blocks), label(row))
             log(f"      {label(row)}: fitted on {len(keep)} prompts x {PROBE_K} rollouts")
     if estimator_file is not None:
@@ -318,10 +363,16 @@ def reference(row: str) -> str | None:
 
 
 def measure_rows(
-    rewards: np.ndarray, values: dict[str, np.ndarray], grams: dict[str, torch.Tensor], bootstrap: int, seed: int
+    rewards: np.ndarray,
+    values: dict[str, np.ndarray],
+    grams: dict[str, torch.Tensor],
+    bootstrap: int,
+    seed: int,
+    against: str | None = None,
 ) -> dict[str, Any]:
     """Per row: held-out r and, per subspace, the variance per completion and M in units of W, each with its paired
-    difference against its `reference` row, over the same `bootstrap` resamples of the prompts (seed `seed`)."""
+    difference against its `reference` row, and with `against` (a row) against that row too, over the same
+    `bootstrap` resamples of the prompts (seed `seed`)."""
     num_prompts, k = rewards.shape
     counts = bootstrap_counts(num_prompts, bootstrap, seed)
     weights = counts / counts.sum(1, keepdims=True)
@@ -333,6 +384,9 @@ def measure_rows(
         "held_out_r": {row: _interval(x) for row, x in r.items()},
         "held_out_r_paired": {row: _interval(r[row] - r[ref]) for row in values if (ref := reference(row))},
     }
+    others = [row for row in values if row != against] if against is not None else []
+    if against is not None:
+        out["held_out_r_against"] = {row: _interval(r[row] - r[against]) for row in others}
     for subspace, matrix in grams.items():
         pool = PoolGram(num_prompts, k, gram=matrix.double().numpy())
         within = weights @ pool.second(noise) - weights @ pool.second(signal)
@@ -349,6 +403,10 @@ def measure_rows(
                 row: _interval((variance[row] - variance[ref]) / within) for row in values if (ref := reference(row))
             },
         }
+        if against is not None:
+            out[subspace]["M_against"] = {
+                row: _interval((variance[row] - variance[against]) / within) for row in others
+            }
     return out
 
 
@@ -361,6 +419,7 @@ def _fmt(cell: dict[str, Any] | None, digits: int = 3, sign: str = "") -> str:
 
 def format_report(results: dict[str, Any]) -> str:
     pool, measured = results["pool"], results["measured"]
+    against = results["settings"].get("against")
     lines = [
         f"# bench scalars: {pool['folder']}",
         "",
@@ -373,6 +432,14 @@ def format_report(results: dict[str, Any]) -> str:
         "",
         "Variants: " + "; ".join(f"{name}: {how}" for name, how in results["variants"].items()) + ".",
     ]
+    if "probes" in results:
+        probes = "; ".join(
+            f"{p['label']}: {p['settings']} (probe_preset {p['probe_preset']!r}), scalars {p['scalars']}"
+            for p in results["probes"].values()
+        )
+        lines += ["", f"Probes (each one's default row holds its own scalars): {probes}."]
+    if against is not None:
+        lines += ["", f"Δ vs {label(against)}: paired difference against that row over the same resamples."]
     for subspace in SUBSPACES:
         block = measured[subspace]
         rows = [
@@ -383,10 +450,16 @@ def format_report(results: dict[str, Any]) -> str:
                 _fmt(block["M_paired"].get(row), 3, "+"),
                 _fmt(measured["held_out_r"][row], 3),
                 _fmt(measured["held_out_r_paired"].get(row), 3, "+"),
+                *(
+                    [_fmt(block["M_against"].get(row), 3, "+"), _fmt(measured["held_out_r_against"].get(row), 3, "+")]
+                    if against is not None
+                    else []
+                ),
             ]
             for row in block["variance"]
         ]
         headers = ["Row", "Variance (W)", "M (W)", "ΔM vs default (W)", "Held-out r", "Δr vs default"]
+        headers += ["ΔM vs against (W)", "Δr vs against"] if against is not None else []
         lines += ["", f"## Subspace: {subspace}", "", format_table(headers, rows)]
         lines += ["", f"Oracle baseline's variance per completion: {_fmt(block['oracle_variance'], 2)} W."]
     if RUN_ROW in measured["held_out_r"]:
@@ -397,6 +470,21 @@ def format_report(results: dict[str, Any]) -> str:
         ]
     lines += ["", "Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in results["seconds"].items())]
     return "\n".join(lines) + "\n"
+
+
+def probes_record(probes: Sequence[str], pool: Collection) -> dict[str, Any]:
+    """What each probe of a run is: its label, its settings, the preset they name (the default's, where they name
+    none) and the rollout scalars of its own row."""
+    configs = {name: rule_config(PROBES[name].settings, pool) for name in probes}
+    return {
+        name: {
+            "label": PROBES[name].label,
+            "settings": dict(PROBES[name].settings),
+            "probe_preset": config.probe_preset,
+            "scalars": list(config.probe_scalars),
+        }
+        for name, config in configs.items()
+    }
 
 
 def run_scalars(args: argparse.Namespace, log: Log = print) -> int:
@@ -411,16 +499,21 @@ def run_scalars(args: argparse.Namespace, log: Log = print) -> int:
     if len({v.name for v in variants}) != len(variants):
         raise SystemExit(f"two variants share a name ({', '.join(v.name for v in variants)})")
     pool, probe, cached = read_pool(folder)
-    variants = with_tokenizer(variants, args.tokenizer or pool.meta["model_path"])
+    probes = args.probes or DEFAULT_PROBES
+    rows = [row_name(name, v.name) for name in probes for v in variants]
+    if args.against is not None and args.against not in rows:
+        raise SystemExit(f"--against {args.against}: not a row of this run; its rows: {', '.join(rows)}")
+    reads_text = any(SCALARS[scalar].reads_text for name in probes for scalar in own_scalars(name, pool))
+    variants = with_tokenizer(variants, args.tokenizer or pool.meta["model_path"], needed=reads_text)
     probe_prompts = args.probe_prompts or probe.num_prompts - pool.num_prompts
     keep = separate_prompts(pool, probe, probe_prompts)
     # the run's saved estimator: kept beside a committed pool, or in the snapshot's folder the pool was sampled from
     saved = [path / ESTIMATOR_FILE for path in (folder, Path(pool.meta["model_path"]))]
-    values = fit_values(pool, probe, keep, variants, next((p for p in saved if p.exists()), None), log)
+    values = fit_values(pool, probe, keep, variants, next((p for p in saved if p.exists()), None), log, probes)
     fitted = time.perf_counter()
     seed = int(pool.meta["seed"]) if args.seed is None else args.seed
     rewards = pool.rewards.nan_to_num(0.0).double().view(-1, pool.k).numpy()
-    measured = measure_rows(rewards, values, cached["grams"], args.bootstrap, seed)
+    measured = measure_rows(rewards, values, cached["grams"], args.bootstrap, seed, args.against)
     results = {
         "pool": {
             "folder": str(folder),
@@ -434,7 +527,9 @@ def run_scalars(args: argparse.Namespace, log: Log = print) -> int:
             "tokens": None if pool.tokens is None else {k: v for k, v in pool.tokens.source.items() if k != "model"},
         },
         "variants": {v.name: v.describe() for v in variants},
-        "settings": {"bootstrap": args.bootstrap, "seed": seed},
+        # only where asked: results written before these options keep their keys
+        **({"probes": probes_record(probes, pool)} if args.probes else {}),
+        "settings": {"bootstrap": args.bootstrap, "seed": seed, **({"against": args.against} if args.against else {})},
         "measured": measured,
         "seconds": {"probes": fitted - start, "measure": time.perf_counter() - fitted},
     }

@@ -5,7 +5,7 @@ from typing import Any
 
 from poise_lab.models.real import REAL_MODELS
 from poise_lab.tasks.toy import TASKS
-from poise_trl.choices import GRANULARITIES, HEADS, PROBE_PRESETS
+from poise_trl.choices import DEFAULT_PRESET, GRANULARITIES, HEADS, PROBE_PRESETS
 
 from .defaults import REAL_DEFAULTS as REAL
 from .defaults import TOY_DEFAULTS as TOY
@@ -84,7 +84,11 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
         f"{REAL.probe_warmup_steps})",
     )
     parser.add_argument(
-        "--probe-preset", choices=list(PROBE_PRESETS), default=DEFAULT.probe_preset, help="probe settings"
+        "--probe-preset",
+        choices=list(PROBE_PRESETS),
+        default=DEFAULT.probe_preset,
+        help=f"the whole probe setup (POISEConfig.probe_preset; default: {DEFAULT_PRESET} with the demo's "
+        "--probe-warmup-steps); a named preset keeps its own bootstrap length unless --probe-warmup-steps is given",
     )
     parser.add_argument(
         "--paper-rules",

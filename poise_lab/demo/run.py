@@ -205,8 +205,9 @@ def run_demo(settings: DemoSettings, write: Callable[[str], None] = tqdm.write) 
         per_device_train_batch_size=settings.prompts_per_step * settings.num_generations,
         max_completion_length=demo.max_completion_length,
         logging_steps=settings.logging_steps,
-        probe_warmup_steps=settings.probe_warmup_steps,
-        probe_preset=settings.probe_preset,
+        # None (a named preset's, unless the caller set it): the preset's bootstrap length
+        **({"probe_warmup_steps": settings.probe_warmup_steps} if settings.probe_warmup_steps is not None else {}),
+        **({"probe_preset": settings.probe_preset} if settings.probe_preset else {}),  # None: POISEConfig's default
         **(dict(probe_partner_reward=False, probe_bootstrap="rloo") if settings.paper_rules else {}),
         probe_granularity=settings.probe_granularity,
         **({"probe_head": settings.probe_head} if settings.probe_head else {}),  # None: POISEConfig's default head
@@ -252,7 +253,9 @@ def run_demo(settings: DemoSettings, write: Callable[[str], None] = tqdm.write) 
         "prompts_per_step": settings.prompts_per_step,
         "num_generations": settings.num_generations,
         "max_completion_length": demo.max_completion_length,
-        "probe_warmup_steps": settings.probe_warmup_steps,
+        "probe_preset": config.probe_preset,
+        "probe_preset_changes": {key: ours for key, (_, ours) in config.preset_changes().items()},
+        "probe_warmup_steps": config.probe_warmup_steps,
         "probe_granularity": settings.probe_granularity,
         "probe_head": config.probe_head,
         "probe_history": settings.probe_history,

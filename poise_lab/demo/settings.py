@@ -47,8 +47,10 @@ class DemoSettings:
     """Prompts per optimisation step."""
     probe_warmup_steps: int | None = None
     """Bootstrap steps before the probe's baselines are used."""
-    probe_preset: str = "release"
-    """`POISEConfig.probe_preset`: "release" or "paper"."""
+    probe_preset: str | None = None
+    """`POISEConfig.probe_preset`, a key of `poise_trl.choices.PROBE_PRESETS`; None: POISEConfig's default preset
+    with the demo's scale (its `probe_warmup_steps`). A named preset runs as the preset says: the demo's defaults
+    leave the settings it gives alone, so only the ones the caller sets here change it."""
     paper_rules: bool = False
     """The paper's probe input g(φ) and RLOO bootstrap instead of the partner-aware probe and shrunk bootstrap."""
     probe_granularity: str = "sequence"
@@ -95,7 +97,8 @@ class DemoSettings:
         )
 
     def resolved(self) -> "DemoSettings":
-        """These settings with every None that has a per-model default replaced by it."""
+        """These settings with every None that has a per-model default replaced by it, except the bootstrap length
+        under a named preset (POISEConfig takes the preset's)."""
         defaults = TOY_DEFAULTS if self.model is None else REAL_DEFAULTS
-        names = [f.name for f in fields(defaults)]
+        names = [f.name for f in fields(defaults) if not (self.probe_preset and f.name == "probe_warmup_steps")]
         return replace(self, **{name: getattr(defaults, name) for name in names if getattr(self, name) is None})

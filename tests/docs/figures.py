@@ -92,6 +92,7 @@ PAGES = (
     Page(DOCS / "index.md"),  # the site's home repeats the README's first screen
     Page(DOCS / "results.md", skip_sections=("## Glossary",)),
     Page(DOCS / "choosing-settings.md"),
+    Page(DOCS / "configuration.md", section="## Probe presets (`probe_preset`)"),  # what each difference costs
     Page(DOCS / "overhead.md"),
     Page(DOCS / "gradient-quality.md", theory=("## What a baseline can buy", "## What it measures")),
     Page(DOCS / "beyond-the-paper.md"),

@@ -4,15 +4,20 @@ Each --columns NAME=MODULE:FUNCTION is a variant: FUNCTION(rollouts) -> (N, k) c
 (poise_lab.bench.scalars.PoolRollouts: ids, masks, per-token entropies and log-probabilities, texts, the library's
 spans), appended to the probe's default row; each --replace-scalars entry puts its columns in the place of the row's
 entropy statistics; each --probe-scalars entry is the row a `probe_scalars` list gives, its rollout scalars
-(poise_trl.columns.SCALARS) computed by the library's own call. For POISE (paper)'s and POISE (default)'s settings, the
-probe of every variant is fitted on the pool's separate probe pool as bench gradient fits it, and measured at G=2 with
-the exact instrument: M, the value's error (variance per completion minus the oracle baseline's) in units of W, and the
-held-out r of each prompt's mean value with its success rate, each with a paired difference against the default row
+(poise_trl.columns.SCALARS) computed by the library's own call. For each of --probes (default: POISE (paper)'s and
+POISE (default)'s settings; the POISE authors' recipe, probe_preset="reference", and the recipe with one change are
+offered too), the probe of every variant is fitted on the pool's separate probe pool as bench gradient fits it, and
+measured at G=2 with the exact instrument: M, the value's error (variance per completion minus the oracle baseline's)
+in units of W, and the held-out r of each prompt's mean value with its success rate, each with a paired difference
+against the same probe's default row (the row its own probe_scalars give) and, with --against, against that one row,
 over the same bootstrap resamples. Pools without per-token entropies get them from `bench pool-tokens`.
 """
 
 import argparse
 from typing import Any
+
+from ..common import DEMO_MODEL
+from ..probes import DEFAULT_PROBES, PROBES
 
 
 def _run_scalars(args: argparse.Namespace) -> int:
@@ -55,10 +60,29 @@ def add_scalars_parser(subparsers: Any) -> argparse.ArgumentParser:
         "repetition, all), computed by the library from the pool's per-token record",
     )
     add(
+        "--probes",
+        nargs="+",
+        default=None,
+        choices=list(PROBES),
+        metavar="NAME",
+        help=f"the probes each variant's row is fitted with (default: {' '.join(DEFAULT_PROBES)}, bench gradient's "
+        "POISE (paper) and POISE (default)): any of "
+        + "; ".join(f"{k} ({p.label})" for k, p in PROBES.items())
+        + "; a probe's default row holds its own probe_scalars",
+    )
+    add(
+        "--against",
+        default=None,
+        metavar="PROBE:VARIANT",
+        help="one row (e.g. poise_reference:default) every other row is also paired with, beside its own probe's "
+        "default row",
+    )
+    add(
         "--tokenizer",
         default=None,
-        help="the tokenizer of the model that sampled the pool, for the scalars cut from the decoded text (text_*; "
-        "default: the pool's model_path)",
+        help="the tokenizer of the model that sampled the pool, for the scalars cut from the decoded text (text_*): "
+        f"a model folder, a real model's name (e.g. smollm2-135m, prepared from its package) or {DEMO_MODEL!r} "
+        "(the toy demo model's; default: the pool's model_path)",
     )
     add("--bootstrap", type=int, default=1000, help="bootstrap resamples of the pool's prompts for the CIs")
     add("--seed", type=int, default=None, help="the bootstrap's seed (default: the pool's, as bench gradient used)")

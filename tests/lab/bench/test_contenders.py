@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 
-from poise_lab.bench import gradient, gradient_samplers, prefix_gradient, report, scalars
+from poise_lab.bench import gradient, gradient_samplers, prefix_gradient, probes, report
 from poise_lab.bench.contenders import (
     CONTENDERS,
     GRADIENT_CONTENDERS,
@@ -164,7 +164,7 @@ def test_every_name_that_points_at_a_contender_points_at_one():
         "bench gradient's share comparators": gradient.COMPARATORS,
         "its per-prefix comparators": prefix_gradient.PREFIX_COMPARATORS,
         "its sampled rows": tuple(gradient_samplers.SAMPLED),
-        "bench scalars' probe settings": scalars.PRESETS,
+        "bench scalars' default probes": probes.DEFAULT_PROBES,
     }
     for what, names in selections.items():
         assert set(names) <= set(CONTENDERS), f"{what}: {sorted(set(names) - set(CONTENDERS))}"

@@ -19,7 +19,7 @@ from poise_trl import cli
 
 ROOT = Path(__file__).resolve().parents[3]
 BENCHMARKS = ROOT / "benchmarks"
-SCALARS_LOGS = ("gradient-toy-scalars/run.log", "real-lm/scalars/run.log")
+SCALARS_LOGS = ("gradient-toy-scalars/run.log", "real-lm/scalars/run.log", "preset-costs/run.log")
 POOL_READMES = ("gradient-toy-pools/README.md", "real-lm/pools/README.md")
 TOLERANCE = 1e-6
 """How far a rerun's figure may be from the committed one: on the machine that measured them they are equal to the

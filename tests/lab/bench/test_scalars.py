@@ -20,13 +20,16 @@ from poise_lab.bench.scalars import (
     completion_length,
     entropy_stats,
     load_column_fn,
+    load_tokenizer,
     measure_rows,
     scalar_set,
     weighted_pearson,
     with_tokenizer,
 )
 from poise_lab.bench.value.collect import Collection, collect, tokens_path
+from poise_lab.models import real
 from poise_trl import cli
+from poise_trl.choices import DEFAULT_PRESET
 from poise_trl.columns import DEFAULT_SCALARS, REFERENCE_SCALARS, SCALARS, Scalar, scalar_columns
 from poise_trl.features import FeatureLayout, feature_spans
 from poise_trl.tiny import save_tiny
@@ -34,6 +37,7 @@ from poise_trl.tiny import save_tiny
 ROOT = Path(__file__).resolve().parents[3]
 START_POOL = ROOT / "benchmarks/real-lm/pools/gradient/smollm2-135m-9110f0f21f42"
 START_RESULTS = ROOT / "benchmarks/real-lm/gradient/start-heads/results.json"
+TOY_POOL = ROOT / "benchmarks/gradient-toy-pools/gradient/demo-e73758a85160"
 
 
 def library_entropy_statistics(rollouts: PoolRollouts) -> torch.Tensor:
@@ -281,3 +285,53 @@ def test_a_scalar_added_to_the_library_changes_no_named_set(monkeypatch):
     again = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(again)
     assert again.SCALAR_SETS == before
+
+
+def test_each_probe_holds_its_own_scalars_and_every_row_pairs_with_the_against_row(tmp_path, capsys):
+    """`--probes` on the committed toy pool: the reference preset's default row is its own (the text scalars, cut
+    with the toy's tokenizer named `demo`), POISE (default)'s the stored one; `--against` pairs every other row with
+    one row on the same resamples, beside each row's own default; the record names each probe's preset and scalars,
+    and a row that is not one of the run's is refused."""
+    out = tmp_path / "probes"
+    argv = ["bench", "scalars", str(TOY_POOL), "--probes", "poise", "poise_reference", "reference_ridge"]
+    argv += ["--probe-scalars", "paper3=paper", "text=reference", "--tokenizer", "demo", "--bootstrap", "20"]
+    assert cli.main([*argv, "--against", "poise_reference:default", "--output-dir", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    measured = results["measured"]
+    assert results["probes"]["poise"]["probe_preset"] == DEFAULT_PRESET
+    assert results["probes"]["poise_reference"]["scalars"] == list(REFERENCE_SCALARS)
+    assert results["probes"]["reference_ridge"]["settings"] == {"probe_preset": "reference", "probe_head": "ridge"}
+    assert results["settings"]["against"] == "poise_reference:default"
+    for subspace in ("lora", "norms"):
+        block = measured[subspace]
+        variance = {row: cell["value"] for row, cell in block["variance"].items()}
+        # each probe's default row is its own: the reference's holds the text scalars, the default's the paper's
+        assert variance["poise_reference:text"] == variance["poise_reference:default"]
+        assert variance["poise_reference:paper3"] != pytest.approx(variance["poise_reference:default"], rel=1e-6)
+        assert variance["poise:paper3"] == pytest.approx(variance["poise:default"], rel=1e-4)
+        assert variance["poise:text"] != pytest.approx(variance["poise:default"], rel=1e-6)
+        assert set(block["M_against"]) == set(variance) - {"poise_reference:default"}
+        for row, cell in block["M_against"].items():  # the same resamples: the point difference of the two Ms
+            assert cell["value"] == pytest.approx(
+                block["M"][row]["value"] - block["M"]["poise_reference:default"]["value"]
+            )
+        assert block["M_against"]["poise_reference:paper3"] == block["M_paired"]["poise_reference:paper3"]
+    r = measured["held_out_r"]
+    assert measured["held_out_r_against"]["poise:default"]["value"] == pytest.approx(
+        r["poise:default"]["value"] - r["poise_reference:default"]["value"]
+    )
+    assert "ΔM vs against (W)" in (out / "results.md").read_text()
+    assert cli.main([*argv, "--against", "poise_paper:default", "--output-dir", str(tmp_path / "bad")]) != 0
+    assert "--against poise_paper:default: not a row of this run" in capsys.readouterr().err
+
+
+def test_the_tokenizer_is_named_by_the_model_bench_gradient_names(tiny_model_path, monkeypatch):
+    """`demo` is the toy demo model's tokenizer, built without its warm start; a real model's name is prepared from
+    its package (`resolve_model`); a folder is read as it is."""
+    built = load_tokenizer("demo")
+    saved = AutoTokenizer.from_pretrained(tiny_model_path)
+    texts = ["2</think>666", "12 4</think>35"]
+    assert built(texts)["input_ids"] == saved(texts)["input_ids"] and built.get_vocab() == saved.get_vocab()
+    asked = []
+    monkeypatch.setattr(real, "resolve_model", lambda name: asked.append(name) or str(tiny_model_path))
+    assert load_tokenizer("smollm2-135m").get_vocab() == saved.get_vocab() and asked == ["smollm2-135m"]

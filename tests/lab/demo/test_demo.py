@@ -6,9 +6,11 @@ import pytest
 from datasets import load_from_disk
 
 from poise_lab.demo import run
+from poise_lab.demo.defaults import REAL_DEFAULTS, TOY_DEFAULTS
 from poise_lab.demo.plots import load_log_history
 from poise_lab.demo.settings import DemoSettings
 from poise_trl import cli
+from poise_trl.choices import DEFAULT_PRESET
 from poise_trl.resume import ESTIMATOR_FILE
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -59,6 +61,8 @@ def test_demo_writes_summary_plot_state_and_model(demo_run):
     trained_on = load_from_disk(str(run_dir / on_disk["train_prompts"]))  # the prompts, as the run saw them
     assert len(trained_on) == 100 and trained_on.column_names[0] == "prompt"
     assert (on_disk["probe_head"], on_disk["probe_history"]) == ("ridge", False)
+    # the demo's bootstrap length is a change from the default preset, and the summary says so
+    assert on_disk["probe_preset"] == DEFAULT_PRESET and on_disk["probe_preset_changes"] == {"probe_warmup_steps": 2}
     history = load_log_history(run_dir)
     assert [e["step"] for e in history if "reward" in e] == list(range(1, STEPS + 1))
     assert all("poise/mae" in e for e in history if "reward" in e)
@@ -109,3 +113,19 @@ def test_cli_demo_passes_its_knobs_through(monkeypatch, tmp_path):
     assert seen["steps"] == 7 and seen["seed"] == 3 and seen["num_train"] == 99
     assert (seen["min_digits"], seen["max_digits"]) == (3, 6)
     assert seen["output_dir"] == str(tmp_path) and seen["warmup_steps"] == 11 and seen["show_progress"] is False
+
+
+def test_a_named_preset_keeps_its_bootstrap_length_unless_the_caller_sets_it(monkeypatch, tmp_path):
+    """Without --probe-preset the demo scales the default preset's bootstrap to its model; a named preset runs as it
+    says (None: POISEConfig fills the preset's), except a --probe-warmup-steps the caller gives."""
+    assert DemoSettings(model="smollm2-135m").resolved().probe_warmup_steps == REAL_DEFAULTS.probe_warmup_steps
+    assert DemoSettings().resolved().probe_warmup_steps == TOY_DEFAULTS.probe_warmup_steps
+    named = DemoSettings(model="smollm2-135m", probe_preset="reference").resolved()
+    assert named.probe_warmup_steps is None and named.steps == REAL_DEFAULTS.steps
+    assert DemoSettings(probe_preset="paper", probe_warmup_steps=6).resolved().probe_warmup_steps == 6
+    seen = {}
+    monkeypatch.setattr(run, "run_demo", lambda settings: seen.update(vars(settings)))
+    assert cli.main(["demo", "--output-dir", str(tmp_path)]) == 0
+    assert seen["probe_preset"] is None and seen["probe_warmup_steps"] is None
+    assert cli.main(["demo", "--output-dir", str(tmp_path), "--probe-preset", "reference"]) == 0
+    assert seen["probe_preset"] == "reference"
