@@ -4,7 +4,7 @@
   POISE adds or whose default it changes, taking the text from the field's `help` metadata, so the page cannot drift
   from the code. The API page gets the same fields as `POISEConfig`'s parameters (`TRLDocstrings`). The probe presets
   (`<!-- poise-probe-presets -->`), the rollout scalars (`<!-- poise-rollout-scalars -->`) and the TRL contract
-  (`<!-- poise-trl-contract -->`, poise_trl/contract.py) come from their tables the same way.
+  (`<!-- poise-trl-contract -->`, poise_trl/grpo/contract.py) come from their tables the same way.
 - The changelog page includes `CHANGELOG.md`, whose links name the docs pages as GitHub finds them from the
   repository root (`docs/PAGE.md#anchor`); the hook includes it with those links made relative to the page, so one
   file's links work on GitHub and on the site, where `mkdocs build --strict` checks each page and anchor.
@@ -109,7 +109,7 @@ def presets_table() -> str:
 
 def scalars_table() -> str:
     """Markdown table of the rollout scalars `probe_scalars` takes, in the table's order, the default's marked."""
-    from poise_trl.columns import DEFAULT_SCALARS, SCALARS
+    from poise_trl.features.columns import DEFAULT_SCALARS, SCALARS
 
     rows = ["| `probe_scalars` name | what it is |", "|---|---|"]
     for name, scalar in SCALARS.items():
@@ -119,9 +119,9 @@ def scalars_table() -> str:
 
 
 def contract_table() -> str:
-    """Markdown table of the TRL contract (poise_trl/contract.py): each behaviour, what POISE does with it, the
+    """Markdown table of the TRL contract (poise_trl/grpo/contract.py): each behaviour, what POISE does with it, the
     TRL names it reads or writes (a `RepeatSampler`'s prefixed) and the overrides that rely on it."""
-    from poise_trl.contract import CONTRACT
+    from poise_trl.grpo.contract import CONTRACT
 
     rows = ["| behaviour | what holds in TRL | what POISE does with it | TRL names, overrides |", "|---|---|---|---|"]
     for name, b in CONTRACT.items():
@@ -215,7 +215,7 @@ class TRLDocstrings(griffe.Extension):
 
         fields = dataclasses.fields(POISEConfig)
         factories = {f.name: f for f in fields if f.default_factory is not dataclasses.MISSING}
-        for parameter in pkg["config.POISEConfig"].members["__init__"].parameters:
+        for parameter in pkg["grpo.config.POISEConfig"].members["__init__"].parameters:
             if parameter.name in factories:
                 parameter.default = repr(_default(factories[parameter.name]))
 
@@ -223,7 +223,7 @@ class TRLDocstrings(griffe.Extension):
         if obj.is_alias or obj.docstring is None:
             return
         obj.docstring.value = markdown_docstring(obj.docstring.value)
-        if obj.path == "poise_trl.config.POISEConfig":
+        if obj.path == "poise_trl.grpo.config.POISEConfig":
             entries = [
                 f"    {name} ({type_name}): {help_text} Default: {default}."
                 for name, type_name, default, help_text in poise_fields()

@@ -18,8 +18,14 @@ from datasets import Dataset
 from poise_lab.models.toy import default_cache_dir, evaluate_avg_at_k, load_demo_model, prepare_demo_model
 from poise_lab.tasks.toy import MAX_COMPLETION_LENGTH, REASONING_END, make_sort_splits, task_reward
 from poise_trl import EstimatorSpec, POISEEstimator, Rollouts
-from poise_trl.features import FeatureLayout, capture_layer, feature_spans, find_decoder_layers, resolve_layer_index
-from poise_trl.specs import BufferSpec, HeadSpec
+from poise_trl.estimator.specs import BufferSpec, HeadSpec
+from poise_trl.features.features import (
+    FeatureLayout,
+    capture_layer,
+    feature_spans,
+    find_decoder_layers,
+    resolve_layer_index,
+)
 
 LAYOUT, G, POOL = FeatureLayout(), 2, 10  # φ: the prompt and reasoning blocks, then the paper's 3 entropy statistics
 

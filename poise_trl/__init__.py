@@ -8,24 +8,24 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .batch import Rollouts
     from .choices import PROBE_PRESETS
-    from .config import POISEConfig
-    from .estimator import AdvantageResult, POISEEstimator
-    from .probe import ValueProbe
-    from .specs import EstimatorSpec
-    from .trainer import POISETrainer
+    from .estimator.batch import Rollouts
+    from .estimator.estimator import AdvantageResult, POISEEstimator
+    from .estimator.specs import EstimatorSpec
+    from .grpo.config import POISEConfig
+    from .grpo.trainer import POISETrainer
+    from .heads.probe import ValueProbe
 
 __version__ = "0.2.0.dev0"
 
 _LAZY = {
-    "POISEConfig": ".config",
+    "POISEConfig": ".grpo.config",
     "PROBE_PRESETS": ".choices",
-    **dict.fromkeys(("AdvantageResult", "POISEEstimator"), ".estimator"),
-    "Rollouts": ".batch",
-    "ValueProbe": ".probe",
-    "EstimatorSpec": ".specs",
-    "POISETrainer": ".trainer",
+    **dict.fromkeys(("AdvantageResult", "POISEEstimator"), ".estimator.estimator"),
+    "Rollouts": ".estimator.batch",
+    "ValueProbe": ".heads.probe",
+    "EstimatorSpec": ".estimator.specs",
+    "POISETrainer": ".grpo.trainer",
 }
 
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .columns import DEFAULT_SCALARS, REFERENCE_SCALARS
+from .features.columns import DEFAULT_SCALARS, REFERENCE_SCALARS
 
 HEADS = {
     "ridge": "StandardScaler, optional PCA, closed-form ridge regression (the paper's)",

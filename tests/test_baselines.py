@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from poise_trl.baselines import (
+from poise_trl.estimator.baselines import (
     DIAGNOSTICS,
     RunningStd,
     cross_rollout_baselines,

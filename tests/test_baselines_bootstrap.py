@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from scipy.optimize import lsq_linear
 
 from poise_trl import POISEConfig
-from poise_trl.baselines import leave_one_out_targets, shrunk_rloo_line
-from poise_trl.estimator import POISEEstimator, Rollouts
-from poise_trl.features import FeatureLayout
+from poise_trl.estimator.baselines import leave_one_out_targets, shrunk_rloo_line
+from poise_trl.estimator.estimator import POISEEstimator, Rollouts
+from poise_trl.features.features import FeatureLayout
 
 from .conftest import CPU_ARGS
 

@@ -5,7 +5,7 @@ features)."""
 import pytest
 import torch
 
-from poise_trl.estimator import POISEEstimator, Rollouts
+from poise_trl.estimator.estimator import POISEEstimator, Rollouts
 
 from .test_estimator import SPEC, G, _batch, _trained, spec
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from poise_trl.buffer import ProbeBuffer, prompt_group_ids
+from poise_trl.estimator.buffer import ProbeBuffer, prompt_group_ids
 
 
 def test_buffer_evicts_oldest_rows_first():

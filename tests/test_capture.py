@@ -4,9 +4,9 @@ no hook left behind, even when the pass fails."""
 import pytest
 import torch
 
-from poise_trl.capture import capture_pass
-from poise_trl.features import FeatureLayout, capture_layer, feature_spans, find_decoder_layers
-from poise_trl.prefix import PrefixCapture, prefix_spans
+from poise_trl.features.capture import capture_pass
+from poise_trl.features.features import FeatureLayout, capture_layer, feature_spans, find_decoder_layers
+from poise_trl.features.prefix import PrefixCapture, prefix_spans
 from poise_trl.tiny import build_tiny_model, build_tiny_tokenizer
 
 LAYOUT = FeatureLayout()

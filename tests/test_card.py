@@ -4,7 +4,7 @@ import math
 from statistics import fmean
 
 from poise_trl import POISETrainer
-from poise_trl.card import late_diagnostics
+from poise_trl.grpo.card import late_diagnostics
 
 from .conftest import digit_dataset, digit_reward, poise_args
 

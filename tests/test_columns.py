@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from poise_trl.columns import DEFAULT_SCALARS, SCALARS, scalar_columns
-from poise_trl.features import feature_spans
+from poise_trl.features.columns import DEFAULT_SCALARS, SCALARS, scalar_columns
+from poise_trl.features.features import feature_spans
 from poise_trl.tiny import build_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +111,7 @@ def test_the_default_is_the_paper_three_and_a_subset_is_those_columns_in_order()
 
 def test_the_scalar_table_imports_no_torch():
     """The command lines list the scalars: the table loads without torch (its computations call tensor methods)."""
-    code = "import sys\nimport poise_trl.columns\nprint('torch' in sys.modules)"
+    code = "import sys\nimport poise_trl.features.columns\nprint('torch' in sys.modules)"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stdout + done.stderr

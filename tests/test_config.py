@@ -5,7 +5,7 @@ import re
 import pytest
 
 from poise_trl import POISEConfig
-from poise_trl.baselines import BOOTSTRAPS
+from poise_trl.estimator.baselines import BOOTSTRAPS
 
 from .conftest import CPU_ARGS
 
@@ -133,7 +133,7 @@ def test_the_release_preset_is_the_default_and_keeps_its_settings():
 
 
 def test_the_reference_and_paper_presets_set_every_setting_of_theirs():
-    from poise_trl.columns import DEFAULT_SCALARS, REFERENCE_SCALARS
+    from poise_trl.features.columns import DEFAULT_SCALARS, REFERENCE_SCALARS
 
     ref = _config(probe_preset="reference")
     assert (ref.probe_head, ref.probe_alpha, ref.probe_pca_dims, ref.probe_clip_range) == (

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from poise_trl.ensemble import EnsembleProbe
-from poise_trl.heads import HEADS, head_from_config, make_head
-from poise_trl.logistic import LogisticProbe
-from poise_trl.mlp import MLPProbe
-from poise_trl.probe import ValueProbe
+from poise_trl.heads.ensemble import EnsembleProbe
+from poise_trl.heads.heads import HEADS, head_from_config, make_head
+from poise_trl.heads.logistic import LogisticProbe
+from poise_trl.heads.mlp import MLPProbe
+from poise_trl.heads.probe import ValueProbe
 
 
 def _data(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

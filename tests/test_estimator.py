@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from poise_trl import sampling
-from poise_trl.columns import DEFAULT_SCALARS
-from poise_trl.estimator import POISEEstimator, Rollouts
-from poise_trl.specs import BufferSpec, EstimatorSpec, HeadSpec, LayerSpec, PromptSpec
+from poise_trl.estimator.estimator import POISEEstimator, Rollouts
+from poise_trl.estimator.specs import BufferSpec, EstimatorSpec, HeadSpec, LayerSpec, PromptSpec
+from poise_trl.features.columns import DEFAULT_SCALARS
 
 from .host_sync import HostSyncCounter
 

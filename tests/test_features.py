@@ -5,8 +5,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from poise_trl.columns import DEFAULT_SCALARS, SCALARS, scalar_columns
-from poise_trl.features import (
+from poise_trl.features.columns import DEFAULT_SCALARS, SCALARS, scalar_columns
+from poise_trl.features.features import (
     FeatureLayout,
     capture_layer,
     feature_spans,

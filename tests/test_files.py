@@ -10,15 +10,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from poise_trl import files
-from poise_trl.baselines import shrunk_rloo_line
-from poise_trl.buffer import ProbeBuffer
-from poise_trl.columns import DEFAULT_SCALARS
-from poise_trl.estimator import POISEEstimator, Rollouts
-from poise_trl.files import load_probe_file, read_state, save_probe_file
-from poise_trl.heads import HEADS
-from poise_trl.probe import ValueProbe
-from poise_trl.specs import PromptSpec
+from poise_trl.estimator import files
+from poise_trl.estimator.baselines import shrunk_rloo_line
+from poise_trl.estimator.buffer import ProbeBuffer
+from poise_trl.estimator.estimator import POISEEstimator, Rollouts
+from poise_trl.estimator.files import load_probe_file, read_state, save_probe_file
+from poise_trl.estimator.specs import PromptSpec
+from poise_trl.features.columns import DEFAULT_SCALARS
+from poise_trl.heads.heads import HEADS
+from poise_trl.heads.probe import ValueProbe
 
 from .test_estimator import LEGACY, G, _batch, _legacy_estimator, _trained, spec
 from .test_probe import _data

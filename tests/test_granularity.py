@@ -4,9 +4,9 @@ learns V(x, y_<t) with an OnlineLearner whose head is sized once the rows tell t
 import pytest
 import torch
 
-from poise_trl.granularity import GRANULARITIES, PrefixBaseline, SequenceBaseline
-from poise_trl.prefix import STATS, PrefixBatch, feature_width
-from poise_trl.specs import HeadSpec
+from poise_trl.estimator.granularity import GRANULARITIES, PrefixBaseline, SequenceBaseline
+from poise_trl.estimator.specs import HeadSpec
+from poise_trl.features.prefix import STATS, PrefixBatch, feature_width
 
 D = 6  # hidden size of the made-up rows
 RIDGE = HeadSpec(alpha=1.0).build  # the per-prefix head for some PCA blocks

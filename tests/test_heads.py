@@ -7,10 +7,11 @@ import re
 import pytest
 import torch
 
-from poise_trl.heads import HEADS, ValueHead, head_from_config, make_head, own_settings
-from poise_trl.learner import OnlineLearner
-from poise_trl.probe import ValueProbe
-from poise_trl.specs import HeadSpec
+from poise_trl.estimator.learner import OnlineLearner
+from poise_trl.estimator.specs import HeadSpec
+from poise_trl.heads.heads import HEADS, head_from_config, make_head, own_settings
+from poise_trl.heads.interface import ValueHead
+from poise_trl.heads.probe import ValueProbe
 
 SETTINGS = {"alpha": 3.0, "pca_dims": [(0, 4, 2)], "clip": "observed"}  # what the estimator builds every head with
 

@@ -11,10 +11,10 @@ import sys
 import pytest
 import torch
 
-from poise_trl.buffer import prompt_group_ids
-from poise_trl.estimator import POISEEstimator, Rollouts
-from poise_trl.history import PromptHistory, segmented_sums
-from poise_trl.specs import EstimatorSpec, GranularitySpec, HistorySpec, PromptSpec
+from poise_trl.estimator.buffer import prompt_group_ids
+from poise_trl.estimator.estimator import POISEEstimator, Rollouts
+from poise_trl.estimator.history import PromptHistory, segmented_sums
+from poise_trl.estimator.specs import EstimatorSpec, GranularitySpec, HistorySpec, PromptSpec
 
 from .host_sync import HostSyncCounter
 from .test_estimator import spec
@@ -112,7 +112,7 @@ def test_prompt_ids_are_the_same_in_another_process():
     """The history is keyed by `prompt_group_ids` (blake2b), not Python's `hash()`, which is salted per process."""
     prompts = ["12+3", [{"role": "user", "content": "Solve 2+2."}], {"text": "x", "id": 3}]
     code = (
-        "import json, sys; from poise_trl.buffer import prompt_group_ids; "
+        "import json, sys; from poise_trl.estimator.buffer import prompt_group_ids; "
         "print(json.dumps(prompt_group_ids(json.loads(sys.argv[1])).tolist()))"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}

@@ -16,7 +16,7 @@ import torch
 from trl import GRPOTrainer
 
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl import selection as selection_module
+from poise_trl.grpo import selection as selection_module
 from poise_trl.sampling import IMPORTANCE_LOSS_TYPES, importance_probabilities, importance_weights
 
 from .conftest import CPU_ARGS, digit_dataset, digit_reward, poise_args, spy_batch_advantages

@@ -20,11 +20,19 @@ from typing import Any
 import pytest
 import torch
 
-from poise_trl.capture import capture_pass
-from poise_trl.estimator import POISEEstimator, Rollouts
-from poise_trl.features import FeatureLayout, feature_spans, find_decoder_layers
-from poise_trl.prefix import PrefixBatch, PrefixCapture, feature_width, prefix_spans
-from poise_trl.specs import BufferSpec, EstimatorSpec, GranularitySpec, HeadSpec, HistorySpec, LayerSpec, PromptSpec
+from poise_trl.estimator.estimator import POISEEstimator, Rollouts
+from poise_trl.estimator.specs import (
+    BufferSpec,
+    EstimatorSpec,
+    GranularitySpec,
+    HeadSpec,
+    HistorySpec,
+    LayerSpec,
+    PromptSpec,
+)
+from poise_trl.features.capture import capture_pass
+from poise_trl.features.features import FeatureLayout, feature_spans, find_decoder_layers
+from poise_trl.features.prefix import PrefixBatch, PrefixCapture, feature_width, prefix_spans
 from poise_trl.tiny import build_tiny_model, build_tiny_tokenizer
 
 from .interrupts import Stop, first_lines, forward_hooks, lines_run, same_state, stop_at, where
@@ -153,9 +161,10 @@ def test_a_stop_at_any_line_leaves_the_state_before_or_after(call):
     assert sum(_fuzz(CALLS[call], name, covered) for name in names) > 20
     if call == "observe":  # the stops reached every part of what the estimator learns with
         files = {where(line).split(":")[0] for line in covered}
-        assert {"estimator.py", "state.py", "learner.py", "buffer.py", "history.py", "baselines.py"} <= files
-        assert {"probe.py", "logistic.py", "mlp.py", "ensemble.py", "granularity.py", "layer_choice.py"} <= files
-        assert {"pca_ridge.py", "schedule.py", "domains.py"} <= files
+        estimator = {"estimator", "state", "learner", "buffer", "history", "baselines", "granularity", "layer_choice"}
+        assert {f"estimator/{name}.py" for name in estimator} <= files
+        assert {f"heads/{name}.py" for name in ("probe", "logistic", "mlp", "ensemble")} <= files
+        assert {"heads/pca_ridge.py", "estimator/schedule.py", "estimator/domains.py"} <= files
 
 
 def _load(estimator: POISEEstimator, batch: Batch, saved: dict[str, Any], warm_start: bool) -> None:

@@ -2,9 +2,9 @@
 
 import torch
 
-from poise_trl.layer_choice import choose_layer, grouped_kfold_errors, select_layer
-from poise_trl.learner import OnlineLearner
-from poise_trl.probe import ValueProbe
+from poise_trl.estimator.layer_choice import choose_layer, grouped_kfold_errors, select_layer
+from poise_trl.estimator.learner import OnlineLearner
+from poise_trl.heads.probe import ValueProbe
 
 
 def test_kfold_keeps_a_prompts_rows_in_one_fold_and_finds_the_informative_slice():

@@ -3,10 +3,10 @@ rows, warm start, and exact persistence; the same class learns the sequence valu
 
 import torch
 
-from poise_trl.estimator import POISEEstimator, Rollouts
-from poise_trl.learner import OnlineLearner
-from poise_trl.probe import ValueProbe
-from poise_trl.specs import EstimatorSpec, GranularitySpec
+from poise_trl.estimator.estimator import POISEEstimator, Rollouts
+from poise_trl.estimator.learner import OnlineLearner
+from poise_trl.estimator.specs import EstimatorSpec, GranularitySpec
+from poise_trl.heads.probe import ValueProbe
 
 
 def _rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

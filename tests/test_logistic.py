@@ -7,8 +7,8 @@ import torch
 from sklearn.linear_model import LogisticRegression
 from sklearn.preprocessing import StandardScaler
 
-from poise_trl import logistic
-from poise_trl.logistic import LogisticProbe
+from poise_trl.heads import logistic
+from poise_trl.heads.logistic import LogisticProbe
 
 
 def _data(n: int, d: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

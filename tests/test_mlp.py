@@ -7,8 +7,8 @@ from sklearn.metrics import r2_score
 from sklearn.neural_network import MLPRegressor
 from sklearn.preprocessing import StandardScaler
 
-from poise_trl.mlp import MLPProbe
-from poise_trl.probe import ValueProbe
+from poise_trl.heads.mlp import MLPProbe
+from poise_trl.heads.probe import ValueProbe
 
 
 def _curve(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

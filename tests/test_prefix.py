@@ -9,10 +9,9 @@ from sklearn.linear_model import Ridge
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from poise_trl.baselines import prefix_advantages
-from poise_trl.features import capture_layer, find_decoder_layers
-from poise_trl.heads import HEADS, make_head
-from poise_trl.prefix import (
+from poise_trl.estimator.baselines import prefix_advantages
+from poise_trl.features.features import capture_layer, find_decoder_layers
+from poise_trl.features.prefix import (
     STATS,
     PrefixCapture,
     PrefixMap,
@@ -23,7 +22,8 @@ from poise_trl.prefix import (
     prefix_spans,
     prefix_stats,
 )
-from poise_trl.probe import ValueProbe
+from poise_trl.heads.heads import HEADS, make_head
+from poise_trl.heads.probe import ValueProbe
 from poise_trl.tiny import build_tiny_model, build_tiny_tokenizer
 
 D, N_POOL = 128, 3

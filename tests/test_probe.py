@@ -9,7 +9,7 @@ from sklearn.linear_model import Ridge
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from poise_trl.probe import ValueProbe, _principal_axes
+from poise_trl.heads.probe import ValueProbe, _principal_axes
 
 
 def _data(n: int, d: int, rank: int | None = None, seed: int = 0):

@@ -2,9 +2,9 @@
 
 import torch
 
-from poise_trl.learner import OnlineLearner
-from poise_trl.probe import ValueProbe
-from poise_trl.prompt_value import fit_prompt_values, target_range
+from poise_trl.estimator.learner import OnlineLearner
+from poise_trl.estimator.prompt_value import fit_prompt_values, target_range
+from poise_trl.heads.probe import ValueProbe
 
 
 def _learner(seed: int, n: int = 24) -> OnlineLearner:

@@ -12,11 +12,22 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poise_trl.baselines import DIAGNOSTICS, cross_rollout_baselines, diagnostic_tensors, leave_one_out_targets
-from poise_trl.buffer import ProbeBuffer
-from poise_trl.columns import DEFAULT_SCALARS, SCALARS, scalar_columns
-from poise_trl.features import FEATURE_BLOCKS, FeatureLayout, feature_spans, find_last_subsequence, pool_hidden
-from poise_trl.probe import ValueProbe
+from poise_trl.estimator.baselines import (
+    DIAGNOSTICS,
+    cross_rollout_baselines,
+    diagnostic_tensors,
+    leave_one_out_targets,
+)
+from poise_trl.estimator.buffer import ProbeBuffer
+from poise_trl.features.columns import DEFAULT_SCALARS, SCALARS, scalar_columns
+from poise_trl.features.features import (
+    FEATURE_BLOCKS,
+    FeatureLayout,
+    feature_spans,
+    find_last_subsequence,
+    pool_hidden,
+)
+from poise_trl.heads.probe import ValueProbe
 
 from .test_columns import TOKENIZER, assert_matches_reference
 

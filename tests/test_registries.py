@@ -11,17 +11,17 @@ import pytest
 import torch
 
 from poise_trl import choices
-from poise_trl.baselines import BOOTSTRAPS, REWARD_SCALINGS, RunningStd, leave_one_out_targets
-from poise_trl.batch import Rollouts
-from poise_trl.columns import SCALARS, column
-from poise_trl.domains import ROUTINGS
-from poise_trl.estimator import POISEEstimator
-from poise_trl.features import FeatureLayout, feature_spans
-from poise_trl.granularity import GRANULARITIES
-from poise_trl.heads import HEADS
+from poise_trl.estimator.baselines import BOOTSTRAPS, REWARD_SCALINGS, RunningStd, leave_one_out_targets
+from poise_trl.estimator.batch import Rollouts
+from poise_trl.estimator.domains import ROUTINGS
+from poise_trl.estimator.estimator import POISEEstimator
+from poise_trl.estimator.granularity import GRANULARITIES
+from poise_trl.estimator.schedule import SCHEDULES
+from poise_trl.estimator.specs import BufferSpec, EstimatorSpec, GranularitySpec, HeadSpec, SettingError
+from poise_trl.features.columns import SCALARS, column
+from poise_trl.features.features import FeatureLayout, feature_spans
+from poise_trl.heads.heads import HEADS
 from poise_trl.sampling import RULES, Draw, rule_from_config
-from poise_trl.schedule import SCHEDULES
-from poise_trl.specs import BufferSpec, EstimatorSpec, GranularitySpec, HeadSpec, SettingError
 from poise_trl.tiny import build_tiny_tokenizer
 
 from .test_config import _config

@@ -15,7 +15,7 @@ from transformers import TrainerState
 from trl.trainer.utils import RepeatSampler
 
 from poise_trl import POISETrainer
-from poise_trl.resume import ResumableSampler
+from poise_trl.grpo.resume import ResumableSampler
 
 from .conftest import digit_dataset, digit_reward, poise_args
 

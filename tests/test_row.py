@@ -4,8 +4,8 @@ its projection onto a row with fewer columns, and the prompt-only value's inputs
 import pytest
 import torch
 
-from poise_trl.history import HISTORY_COLUMNS
-from poise_trl.row import FeatureRow
+from poise_trl.estimator.history import HISTORY_COLUMNS
+from poise_trl.estimator.row import FeatureRow
 
 H = len(HISTORY_COLUMNS)
 

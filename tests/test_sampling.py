@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from poise_trl import sampling
-from poise_trl.estimator import POISEEstimator, Rollouts
-from poise_trl.specs import BufferSpec, EstimatorSpec
+from poise_trl.estimator.estimator import POISEEstimator, Rollouts
+from poise_trl.estimator.specs import BufferSpec, EstimatorSpec
 
 UNIT = (torch.tensor(0.0), torch.tensor(1.0))
 VALUE, IMPORTANCE = sampling.HighestVariance(), sampling.Importance(floor=0.2)

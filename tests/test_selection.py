@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from poise_trl import POISETrainer
-from poise_trl.buffer import prompt_group_ids
-from poise_trl.estimator import POISEEstimator
-from poise_trl.step import GenerationStep
+from poise_trl.estimator.buffer import prompt_group_ids
+from poise_trl.estimator.estimator import POISEEstimator
+from poise_trl.grpo.step import GenerationStep
 
 from .conftest import digit_dataset, digit_reward, poise_args, spy_batch_advantages
 from .scenarios.test_beyond_paper import G, Recording, _logged

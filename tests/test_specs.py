@@ -7,12 +7,9 @@ import pytest
 import torch
 
 from poise_trl import POISEConfig
-from poise_trl.estimator import POISEEstimator, Rollouts
-from poise_trl.heads import HEADS
-from poise_trl.history import PromptHistory
-from poise_trl.probe import ScaledHead, ValueProbe
-from poise_trl.settings import Refused
-from poise_trl.specs import (
+from poise_trl.estimator.estimator import POISEEstimator, Rollouts
+from poise_trl.estimator.history import PromptHistory
+from poise_trl.estimator.specs import (
     BufferSpec,
     EstimatorSpec,
     GranularitySpec,
@@ -25,6 +22,9 @@ from poise_trl.specs import (
     estimator_spec,
     spec_name,
 )
+from poise_trl.heads.heads import HEADS
+from poise_trl.heads.probe import ScaledHead, ValueProbe
+from poise_trl.settings import Refused
 
 from .conftest import CPU_ARGS
 from .test_estimator import G, _batch, spec

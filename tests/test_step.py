@@ -4,10 +4,10 @@ import pytest
 import torch
 from trl.trainer.utils import shuffle_sequence_dict, split_tensor_dict
 
-from poise_trl.batch import Rollouts
-from poise_trl.contract import ContractError
-from poise_trl.prefix import PrefixBatch
-from poise_trl.step import (
+from poise_trl.estimator.batch import Rollouts
+from poise_trl.features.prefix import PrefixBatch
+from poise_trl.grpo.contract import ContractError
+from poise_trl.grpo.step import (
     GenerationStep,
     MicroBatch,
     check_whole_groups,

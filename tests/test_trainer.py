@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl.buffer import prompt_group_ids
-from poise_trl.files import read_state
-from poise_trl.logistic import LogisticProbe
-from poise_trl.trainer import ESTIMATOR_FILE
+from poise_trl.estimator.buffer import prompt_group_ids
+from poise_trl.estimator.files import read_state
+from poise_trl.grpo.trainer import ESTIMATOR_FILE
+from poise_trl.heads.logistic import LogisticProbe
 
 from .conftest import CPU_ARGS, digit_reward, poise_args
 from .conftest import digit_dataset as _dataset
@@ -54,7 +54,7 @@ class RecordingTrainer(SpyTrainer):
 
 
 def _independent_features(record: dict, n: int) -> torch.Tensor:
-    """φ recomputed row by row on unpadded tokens, without any of poise_trl.features."""
+    """φ recomputed row by row on unpadded tokens, without any of poise_trl.features.features."""
     out, hidden, logits = record["output"], record["hidden"], record["logits"]
     p_len = out["prompt_ids"].size(1)
     rows = []
@@ -252,7 +252,7 @@ def test_model_card_and_bad_inputs(tiny_model_path, tmp_path):
 def test_hooks_capture_one_policy_pass_and_never_leak(tiny_model_path, tmp_path, monkeypatch, extra):
     """With PEFT and beta > 0 the reference pass runs the same modules (adapters disabled); generation does too.
     Only the one policy pass per step may be captured, and no hook may survive `train()`."""
-    from poise_trl import features
+    from poise_trl.features import features
 
     rows_captured = []
     original = features.PooledCapture.__call__
@@ -500,9 +500,9 @@ def test_vllm_importance_sampling_pass_is_reused_for_capture(tiny_model_path, tm
 def test_warm_start_accepts_a_single_probe_file(tiny_model_path, tmp_path):
     """`save_probe_file` (one probe, (N, D) buffer, e.g. exported by the probe benchmark) warm-starts a fixed-layer run
     as its one domain."""
-    from poise_trl.buffer import ProbeBuffer
-    from poise_trl.files import save_probe_file
-    from poise_trl.probe import ValueProbe
+    from poise_trl.estimator.buffer import ProbeBuffer
+    from poise_trl.estimator.files import save_probe_file
+    from poise_trl.heads.probe import ValueProbe
 
     trainer = POISETrainer(str(tiny_model_path), digit_reward, args=poise_args(tmp_path), train_dataset=_dataset())
     g = torch.Generator().manual_seed(0)

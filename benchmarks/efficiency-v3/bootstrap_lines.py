@@ -30,8 +30,8 @@ from poise_lab.bench import efficiency
 from poise_lab.bench.cli import add_bench_parser
 from poise_lab.bench.common import CONTENDERS
 from poise_lab.bench.settings import EfficiencySettings
-from poise_trl import estimator as estimator_module
-from poise_trl.baselines import BOOTSTRAPS, shrunk_rloo_line
+from poise_trl.estimator import estimator as estimator_module
+from poise_trl.estimator.baselines import BOOTSTRAPS, shrunk_rloo_line
 
 STUDY = Path(__file__).parent
 CONTENDER_NAMES = ("poise", "poise_shrunk")

@@ -74,7 +74,7 @@ def config_default(name: str) -> Any:
     """A `POISEConfig` field's default, so a benchmark measures what the trainer would run: for a field the preset
     sets (default None), the default preset's value."""
     from poise_trl.choices import DEFAULT_PRESET, PROBE_PRESETS
-    from poise_trl.config import POISEConfig
+    from poise_trl.grpo.config import POISEConfig
     from poise_trl.presets import preset_value
 
     field = POISEConfig.__dataclass_fields__[name]
@@ -243,7 +243,7 @@ def mean_or_none(values: Iterable[float | None]) -> float | None:
 def other_heads(names: Sequence[str] | None) -> list[str]:
     """`--probe-heads` of `bench gradient` and `probe-bench`: the value heads measured beside POISE (default)'s,
     validated (None: every other head of `heads.HEADS`)."""
-    from poise_trl.heads import HEADS
+    from poise_trl.heads.heads import HEADS
 
     default = config_default("probe_head")  # the preset row's head
     names = [head for head in HEADS if head != default] if names is None else list(names)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from poise_trl.estimator import POISEEstimator, Rollouts
+from poise_trl.estimator.estimator import POISEEstimator, Rollouts
 from poise_trl.settings import DEFAULT_FLOOR, check_floor
 
 from .common import config_default, format_table, other_heads, resolve_device, write_json
@@ -241,7 +241,7 @@ def run_estimator(
     """The run's saved estimator (the file `POISETrainer.save_probe` wrote), as saved or refit (`POISEEstimator.refit`)
     with `head` and, with `history=False` where the run kept a prompt history, without it: each head and input set
     on exactly the rows the run's own probe learned from."""
-    from poise_trl.files import read_state
+    from poise_trl.estimator.files import read_state
 
     saved_history = "history" in read_state(path)["info"]
     estimator, blocks = new_estimator("poise", collection, history=saved_history)
@@ -284,7 +284,7 @@ def online_values(
     (default) is that estimator and each head row the same refit with that head (`run_estimator`); if the run kept
     a prompt history, every head (the default included) is measured again without it (`head_row(head, history=False)`).
     Otherwise every probe is `fitted_probe` on the separate pool."""
-    from poise_trl.trainer import ESTIMATOR_FILE
+    from poise_trl.grpo.trainer import ESTIMATOR_FILE
 
     layer, pool = int(collection.meta["default_layer"]), int(collection.meta["default_pool"])
     saved = Path(collection.meta["model_path"]) / ESTIMATOR_FILE

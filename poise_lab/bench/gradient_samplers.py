@@ -12,7 +12,7 @@ variance moves.
 import numpy as np
 import torch
 
-from poise_trl.estimator import POISEEstimator
+from poise_trl.estimator.estimator import POISEEstimator
 from poise_trl.sampling import importance_probabilities
 
 from .exact import pair_sampler_score

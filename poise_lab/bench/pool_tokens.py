@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from poise_trl.features import FEATURE_BLOCKS, FeatureLayout
+from poise_trl.features.features import FEATURE_BLOCKS, FeatureLayout
 
 from .common import resolve_device
 from .value.collect import Collection, CompletionTokens, Log, extract_features, marker_token_ids, tokens_path

@@ -7,8 +7,8 @@ gives g_i gives h_i, in the same two subspaces, and the rule is exact on the per
 (`exact.prefix_moments`); the only approximation is the subspace, as for every row. E[h | x] = 0 when V_{i,t} reads
 x and y_<t only; its estimate ||E h||² / ||g||² is reported as a check the pool can fail.
 
-V comes from the per-prefix probe (`poise_trl.prefix`) fitted on the separate probe pool: its features from the
-hooked layer's output in one no-grad pass per batch of probe-pool rollouts, then V for every token of the measured
+V comes from the per-prefix probe (`poise_trl.features.prefix`) fitted on the separate probe pool: its features from
+the hooked layer's output in one no-grad pass per batch of probe-pool rollouts, then V for every token of the measured
 pool from the same layer in the forward that the gradients take.
 """
 
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from poise_trl.features import find_decoder_layers
+from poise_trl.features.features import find_decoder_layers
 
 from .common import resolve_device
 from .contenders import CONTENDERS, GRADIENT_PREFIX_ROWS, PREFIX_SAMPLED_ROW

@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from poise_trl.columns import DEFAULT_SCALARS, REFERENCE_SCALARS, SCALARS, scalar_columns
-from poise_trl.features import HIDDEN_BLOCKS, FeatureSpans, feature_spans
+from poise_trl.features.columns import DEFAULT_SCALARS, REFERENCE_SCALARS, SCALARS, scalar_columns
+from poise_trl.features.features import HIDDEN_BLOCKS, FeatureSpans, feature_spans
 
 from .common import DEMO_MODEL, format_table, write_json
 from .exact import (
@@ -154,11 +154,11 @@ SCALAR_SETS: dict[str, tuple[str, ...]] = {
         "repetition_gap_reasoning_output",
     ),
 }
-"""The groups of `poise_trl.columns.SCALARS` a `--probe-scalars` list may name, each listed name by name so that a
-committed result's set keeps its meaning when the table grows: the paper's three, the official code's 12 token-entropy
-statistics, its 5 length features, its 7 repetition features (with their gaps), and all 26 scalars of its release in
-the table's order. A scalar added to `SCALARS` joins no group by itself; a test asks that `all` list every scalar, so
-adding one means choosing its groups (and re-measuring what `all` measured)."""
+"""The groups of `poise_trl.features.columns.SCALARS` a `--probe-scalars` list may name, each listed name by name so
+that a committed result's set keeps its meaning when the table grows: the paper's three, the official code's 12
+token-entropy statistics, its 5 length features, its 7 repetition features (with their gaps), and all 26 scalars of its
+release in the table's order. A scalar added to `SCALARS` joins no group by itself; a test asks that `all` list every
+scalar, so adding one means choosing its groups (and re-measuring what `all` measured)."""
 
 
 @dataclass(frozen=True)
@@ -489,7 +489,7 @@ def probes_record(probes: Sequence[str], pool: Collection) -> dict[str, Any]:
 
 def run_scalars(args: argparse.Namespace, log: Log = print) -> int:
     """Handler of `poise-trl bench scalars`: fit every variant's probes on the pool's probe pool and measure."""
-    from poise_trl.trainer import ESTIMATOR_FILE
+    from poise_trl.grpo.trainer import ESTIMATOR_FILE
 
     start = time.perf_counter()
     folder = Path(args.folder)

@@ -14,8 +14,8 @@ import torch
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-from poise_trl.config import POISEConfig
-from poise_trl.trainer import POISETrainer
+from poise_trl.grpo.config import POISEConfig
+from poise_trl.grpo.trainer import POISETrainer
 
 from .common import COUNTERS
 from .contenders import Contender

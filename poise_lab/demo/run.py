@@ -21,9 +21,9 @@ from poise_lab.models.real import is_real_model, prepare_real_model
 from poise_lab.models.toy import default_cache_dir, evaluate_avg_at_k, load_demo_model, prepare_demo_model
 from poise_lab.tasks.arith import ARITH_MAX_COMPLETION_LENGTH, DEFAULT_FAMILIES, arith_reward, make_arith_splits
 from poise_lab.tasks.toy import HOPS_MAX, MAX_COMPLETION_LENGTH, make_splits, task_reward
-from poise_trl.config import POISEConfig
-from poise_trl.resume import ESTIMATOR_FILE
-from poise_trl.trainer import POISETrainer
+from poise_trl.grpo.config import POISEConfig
+from poise_trl.grpo.resume import ESTIMATOR_FILE
+from poise_trl.grpo.trainer import POISETrainer
 
 from .plots import plot_training_dynamics
 from .settings import DemoSettings

@@ -56,7 +56,7 @@ class DemoSettings:
     probe_granularity: str = "sequence"
     """`POISEConfig.probe_granularity`: one baseline per rollout ("sequence") or per token ("prefix")."""
     probe_head: str | None = None
-    """`POISEConfig.probe_head`, a key of `poise_trl.heads.HEADS`; None: POISEConfig's default head."""
+    """`POISEConfig.probe_head`, a key of `poise_trl.heads.heads.HEADS`; None: POISEConfig's default head."""
     probe_history: bool = False
     """`POISEConfig.probe_history`: each prompt's earlier rewards as probe inputs."""
     logging_steps: int | None = None

@@ -1,4 +1,4 @@
-"""The TRL contract (poise_trl/contract.py) against the installed TRL: one test per behaviour, named
+"""The TRL contract (poise_trl/grpo/contract.py) against the installed TRL: one test per behaviour, named
 `test_<behaviour>`, each run on TRL's own `GRPOTrainer` (a recording subclass, as `POISETrainer` is one; nothing is
 patched) and failing with the behaviour's name when a TRL release changes it. Two more tests keep the list whole: every
 behaviour has its test, and every private TRL name and every override in the trainer's code is named in the list."""
@@ -16,9 +16,9 @@ from trl.trainer.utils import RepeatSampler
 
 import poise_trl
 from poise_trl import POISETrainer
-from poise_trl.contract import CONTRACT
-from poise_trl.features import find_decoder_layers
-from poise_trl.validation import REWARD_KEYWORDS, UNPASSED_COLUMNS
+from poise_trl.features.features import find_decoder_layers
+from poise_trl.grpo.contract import CONTRACT
+from poise_trl.grpo.validation import REWARD_KEYWORDS, UNPASSED_COLUMNS
 
 from ..conftest import CPU_ARGS, digit_dataset, digit_reward
 from ..tiny_archs import env_rollout

@@ -333,7 +333,7 @@ def test_every_metric_the_trainer_logs_is_in_the_glossary(tiny_model_path, tmp_p
     from datasets import Dataset
 
     from poise_trl import POISETrainer
-    from poise_trl.baselines import DIAGNOSTICS
+    from poise_trl.estimator.baselines import DIAGNOSTICS
     from tests.conftest import digit_reward, short_args
 
     assert all(documented(f"poise/{key}") for key in DIAGNOSTICS), DIAGNOSTICS

@@ -112,7 +112,7 @@ def test_generated_tables_and_api_page_read_right(site):
     assert "probe_layer_candidates" in api and "from_grpo_config" in api
     # TRL's names link to TRL's docs, ours to their anchors; the overrides are a list, not one paragraph.
     assert 'href="https://huggingface.co/docs/trl/grpo_trainer#trl.GRPOConfig"' in api
-    assert 'href="#poise_trl.trainer.POISETrainer"' in api
+    assert 'href="#poise_trl.grpo.trainer.POISETrainer"' in api
     overrides = api.split("Overrides of TRL's methods (all of them", 1)[1].split("</ul>", 1)[0]
     assert overrides.count("<li>") == 8
     assert "Rollouts per prompt" in configuration
@@ -129,8 +129,11 @@ def test_api_page_leads_with_the_public_api_and_renders_defaults_as_values(site)
     assert all(getattr(poise_trl, name) is not None for name in poise_trl.__all__)
     api = (site / "api" / "index.html").read_text()
     for name in poise_trl.__all__:
-        assert re.search(rf'id="poise_trl\.\w+\.{name}"', api), f"{name} is not rendered on the API page"
-    assert 'id="poise_trl.baselines.cross_rollout_baselines"' in (site / "api-internals" / "index.html").read_text()
+        assert re.search(rf'id="poise_trl(\.\w+)+\.{name}"', api), f"{name} is not rendered on the API page"
+    assert (
+        'id="poise_trl.estimator.baselines.cross_rollout_baselines"'
+        in (site / "api-internals" / "index.html").read_text()
+    )
     text = "".join(_pages(site)["api/index.html"].text)
     assert "lambda" not in text and "['prompt', 'reasoning', 'entropy']" in text
     assert "docs/configuration.md" not in text

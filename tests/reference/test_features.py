@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from poise_trl import POISETrainer
-from poise_trl.columns import REFERENCE_SCALARS, SCALARS, scalar_columns
-from poise_trl.features import FeatureSpans, PooledCapture, capture_layer, feature_spans
-from poise_trl.text_spans import text_spans
+from poise_trl.features.columns import REFERENCE_SCALARS, SCALARS, scalar_columns
+from poise_trl.features.features import FeatureSpans, PooledCapture, capture_layer, feature_spans
+from poise_trl.features.text_spans import text_spans
 from poise_trl.tiny import build_tiny_tokenizer
 
 from ..conftest import digit_dataset, digit_reward, poise_args
@@ -196,7 +196,7 @@ def test_a_training_step_computes_the_reference_scalars_with_the_trainers_tokeni
     """POISETrainer hands its processing class to the spans: every batch's `text_*` columns are the reference's
     statistics of each completion's generated tokens, decoded by the model's own tokenizer (the untrained tiny
     model writes no tags, so they are 0 here: what this checks is that the tokenizer arrives)."""
-    import poise_trl.features as features
+    import poise_trl.features.features as features
 
     calls = []
 

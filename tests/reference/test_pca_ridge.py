@@ -15,11 +15,11 @@ from sklearn.linear_model import Ridge
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from poise_trl.features import FeatureLayout
-from poise_trl.heads import make_head
-from poise_trl.pca_ridge import PCARidgeProbe
+from poise_trl.estimator.specs import HeadSpec
+from poise_trl.features.features import FeatureLayout
+from poise_trl.heads.heads import make_head
+from poise_trl.heads.pca_ridge import PCARidgeProbe
 from poise_trl.presets import preset_value
-from poise_trl.specs import HeadSpec
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "reference"
 FILES = ("plain", "massive")

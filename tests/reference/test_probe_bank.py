@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from poise_trl.domains import ROUTINGS
-from poise_trl.estimator import POISEEstimator, Rollouts
-from poise_trl.heads import make_head
+from poise_trl.estimator.domains import ROUTINGS
+from poise_trl.estimator.estimator import POISEEstimator, Rollouts
+from poise_trl.heads.heads import make_head
 
 from .test_probe_steps import reference_config
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl.estimator import POISEEstimator, Rollouts
+from poise_trl.estimator.estimator import POISEEstimator, Rollouts
 
 from ..conftest import CPU_ARGS, digit_dataset, poise_args
 
@@ -101,7 +101,7 @@ def test_the_trainer_refuses_data_whose_routed_domains_are_not_the_listed_ones()
     a dataset that lacks one, or holds another, is refused when the trainer is built, not 16 steps later."""
     from datasets import Dataset
 
-    from poise_trl.validation import check_dataset_size
+    from poise_trl.grpo.validation import check_dataset_size
 
     config = reference_config(probe_domain_column="data_source")
     sources = ["math__aime", "openai/gsm8k", "codegen__taco", "stem_web"]  # math, math, code, other

@@ -8,10 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, HfArgumentParser
 
-from poise_trl import POISEConfig, POISETrainer, features
-from poise_trl.layer_choice import choose_layer, grouped_kfold_errors, select_layer
-from poise_trl.learner import OnlineLearner
-from poise_trl.probe import ValueProbe
+from poise_trl import POISEConfig, POISETrainer
+from poise_trl.estimator.layer_choice import choose_layer, grouped_kfold_errors, select_layer
+from poise_trl.estimator.learner import OnlineLearner
+from poise_trl.features import features
+from poise_trl.heads.probe import ValueProbe
 
 from ..conftest import CPU_ARGS, digit_dataset, digit_reward, poise_args
 from ..test_trainer import _count_scoring_passes

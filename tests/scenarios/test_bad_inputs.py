@@ -5,7 +5,7 @@ import math
 import torch
 from datasets import Dataset
 
-from poise_trl.features import find_decoder_layers
+from poise_trl.features.features import find_decoder_layers
 
 from ..conftest import poise_args
 from ..tiny_archs import SpyTrainer

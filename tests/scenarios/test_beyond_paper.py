@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from poise_trl import POISETrainer
-from poise_trl.baselines import leave_one_out_targets, shrunk_rloo_line
-from poise_trl.files import read_state
+from poise_trl.estimator.baselines import leave_one_out_targets, shrunk_rloo_line
+from poise_trl.estimator.files import read_state
 
 from ..conftest import digit_dataset, digit_reward, poise_args
 from ..tiny_archs import SpyTrainer

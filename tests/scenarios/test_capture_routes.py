@@ -174,7 +174,7 @@ def test_in_trls_default_configuration_poise_runs_the_forwards_grpo_runs(tiny_mo
 
 @pytest.mark.slow
 def test_a_layout_that_splits_groups_falls_back_to_a_pass_and_says_so_once(tiny_model_path, tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="poise_trl.trainer"):
+    with caplog.at_level(logging.WARNING, logger="poise_trl.grpo.trainer"):
         trainer = _train(
             tiny_model_path, tmp_path, "auto", per_device_train_batch_size=3, gradient_accumulation_steps=2
         )

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from poise_trl.trainer import ESTIMATOR_FILE
+from poise_trl.grpo.trainer import ESTIMATOR_FILE
 
 ROOT = Path(__file__).parents[2]
 CHILD = Path(__file__).parent / "crash" / "train_child.py"

@@ -7,12 +7,12 @@ import torch
 from datasets import Dataset
 
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl.estimator import POISEEstimator, Rollouts
-from poise_trl.files import read_state
-from poise_trl.learner import OnlineLearner
-from poise_trl.probe import ValueProbe
-from poise_trl.specs import BufferSpec, EstimatorSpec, HeadSpec
-from poise_trl.trainer import ESTIMATOR_FILE, prompt_group_ids
+from poise_trl.estimator.estimator import POISEEstimator, Rollouts
+from poise_trl.estimator.files import read_state
+from poise_trl.estimator.learner import OnlineLearner
+from poise_trl.estimator.specs import BufferSpec, EstimatorSpec, HeadSpec
+from poise_trl.grpo.trainer import ESTIMATOR_FILE, prompt_group_ids
+from poise_trl.heads.probe import ValueProbe
 
 from ..conftest import CPU_ARGS, digit_reward, poise_args
 from ..tiny_archs import SpyTrainer

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from poise_trl import POISETrainer
-from poise_trl.contract import ContractError
+from poise_trl.grpo.contract import ContractError
 
 from ..conftest import digit_dataset, digit_reward, short_args
 

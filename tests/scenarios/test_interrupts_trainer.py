@@ -26,8 +26,9 @@ from pathlib import Path
 import pytest
 from transformers import set_seed
 
-from poise_trl import POISETrainer, capture, features
-from poise_trl.estimator import POISEEstimator
+from poise_trl import POISETrainer
+from poise_trl.estimator.estimator import POISEEstimator
+from poise_trl.features import capture, features
 
 from ..conftest import digit_dataset, digit_reward, short_args
 from ..interrupts import LIBRARY, Line, Stop, first_lines, forward_hooks, lines_run, same_state, stop_at, where
@@ -38,7 +39,7 @@ EVERY_LINE = os.environ.get("POISE_INTERRUPT_FUZZ") == "all"
 
 
 def estimator_side(path: str) -> bool:
-    return Path(path).name not in GLUE and Path(path).parent == Path(LIBRARY)
+    return Path(path).name not in GLUE and Path(path).relative_to(LIBRARY).parts[0] not in ("rlvr", "tasks")
 
 
 def _lines_of(function) -> set[Line]:

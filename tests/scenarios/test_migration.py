@@ -10,7 +10,7 @@ import pytest
 from trl import GRPOConfig
 
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl.migration import changed_defaults
+from poise_trl.grpo.migration import changed_defaults
 
 from ..conftest import CPU_ARGS, digit_dataset, digit_reward
 
@@ -42,7 +42,7 @@ def _init_fields(cls) -> list[str]:
 
 
 def _conversion_lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "poise_trl.migration"]
+    return [r.getMessage() for r in caplog.records if r.name == "poise_trl.grpo.migration"]
 
 
 def test_poise_changes_exactly_the_defaults_its_docstring_names():

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from poise_trl import POISETrainer
-from poise_trl.estimator import POISEEstimator, Rollouts
-from poise_trl.prefix import PrefixBatch
-from poise_trl.resume import ESTIMATOR_FILE
-from poise_trl.specs import BufferSpec, EstimatorSpec, GranularitySpec, LayerSpec
+from poise_trl.estimator.estimator import POISEEstimator, Rollouts
+from poise_trl.estimator.specs import BufferSpec, EstimatorSpec, GranularitySpec, LayerSpec
+from poise_trl.features.prefix import PrefixBatch
+from poise_trl.grpo.resume import ESTIMATOR_FILE
 
 from ..conftest import short_args
 from ..docs.test_docs import documented

@@ -22,18 +22,18 @@ import torch
 import torch.nn.functional as F
 from scipy.stats import chi2
 
-from poise_trl.baselines import (
+from poise_trl.estimator.baselines import (
     RunningStd,
     cross_rollout_baselines,
     leave_one_out_targets,
     poise_advantages,
     shrunk_rloo_line,
 )
-from poise_trl.batch import DEFAULT_DOMAIN
-from poise_trl.estimator import POISEEstimator, Rollouts
-from poise_trl.probe import ValueProbe
-from poise_trl.row import append_reward_column
-from poise_trl.specs import BufferSpec, EstimatorSpec, HistorySpec
+from poise_trl.estimator.batch import DEFAULT_DOMAIN
+from poise_trl.estimator.estimator import POISEEstimator, Rollouts
+from poise_trl.estimator.row import append_reward_column
+from poise_trl.estimator.specs import BufferSpec, EstimatorSpec, HistorySpec
+from poise_trl.heads.probe import ValueProbe
 
 C, A = 3, 4  # contexts, actions
 NOISE_COLUMNS = 4  # feature columns that carry only noise

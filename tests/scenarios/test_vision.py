@@ -14,8 +14,8 @@ from PIL import Image
 from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
 from poise_trl import POISEConfig
-from poise_trl.routes import FORWARD_INPUT_KEYS
-from poise_trl.step import GenerationStep
+from poise_trl.grpo.routes import FORWARD_INPUT_KEYS
+from poise_trl.grpo.step import GenerationStep
 
 from ..conftest import short_args
 from ..tiny_archs import SpyTrainer, assert_poise_advantages_reach_the_loss, char_tokenizer, code_reward

@@ -29,15 +29,15 @@ import torch
 from transformers import Trainer, TrainerCallback
 from trl import GRPOTrainer
 
-import poise_trl.batch as batch_module
-import poise_trl.buffer as buffer_module
-import poise_trl.capture as capture_module
-import poise_trl.estimator as estimator_module
-import poise_trl.features as features_module
-import poise_trl.learner as learner_module
-import poise_trl.probe as probe_module
-import poise_trl.step as step_module
-import poise_trl.trainer as trainer_module
+import poise_trl.estimator.batch as batch_module
+import poise_trl.estimator.buffer as buffer_module
+import poise_trl.estimator.estimator as estimator_module
+import poise_trl.estimator.learner as learner_module
+import poise_trl.features.capture as capture_module
+import poise_trl.features.features as features_module
+import poise_trl.grpo.step as step_module
+import poise_trl.grpo.trainer as trainer_module
+import poise_trl.heads.probe as probe_module
 from poise_lab.bench.common import quiet_libraries, set_cpu_threads
 from poise_lab.bench.overhead.timing import Row, build_trainer, model_and_prompts
 

@@ -4,8 +4,8 @@ Each --columns NAME=MODULE:FUNCTION is a variant: FUNCTION(rollouts) -> (N, k) c
 (poise_lab.bench.scalars.PoolRollouts: ids, masks, per-token entropies and log-probabilities, texts, the library's
 spans), appended to the probe's default row; each --replace-scalars entry puts its columns in the place of the row's
 entropy statistics; each --probe-scalars entry is the row a `probe_scalars` list gives, its rollout scalars
-(poise_trl.columns.SCALARS) computed by the library's own call. For each of --probes (default: POISE (paper)'s and
-POISE (default)'s settings; the POISE authors' recipe, probe_preset="reference", and the recipe with one change are
+(poise_trl.features.columns.SCALARS) computed by the library's own call. For each of --probes (default: POISE (paper)'s
+and POISE (default)'s settings; the POISE authors' recipe, probe_preset="reference", and the recipe with one change are
 offered too), the probe of every variant is fitted on the pool's separate probe pool as bench gradient fits it, and
 measured at G=2 with the exact instrument: M, the value's error (variance per completion minus the oracle baseline's)
 in units of W, and the held-out r of each prompt's mean value with its success rate, each with a paired difference
@@ -56,8 +56,8 @@ def add_scalars_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=[],
         metavar="NAME=ENTRY,ENTRY",
         help="a variant per entry: the row POISEConfig.probe_scalars gives with these rollout scalars (each a name of "
-        "poise_trl.columns.SCALARS or a group of poise_lab.bench.scalars.SCALAR_SETS: paper, entropy12, length, "
-        "repetition, all), computed by the library from the pool's per-token record",
+        "poise_trl.features.columns.SCALARS or a group of poise_lab.bench.scalars.SCALAR_SETS: paper, entropy12, "
+        "length, repetition, all), computed by the library from the pool's per-token record",
     )
     add(
         "--probes",

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from poise_trl.features import FeatureLayout
-from poise_trl.heads import HEADS
-from poise_trl.probe import ValueProbe
+from poise_trl.features.features import FeatureLayout
+from poise_trl.heads.heads import HEADS
+from poise_trl.heads.probe import ValueProbe
 
 from ..common import PROBE_FIT_ROWS, QWEN3_4B_HIDDEN, summarize
 

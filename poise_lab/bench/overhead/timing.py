@@ -21,9 +21,9 @@ from poise_lab.models.real import resolve_model
 from poise_lab.models.toy import prepare_demo_model
 from poise_lab.tasks.arith import make_arith_splits
 from poise_lab.tasks.toy import make_sort_splits
-from poise_trl.config import POISEConfig
+from poise_trl.grpo.config import POISEConfig
+from poise_trl.grpo.trainer import POISETrainer
 from poise_trl.tasks.math_data import load_math_dataset
-from poise_trl.trainer import POISETrainer
 
 from ..common import ARITH_DATASET, summarize, trainer_device_args
 

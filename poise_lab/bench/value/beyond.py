@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from poise_trl.baselines import leave_one_out_targets, shrunk_rloo_line
-from poise_trl.row import append_reward_column
+from poise_trl.estimator.baselines import leave_one_out_targets, shrunk_rloo_line
+from poise_trl.estimator.row import append_reward_column
 from poise_trl.sampling import reward_variance, top_k
 
 from .collect import Collection

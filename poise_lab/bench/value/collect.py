@@ -21,8 +21,8 @@ from safetensors.torch import load_file, safe_open, save_file
 from poise_lab.bench.common import (
     DEFAULT_POOLS,
 )
-from poise_trl.buffer import prompt_group_ids
-from poise_trl.features import (
+from poise_trl.estimator.buffer import prompt_group_ids
+from poise_trl.features.features import (
     FEATURE_BLOCKS,
     FeatureLayout,
     capture_layer,
@@ -265,9 +265,9 @@ def extract_features(
     """(N, C, 2d+4) POISE features of every (layer, pool) capture from ONE teacher-forced pass per batch, and the
     (N, Lc) entropy and log-probability of every completion token in that pass (0 on padding; Lc the longest row).
 
-    Padding matches TRL (prompts left, completions right, completions ending with their EOS); spans, hooks, pooling
-    and assembly are `poise_trl.features`, exactly what `POISETrainer` runs. Several `capture_layer` hooks, one per
-    capture, share the pass; entropies are TRL's `entropy_from_logits` of logits / temperature, as in the log-prob
+    Padding matches TRL (prompts left, completions right, completions ending with their EOS); spans, hooks, pooling and
+    assembly are `poise_trl.features.features`, exactly what `POISETrainer` runs. Several `capture_layer` hooks, one
+    per capture, share the pass; entropies are TRL's `entropy_from_logits` of logits / temperature, as in the log-prob
     pass whose entropies the trainer uses, and log-probabilities TRL's `selective_log_softmax` of the same logits.
     """
     from trl.trainer.utils import entropy_from_logits, selective_log_softmax

@@ -1,7 +1,7 @@
 """The trainer's per-prefix probe on a saved collection, for `probe-bench --prefix` and `bench gradient`'s per-prefix
 rows: its settings read from `POISEConfig(probe_granularity="prefix")` (one source of truth), and teacher-forced
-passes that give the sampled tokens' feature rows and, with a fitted map, every token's V(x, y_<t) (`poise_trl.prefix`:
-the hook keeps (b, T) scalars, never a (N, T, d) copy of the states).
+passes that give the sampled tokens' feature rows and, with a fitted map, every token's V(x, y_<t)
+(`poise_trl.features.prefix`: the hook keeps (b, T) scalars, never a (N, T, d) copy of the states).
 """
 
 import math
@@ -12,9 +12,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from poise_trl.baselines import cross_rollout_baselines
-from poise_trl.features import capture_layer, find_decoder_layers
-from poise_trl.prefix import (
+from poise_trl.estimator.baselines import cross_rollout_baselines
+from poise_trl.estimator.specs import estimator_spec
+from poise_trl.features.features import capture_layer, find_decoder_layers
+from poise_trl.features.prefix import (
     PREFIX_SAMPLES,
     STATS,
     PrefixCapture,
@@ -24,8 +25,7 @@ from poise_trl.prefix import (
     prefix_spans,
     prefix_stats,
 )
-from poise_trl.probe import ValueProbe
-from poise_trl.specs import estimator_spec
+from poise_trl.heads.probe import ValueProbe
 
 from ..common import format_table
 from .collect import Collection, Log

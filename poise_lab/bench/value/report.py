@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import save_file
 
 from poise_lab.bench.common import DEMO_MODEL
-from poise_trl.baselines import leave_one_out_targets
-from poise_trl.features import FEATURE_BLOCKS, FeatureLayout
-from poise_trl.learner import OnlineLearner
-from poise_trl.probe import ValueProbe
-from poise_trl.row import append_reward_column
+from poise_trl.estimator.baselines import leave_one_out_targets
+from poise_trl.estimator.learner import OnlineLearner
+from poise_trl.estimator.row import append_reward_column
+from poise_trl.features.features import FEATURE_BLOCKS, FeatureLayout
+from poise_trl.heads.probe import ValueProbe
 
 from ..common import config_default, other_heads, resolve_device
 from .beyond import format_beyond, run_beyond
@@ -140,7 +140,7 @@ def export_probe(collection: Collection, features: Sequence[str], path: str | Pa
     `POISETrainer.save_probe` does (one-probe set, `_probe_metadata()` fields, no buffer), so that
     `POISEConfig(probe_init_path=path)` with the same layer, pooling, features and marker warm-starts from it. It is
     partner-aware (the reward column appended) when `probe_partner_reward` defaults to True, as the trainer fits it."""
-    from poise_trl.batch import DEFAULT_DOMAIN
+    from poise_trl.estimator.batch import DEFAULT_DOMAIN
     from poise_trl.presets import preset_value
 
     meta, blocks = collection.meta, [b for b in FEATURE_BLOCKS if b in features]

@@ -14,11 +14,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from poise_trl.baselines import DIAGNOSTICS, cross_rollout_baselines, diagnostic_tensors, leave_one_out_targets
-from poise_trl.features import FEATURE_BLOCKS, FeatureLayout, layer_candidates
-from poise_trl.heads import HEADS, ValueHead
-from poise_trl.layer_choice import choose_layer, grouped_kfold_errors
-from poise_trl.probe import ValueProbe
+from poise_trl.estimator.baselines import (
+    DIAGNOSTICS,
+    cross_rollout_baselines,
+    diagnostic_tensors,
+    leave_one_out_targets,
+)
+from poise_trl.estimator.layer_choice import choose_layer, grouped_kfold_errors
+from poise_trl.features.features import FEATURE_BLOCKS, FeatureLayout, layer_candidates
+from poise_trl.heads.heads import HEADS
+from poise_trl.heads.interface import ValueHead
+from poise_trl.heads.probe import ValueProbe
 
 from ..common import config_default
 from .collect import Collection, Log
@@ -285,7 +291,7 @@ def run_benchmark(
     arguments of `ValueBenchmark.critic` (model path, device, epochs, lr, batch size), or None to skip it; `heads`
     are the trainer's other value heads (`probe_head`), scored in the architecture section at `preset`.
     """
-    from poise_trl.config import PROBE_PRESETS
+    from poise_trl.grpo.config import PROBE_PRESETS
 
     if preset not in PROBE_PRESETS:
         raise ValueError(f"preset={preset!r}: choose one of {list(PROBE_PRESETS)}")

@@ -31,9 +31,9 @@ from poise_lab.bench.gradient import (
 )
 from poise_lab.bench.value.collect import Collection
 from poise_trl import cli
-from poise_trl.batch import Rollouts
+from poise_trl.estimator.batch import Rollouts
+from poise_trl.grpo.trainer import ESTIMATOR_FILE
 from poise_trl.sampling import DEFAULT_FLOOR, importance_probabilities
-from poise_trl.trainer import ESTIMATOR_FILE
 
 TYPES, DIM = 12, 4
 RNG = np.random.default_rng(0)

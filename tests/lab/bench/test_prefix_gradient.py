@@ -210,8 +210,8 @@ def test_the_prefix_probe_settings_are_the_trainers(tiny_model_path, tmp_path):
     """`bench gradient` and `probe-bench --prefix` fit the per-prefix probe the trainer builds from
     POISEConfig(probe_granularity="prefix"): its estimator's alpha, PCA dims, clip, and the window and samples."""
     from poise_trl import POISEConfig
-    from poise_trl.estimator import POISEEstimator
-    from poise_trl.prefix import PREFIX_SAMPLES
+    from poise_trl.estimator.estimator import POISEEstimator
+    from poise_trl.features.prefix import PREFIX_SAMPLES
 
     meta = {"default_layer": 1, "default_pool": 3, "num_layers": 4, "hidden_size": 16}
     config = POISEConfig(output_dir=str(tmp_path), use_cpu=True, probe_granularity="prefix", probe_layer=1,

@@ -19,8 +19,8 @@ from poise_lab.bench.value.resolve import load_prompts
 from poise_lab.bench.value.score import ValueBenchmark, split_by_prompt
 from poise_lab.tasks.arith import make_arith_splits
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl.buffer import prompt_group_ids
-from poise_trl.files import read_state
+from poise_trl.estimator.buffer import prompt_group_ids
+from poise_trl.estimator.files import read_state
 
 from ...conftest import CPU_ARGS
 
@@ -45,7 +45,8 @@ def model_and_tokenizer(tiny_model_path):
 
 def _reference_features(model, prompt: list[int], completion: list[int], layer: int, n: int) -> torch.Tensor:
     """φ of one row from an unpadded `output_hidden_states` pass, written from the paper's definition (§3) without
-    poise_trl.features: last-n prompt / reasoning means, entropy over completion / reasoning / answer, length."""
+    poise_trl.features.features: last-n prompt / reasoning means, entropy over completion / reasoning / answer,
+    length."""
     with torch.no_grad():
         out = model(input_ids=torch.tensor([prompt + completion]), output_hidden_states=True)
     hidden, p, c = out.hidden_states[layer + 1][0], len(prompt), len(completion)
@@ -349,7 +350,7 @@ def test_pair_fitted_probe_learns_from_partner_rewards_as_the_online_buffer_does
     reward as target; all pairs: K rows per prompt with partner targets, never the mean of the K - 1 others."""
     from poise_lab.bench.value.beyond import pair_fitted_probe
     from poise_lab.bench.value.score import ValueBenchmark
-    from poise_trl.probe import ValueProbe
+    from poise_trl.heads.probe import ValueProbe
 
     collection = _synthetic(num_prompts=20, k=4)
     collection.rewards = torch.tensor([1.0, 0.0, 1.0, 1.0] * 20)

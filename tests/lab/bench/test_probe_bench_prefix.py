@@ -17,8 +17,8 @@ from poise_lab.bench.value.prefix import (
     rollout_token_values,
     sampled_rows,
 )
-from poise_trl.features import find_decoder_layers
-from poise_trl.prefix import PrefixMap
+from poise_trl.features.features import find_decoder_layers
+from poise_trl.features.prefix import PrefixMap
 from poise_trl.tiny import build_tiny_model, build_tiny_tokenizer
 from tests.test_prefix import N_POOL, D, _batch, _example, _fitted_map, _pass, _rows
 

@@ -30,8 +30,8 @@ from poise_lab.bench.value.collect import Collection, collect, tokens_path
 from poise_lab.models import real
 from poise_trl import cli
 from poise_trl.choices import DEFAULT_PRESET
-from poise_trl.columns import DEFAULT_SCALARS, REFERENCE_SCALARS, SCALARS, Scalar, scalar_columns
-from poise_trl.features import FeatureLayout, feature_spans
+from poise_trl.features.columns import DEFAULT_SCALARS, REFERENCE_SCALARS, SCALARS, Scalar, scalar_columns
+from poise_trl.features.features import FeatureLayout, feature_spans
 from poise_trl.tiny import save_tiny
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -263,7 +263,9 @@ def test_scalars_on_a_committed_pool_reproduce_bench_gradient_and_move_only_the_
 def test_every_named_set_lists_scalars_of_the_library_and_every_scalar_is_in_a_set():
     for name, names in SCALAR_SETS.items():
         assert names and len(set(names)) == len(names), name
-        assert not set(names) - set(SCALARS), f"{name}: {set(names) - set(SCALARS)} not in poise_trl.columns.SCALARS"
+        assert not set(names) - set(SCALARS), (
+            f"{name}: {set(names) - set(SCALARS)} not in poise_trl.features.columns.SCALARS"
+        )
     assert SCALAR_SETS["paper"] == DEFAULT_SCALARS
     assert len(SCALAR_SETS["entropy12"]) == 12 and len(SCALAR_SETS["all"]) == 26
     assert SCALAR_SETS["reference"] == REFERENCE_SCALARS

@@ -11,7 +11,7 @@ from poise_lab.demo.plots import load_log_history
 from poise_lab.demo.settings import DemoSettings
 from poise_trl import cli
 from poise_trl.choices import DEFAULT_PRESET
-from poise_trl.resume import ESTIMATOR_FILE
+from poise_trl.grpo.resume import ESTIMATOR_FILE
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STEPS = 6

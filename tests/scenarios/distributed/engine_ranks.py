@@ -18,7 +18,7 @@ from rank_io import finish
 from transformers import AutoModelForCausalLM
 
 from poise_trl import POISEConfig, POISETrainer
-from poise_trl.features import find_decoder_layers
+from poise_trl.features.features import find_decoder_layers
 
 MODEL, OUT, CAPTURE, ON_CPU = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4] == "cpu"
 # Loaded before any training argument exists: ZeRO-3 would otherwise partition it at load time too.

@@ -12,8 +12,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from poise_trl.estimator import POISEEstimator, Rollouts
-from poise_trl.specs import BufferSpec, EstimatorSpec, HeadSpec, HistorySpec, LayerSpec
+from poise_trl.estimator.estimator import POISEEstimator, Rollouts
+from poise_trl.estimator.specs import BufferSpec, EstimatorSpec, HeadSpec, HistorySpec, LayerSpec
 from tests.host_sync import HostSyncCounter
 from tests.scenarios.distributed.rank_io import finish
 

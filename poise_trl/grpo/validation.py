@@ -10,14 +10,14 @@ from collections.abc import Callable
 from difflib import get_close_matches
 from typing import Any
 
-from .columns import DEFAULT_SCALARS, SCALARS
-from .domains import ROUTINGS
-from .features import FEATURE_BLOCKS
-from .granularity import GRANULARITIES
-from .presets import fill_preset
-from .sampling import RULES, rule_from_config
-from .settings import check_floor
-from .specs import estimator_spec
+from ..estimator.domains import ROUTINGS
+from ..estimator.granularity import GRANULARITIES
+from ..estimator.specs import estimator_spec
+from ..features.columns import DEFAULT_SCALARS, SCALARS
+from ..features.features import FEATURE_BLOCKS
+from ..presets import fill_preset
+from ..sampling import RULES, rule_from_config
+from ..settings import check_floor
 from .step import CAPTURES
 
 

@@ -4,7 +4,7 @@ import math
 from statistics import fmean
 from typing import TYPE_CHECKING, Any
 
-from .features import FeatureLayout
+from ..features.features import FeatureLayout
 
 if TYPE_CHECKING:
     from .config import POISEConfig

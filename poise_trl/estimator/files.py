@@ -19,13 +19,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from ..features.features import FeatureLayout
+from ..heads.heads import head_from_config
+from ..heads.interface import ValueHead
+from ..heads.probe import ValueProbe, strip_prefix
 from .baselines import RunningStd
 from .batch import DEFAULT_DOMAIN
 from .buffer import ProbeBuffer
-from .features import FeatureLayout
-from .heads import ValueHead, head_from_config
 from .history import PromptHistory
-from .probe import ValueProbe, strip_prefix
 from .specs import BufferSpec, EstimatorSpec, HistorySpec, config_field
 from .state import EstimatorState, bootstrap_lines, new_learner
 

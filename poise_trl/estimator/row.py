@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..heads.probe import PCABlock
 from .history import HISTORY_COLUMNS
-from .probe import PCABlock
 
 
 def append_reward_column(features: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .heads import ValueHead
+from ..heads.interface import ValueHead
 from .learner import OnlineLearner
 from .row import FeatureRow
 

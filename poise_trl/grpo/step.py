@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from .batch import Rollouts
+from ..estimator.batch import Rollouts
+from ..features.features import FeatureSpans
+from ..features.prefix import PrefixBatch, PrefixCapture
 from .contract import ContractError
-from .features import FeatureSpans
-from .prefix import PrefixBatch, PrefixCapture
 
 ROUTES = ("trl_pass", "own_pass", "loss")
 CAPTURES = ("auto", "pass")  # `probe_capture`: the loss's forward where TRL runs no pass, or always a pass

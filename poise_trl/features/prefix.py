@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..heads.probe import ValueProbe
 from .features import last_n_positions, pool_hidden
-from .probe import ValueProbe
 
 PREFIX_SAMPLES = 4  # tokens per rollout the probe learns from: one per quarter of its generated tokens
 STATS = ("entropy_mean", "entropy", "entropy_window_mean", "tokens_before", "log_tokens_before")

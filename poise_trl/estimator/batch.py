@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from ..features.prefix import PrefixBatch
 from .baselines import check_num_generations, leave_one_out_targets
-from .prefix import PrefixBatch
 from .row import FeatureRow
 
 DEFAULT_DOMAIN = "default"  # the one domain's name when rows carry none

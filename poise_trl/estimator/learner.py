@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
+from ..heads.interface import ValueHead
+from ..heads.probe import strip_prefix
 from .buffer import ProbeBuffer
-from .heads import ValueHead
 from .layer_choice import grouped_kfold_errors
-from .probe import strip_prefix
 
 
 class OnlineLearner:

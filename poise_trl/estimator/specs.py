@@ -19,16 +19,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from ..features.features import HIDDEN_BLOCKS, FeatureLayout, layer_candidates, resolve_layer_index
+from ..heads.heads import HEADS, make_head, own_settings
+from ..heads.probe import PCABlock, ScaledHead
+from ..settings import Refused
 from .baselines import BOOTSTRAPS, REWARD_SCALINGS
 from .domains import ROUTINGS
-from .features import HIDDEN_BLOCKS, FeatureLayout, layer_candidates, resolve_layer_index
 from .granularity import GRANULARITIES
-from .heads import HEADS, make_head, own_settings
 from .history import PromptHistory
-from .probe import PCABlock, ScaledHead
 from .row import FeatureRow
 from .schedule import SCHEDULES
-from .settings import Refused
 
 Name = Callable[[type, str], str]
 """How a refusal names a setting: (spec class, field) -> the name shown."""

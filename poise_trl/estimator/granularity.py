@@ -20,10 +20,18 @@ from typing import Any
 
 import torch
 
+from ..features.prefix import (
+    PREFIX_SAMPLES,
+    STATS,
+    PrefixBatch,
+    PrefixCapture,
+    PrefixMap,
+    prefix_pca_blocks,
+    prefix_spans,
+)
+from ..heads.probe import PCABlock, ValueProbe
 from .baselines import prefix_advantages
 from .learner import OnlineLearner
-from .prefix import PREFIX_SAMPLES, STATS, PrefixBatch, PrefixCapture, PrefixMap, prefix_pca_blocks, prefix_spans
-from .probe import PCABlock, ValueProbe
 
 HeadFactory = Callable[[Sequence[PCABlock] | None], Any]
 """The unfitted value head for some PCA blocks (`specs.HeadSpec.build`)."""

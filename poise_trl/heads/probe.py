@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .settings import Refused
+from ..settings import Refused
 
 PCABlock = tuple[int, int, int]  # (start column, stop column, n_components)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .settings import Refused
+from ..settings import Refused
 
 HISTORY_COLUMNS = ("seen", "log_count", "mean")  # the probe's input columns, in order
 EMPTY = torch.iinfo(torch.long).max  # the key of an empty slot: sorted after every prompt, and its count is 0

@@ -18,9 +18,9 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
-from .capture import capture_pass
+from ..features.capture import capture_pass
+from ..features.features import FeatureLayout, feature_spans, find_decoder_layers
 from .contract import ContractError
-from .features import FeatureLayout, feature_spans, find_decoder_layers
 from .step import (
     ROW_KEY,
     GenerationStep,

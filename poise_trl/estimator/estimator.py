@@ -56,6 +56,9 @@ from typing import Any
 
 import torch
 
+from ..features.features import FeatureLayout
+from ..heads.interface import ValueHead
+from ..presets import preset_record
 from .baselines import (
     BOOTSTRAPS,
     REWARD_SCALINGS,
@@ -68,14 +71,11 @@ from .baselines import (
 from .batch import AdvantageResult, PreparedBatch, Rollouts, prepare_batch, scale_advantages, split_domains
 from .buffer import ProbeBuffer
 from .domains import check_same_domain, routed
-from .features import FeatureLayout
 from .files import read_state, save_state, state_from_dict, state_to_dict
 from .granularity import PrefixBaseline, PrefixBatch, SequenceBaseline
-from .heads import ValueHead
 from .history import PromptHistory
 from .layer_choice import select_layer
 from .learner import OnlineLearner
-from .presets import preset_record
 from .prompt_value import fit_prompt_values, target_range
 from .row import FeatureRow
 from .schedule import SCHEDULES

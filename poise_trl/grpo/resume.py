@@ -25,10 +25,10 @@ from transformers import TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.trainer.utils import RepeatSampler
 
-from .files import atomic_save
+from ..estimator.files import atomic_save
 
 if TYPE_CHECKING:
-    from .estimator import POISEEstimator
+    from ..estimator.estimator import POISEEstimator
 
 ESTIMATOR_FILE = "poise_estimator.safetensors"  # a checkpoint's POISE state: `POISEEstimator.save`
 LEGACY_FILES = ("poise_probe.safetensors", "poise_bootstrap.safetensors")  # poise-trl 0.1's checkpoint files

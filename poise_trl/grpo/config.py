@@ -11,9 +11,7 @@ from typing import Any
 
 from trl import GRPOConfig
 
-from . import migration
-from .baselines import check_num_generations
-from .choices import (
+from ..choices import (
     BOOTSTRAPS,
     DEFAULT_PRESET,
     GRANULARITIES,
@@ -25,11 +23,13 @@ from .choices import (
     SCHEDULES,
     described,
 )
-from .columns import SCALARS
-from .features import FEATURE_BLOCKS
-from .heads import own_settings
-from .presets import preset_changes
-from .settings import DEFAULT_FLOOR
+from ..estimator.baselines import check_num_generations
+from ..features.columns import SCALARS
+from ..features.features import FEATURE_BLOCKS
+from ..heads.heads import own_settings
+from ..presets import preset_changes
+from ..settings import DEFAULT_FLOOR
+from . import migration
 from .validation import validate
 
 _PRESETS = " ".join(f"{name!r}: {preset.summary}." for name, preset in PROBE_PRESETS.items())

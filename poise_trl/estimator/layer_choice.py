@@ -5,7 +5,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .heads import ValueHead
+from ..heads.interface import ValueHead
 
 
 def grouped_kfold_errors(

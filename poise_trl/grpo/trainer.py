@@ -20,13 +20,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
-from .buffer import prompt_group_ids
+from ..estimator.buffer import prompt_group_ids
+from ..estimator.estimator import POISEEstimator, Rollouts
+from ..features.features import find_decoder_layers
+from ..features.prefix import PrefixBatch
 from .card import card_section
 from .config import POISEConfig
 from .contract import TESTED_TRL
-from .estimator import POISEEstimator, Rollouts
-from .features import find_decoder_layers
-from .prefix import PrefixBatch
 from .resume import (
     ESTIMATOR_FILE,
     ResumableSampler,
@@ -102,7 +102,7 @@ class POISETrainer(CaptureRoutes, ValueGuidedSelection, GRPOTrainer):
       training and how to warm-start from the saved probe.
     The class attributes `_tag_names`, `_name` and `_paper` replace TRL's on the card.
 
-    Each relies only on behaviours of TRL named in `poise_trl.contract` (tested against the installed TRL in
+    Each relies only on behaviours of TRL named in `poise_trl.grpo.contract` (tested against the installed TRL in
     tests/contract/); nothing of TRL's is patched.
 
     Value-guided prompt selection keeps whole groups of each process's candidates by a rule of sampling.py ("value":

@@ -20,9 +20,9 @@ from datasets import IterableDataset
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import pad
 
-from .buffer import prompt_group_ids
-from .features import capture_layer, feature_spans, find_decoder_layers
-from .sampling import draw, rule_from_config
+from ..estimator.buffer import prompt_group_ids
+from ..features.features import capture_layer, feature_spans, find_decoder_layers
+from ..sampling import draw, rule_from_config
 from .step import GenerationStep
 
 
