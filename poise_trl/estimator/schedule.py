@@ -15,12 +15,17 @@ own (`OnlineLearner.steps`), saved with them, so no schedule adds learned state.
 """
 
 from collections.abc import Collection, Iterable, Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from .learner import OnlineLearner
 
-if TYPE_CHECKING:
-    from .specs import BufferSpec
+
+class BufferSettings(Protocol):
+    """The buffer settings a schedule reads (`specs.BufferSpec` has them; named here so specs may list `SCHEDULES`)."""
+
+    warmup_steps: int
+    domain_warmup_steps: int
+    domain_sizes: Mapping[str, int]
 
 Plan = tuple[dict[str, OnlineLearner], list[str]]
 """The learners with the step counts a schedule sets, and the domains whose probe it refits now."""
@@ -29,10 +34,10 @@ Plan = tuple[dict[str, OnlineLearner], list[str]]
 class Schedule(Protocol):
     """When the domains' probes are fitted and trusted (module docstring)."""
 
-    def learner_warmup(self, buffer: "BufferSpec") -> int:
+    def learner_warmup(self, buffer: BufferSettings) -> int:
         """Observed steps a domain's learner waits before its fitted head is trusted (`OnlineLearner.trusted`)."""
 
-    def accepts(self, domains: Iterable[str], buffer: "BufferSpec") -> None:
+    def accepts(self, domains: Iterable[str], buffer: BufferSettings) -> None:
         """Refuse a batch holding a domain the schedule cannot serve."""
 
     def plan(
@@ -41,12 +46,12 @@ class Schedule(Protocol):
         steps: int,
         present: Collection[str],
         layer_index: int,
-        buffer: "BufferSpec",
+        buffer: BufferSettings,
     ) -> Plan:
         """After training step `steps` (counted from 1), whose batch held the domains `present` and was added to
         `probes`: the learners and the domains to refit on feature slice `layer_index`."""
 
-    def may_fit(self, online: OnlineLearner, steps: int, buffer: "BufferSpec") -> bool:
+    def may_fit(self, online: OnlineLearner, steps: int, buffer: BufferSettings) -> bool:
         """Whether a learner may hold a fitted probe after `steps` steps (a refit from its buffer, `refit`)."""
 
 
@@ -58,10 +63,10 @@ def _moved(online: OnlineLearner, layer_index: int) -> bool:
 class DomainTrust:
     """Each domain on its own (module docstring)."""
 
-    def learner_warmup(self, buffer: "BufferSpec") -> int:
+    def learner_warmup(self, buffer: BufferSettings) -> int:
         return buffer.warmup_steps
 
-    def accepts(self, domains: Iterable[str], buffer: "BufferSpec") -> None:
+    def accepts(self, domains: Iterable[str], buffer: BufferSettings) -> None:
         """Any domain: one not in `domain_sizes` has a buffer of `size` rows."""
 
     def plan(
@@ -70,7 +75,7 @@ class DomainTrust:
         steps: int,
         present: Collection[str],
         layer_index: int,
-        buffer: "BufferSpec",
+        buffer: BufferSettings,
     ) -> Plan:
         refit = [
             name
@@ -79,7 +84,7 @@ class DomainTrust:
         ]
         return dict(probes), refit
 
-    def may_fit(self, online: OnlineLearner, steps: int, buffer: "BufferSpec") -> bool:
+    def may_fit(self, online: OnlineLearner, steps: int, buffer: BufferSettings) -> bool:
         return True
 
 
@@ -87,10 +92,10 @@ class GlobalBootstrap:
     """One bootstrap for every domain, then each domain's probe refitted once it has enough steps (module
     docstring)."""
 
-    def learner_warmup(self, buffer: "BufferSpec") -> int:
+    def learner_warmup(self, buffer: BufferSettings) -> int:
         return 0  # a probe is fitted only once the bootstrap is over (or loaded by a warm start): trusted when fitted
 
-    def accepts(self, domains: Iterable[str], buffer: "BufferSpec") -> None:
+    def accepts(self, domains: Iterable[str], buffer: BufferSettings) -> None:
         configured = list(buffer.domain_sizes)
         unknown = sorted(set(domains) - set(configured)) if configured else []
         if unknown:
@@ -107,7 +112,7 @@ class GlobalBootstrap:
         steps: int,
         present: Collection[str],
         layer_index: int,
-        buffer: "BufferSpec",
+        buffer: BufferSettings,
     ) -> Plan:
         bootstrap = buffer.warmup_steps
         if steps == bootstrap:  # every domain's probe at once, each domain's count set to the training step
@@ -129,7 +134,7 @@ class GlobalBootstrap:
         ]
         return dict(probes), refit
 
-    def may_fit(self, online: OnlineLearner, steps: int, buffer: "BufferSpec") -> bool:
+    def may_fit(self, online: OnlineLearner, steps: int, buffer: BufferSettings) -> bool:
         return steps >= buffer.warmup_steps or online.warm_started
 
 
