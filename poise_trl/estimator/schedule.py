@@ -27,6 +27,7 @@ class BufferSettings(Protocol):
     domain_warmup_steps: int
     domain_sizes: Mapping[str, int]
 
+
 Plan = tuple[dict[str, OnlineLearner], list[str]]
 """The learners with the step counts a schedule sets, and the domains whose probe it refits now."""
 
