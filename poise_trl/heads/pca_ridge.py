@@ -17,7 +17,15 @@ from typing import Any
 
 import torch
 
-from .probe import PCABlock, ScaledHead, clip_range, clipped_output, pca_blocks
+from .probe import (
+    PCABlock,
+    ScaledHead,
+    clip_range,
+    clipped_output,
+    pca_blocks,
+    pca_clip_from_json,
+    pca_clip_to_json,
+)
 
 INSTALL = "pip install scikit-learn (or pip install 'poise-trl[reference]')"
 
@@ -161,20 +169,12 @@ class PCARidgeProbe:
         return clipped_output(x.to(torch.float64) @ weight + bias, self._state["clip"], return_unclipped)
 
     def config(self) -> dict[str, Any]:
-        pca = (
-            self.pca_dims
-            if self.pca_dims is None or isinstance(self.pca_dims, int)
-            else list(map(list, self.pca_dims))
-        )
-        clip = list(self.clip) if isinstance(self.clip, tuple) else self.clip
-        return {"alpha": self.alpha, "pca_dims": pca, "clip": clip, "seed": self.seed}
+        return {"alpha": self.alpha, **pca_clip_to_json(self.pca_dims, self.clip), "seed": self.seed}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "PCARidgeProbe":
-        """Inverse of `config()` (JSON lists back to tuples)."""
-        pca, clip = config["pca_dims"], config["clip"]
-        pca = pca if pca is None or isinstance(pca, int) else [tuple(block) for block in pca]
-        return cls(**{**config, "pca_dims": pca, "clip": tuple(clip) if isinstance(clip, list) else clip})
+        """Inverse of `config()`."""
+        return cls(**pca_clip_from_json(config))
 
     def clone(self) -> "PCARidgeProbe":
         """An unfitted head with the same settings."""

@@ -92,6 +92,19 @@ def clipped_output(raw: torch.Tensor, clip: torch.Tensor, return_unclipped: bool
     return (clipped, raw.float()) if return_unclipped else clipped
 
 
+def pca_clip_to_json(pca_dims: int | Sequence[PCABlock] | None, clip: Any) -> dict[str, Any]:
+    """A head's `pca_dims` and `clip` as its JSON config keeps them (tuples as lists)."""
+    pca = pca_dims if pca_dims is None or isinstance(pca_dims, int) else [list(block) for block in pca_dims]
+    return {"pca_dims": pca, "clip": list(clip) if isinstance(clip, tuple) else clip}
+
+
+def pca_clip_from_json(config: dict[str, Any]) -> dict[str, Any]:
+    """A head's JSON config with `pca_dims` and `clip` back as tuples (the inverse of `pca_clip_to_json`)."""
+    pca, clip = config["pca_dims"], config["clip"]
+    pca = pca if pca is None or isinstance(pca, int) else [tuple(block) for block in pca]
+    return {**config, "pca_dims": pca, "clip": tuple(clip) if isinstance(clip, list) else clip}
+
+
 @dataclass(frozen=True)
 class HeadFit:
     """What a head learned in one `fit`: its float64 tensors (front end and head's own, on the device they were
@@ -227,23 +240,12 @@ class ScaledHead:
         return [int(self._fit.tensors[f"pca_components_{i}"].size(0)) for i in range(len(self._fit.blocks))]
 
     def config(self) -> dict[str, Any]:
-        pca = (
-            self.pca_dims
-            if self.pca_dims is None or isinstance(self.pca_dims, int)
-            else list(map(list, self.pca_dims))
-        )
-        return {
-            "alpha": self.alpha,
-            "pca_dims": pca,
-            "clip": list(self.clip) if isinstance(self.clip, tuple) else self.clip,
-        }
+        return {"alpha": self.alpha, **pca_clip_to_json(self.pca_dims, self.clip)}
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "ScaledHead":
-        """Inverse of `config()` (JSON lists back to tuples)."""
-        pca, clip = config["pca_dims"], config["clip"]
-        pca = pca if pca is None or isinstance(pca, int) else [tuple(block) for block in pca]
-        return cls(**{**config, "pca_dims": pca, "clip": tuple(clip) if isinstance(clip, list) else clip})
+        """Inverse of `config()`."""
+        return cls(**pca_clip_from_json(config))
 
     def clone(self) -> "ScaledHead":
         """An unfitted head with the same settings."""
