@@ -34,11 +34,13 @@ lint: install
 	$(BIN)/ruff check poise_trl poise_lab tests examples
 
 # pytest twice, each test once: the library's tests where poise_lab cannot be imported (tests/conftest.py), then the
-# lab's and the docs' (the docs run the lab's commands).
+# lab's and the docs' (the docs run the lab's commands). A pytest-xdist worker per core, each test file on one worker
+# (its module fixtures built once), one torch thread per worker (tests/conftest.py).
+PYTEST_WORKERS ?= auto
 test: lint
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
-	$(BIN)/python -m pytest -q --durations=10 --without-lab --ignore=tests/lab --ignore=tests/docs
-	$(BIN)/python -m pytest -q --durations=10 tests/lab tests/docs
+	$(BIN)/python -m pytest -q --durations=10 -n $(PYTEST_WORKERS) --dist loadfile --without-lab --ignore=tests/lab --ignore=tests/docs
+	$(BIN)/python -m pytest -q --durations=10 -n $(PYTEST_WORKERS) --dist loadfile tests/lab tests/docs
 
 # vLLM with a real engine, colocated (tests/scenarios/test_vllm.py) and as a `vllm serve` on loopback
 # (tests/scenarios/test_vllm_server.py); the main suite skips both.

@@ -6,11 +6,13 @@ The library's tests build their models with `poise_trl.tiny` and import nothing 
 step. The fixtures that prepare the lab's models (`demo_cache`, `real_model_path`) import it when a test asks.
 """
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from datasets import Dataset
 
 from poise_trl.tiny import save_tiny
@@ -29,6 +31,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--without-lab"):
         block_the_lab()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker per core (`make test`): one thread each, none oversubscribed
+        torch.set_num_threads(1)
 
 
 CPU_ARGS = dict(

@@ -3,6 +3,8 @@
 import json
 import os
 import random
+import shutil
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -28,6 +30,7 @@ from poise_lab.tasks.toy import (
 from poise_trl.tiny import build_tiny_model, build_tiny_tokenizer
 
 CACHE_FORMAT = 2  # bump when the task or the warm start changes, so stale caches are rebuilt
+WARM_START_FILE = "warm_start.json"  # a cached warm start's settings, written last
 
 
 def default_cache_dir() -> Path:
@@ -190,8 +193,7 @@ def prepare_demo_model(
     path = Path(cache_dir) / (
         f"{name}_n{num_train}_e{num_eval}_ws{warmup_steps}_lr{warmup_lr:g}_seed{seed}_v{CACHE_FORMAT}"
     )
-    info_file = path / "warm_start.json"
-    if info_file.exists() and json.loads(info_file.read_text()).get("settings") == settings:
+    if _cached(path, settings):
         return path
     train, _ = make_splits(task, num_train, num_eval, seed, min_digits, max_digits)
     tokenizer = build_tiny_tokenizer()
@@ -199,12 +201,32 @@ def prepare_demo_model(
     start = time.perf_counter()
     losses = warm_start(model, tokenizer, train, steps=warmup_steps, lr=warmup_lr, seed=seed)
     seconds = time.perf_counter() - start
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    final_loss = losses[-1] if losses else None
-    info_file.write_text(json.dumps({"settings": settings, "final_loss": final_loss, "seconds": seconds}, indent=2))
+    # Written to a temporary sibling and renamed into place, as models.real does: concurrent callers (test workers,
+    # study processes) never read half a model.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        model.save_pretrained(scratch)
+        tokenizer.save_pretrained(scratch)
+        final_loss = losses[-1] if losses else None
+        info = {"settings": settings, "final_loss": final_loss, "seconds": seconds}
+        (scratch / WARM_START_FILE).write_text(json.dumps(info, indent=2))
+        if path.exists() and not _cached(path, settings):
+            shutil.rmtree(path)  # a stale cache of another format
+        try:
+            os.replace(scratch, path)
+        except OSError:  # another process finished first: its folder is as good as ours
+            if not _cached(path, settings):
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     return path
+
+
+def _cached(path: Path, settings: dict[str, Any]) -> bool:
+    """Whether `path` holds a finished warm start of exactly these settings."""
+    info_file = path / WARM_START_FILE
+    return info_file.exists() and json.loads(info_file.read_text()).get("settings") == settings
 
 
 def load_demo_model(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

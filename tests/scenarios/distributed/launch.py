@@ -8,12 +8,20 @@ launch fails when a rank's file is missing, and only warns when every rank finis
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).parents[3]  # the checkout under test, even where another copy is installed
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for one launch's rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def launch(
@@ -30,7 +38,14 @@ def launch(
     torchrun."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
     if accelerate is not None:
-        launcher = [sys.executable, "-m", "accelerate.commands.launch", f"--num_processes={processes}", *accelerate]
+        launcher = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            f"--num_processes={processes}",
+            f"--main_process_port={free_port()}",  # not accelerate's fixed 29500: launches may run side by side
+            *accelerate,
+        ]
     python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": python_path}
     env.update(env_vars or {})
